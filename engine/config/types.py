@@ -1,0 +1,135 @@
+"""Typed, frozen views of a validated DeepSpeed-format config.
+
+The rest of the engine reads these dataclasses, never raw dict keys. Every field documents its
+default and, where it matters, why. `engine/config/loader.py` is the only code that builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+
+def _frozen_mapping(data: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(data or {}))
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """`optimizer` section: a name from DeepSpeed's list (case-insensitive) and its keyword params."""
+
+    type: str
+    """Optimizer name as written by the user, e.g. "Adam", "AdamW", "SGD", "Lamb"."""
+    params: Mapping[str, Any] = field(default_factory=_frozen_mapping)
+    """Keyword arguments with DeepSpeed's names (lr, betas, eps, weight_decay, adam_w_mode, ...)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """`scheduler` section: a DeepSpeed schedule name (or torch.optim.lr_scheduler class) and params."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=_frozen_mapping)
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """`fp16` section; DeepSpeed's keys and defaults. loss_scale 0 means dynamic scaling."""
+
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """`bf16` (alias `bfloat16`) section."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """`zero_optimization.offload_optimizer` / `offload_param`. device "none" means no offload."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """`zero_optimization` section. Element counts, not bytes, as in DeepSpeed."""
+
+    stage: int = 0
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient-reduction bucket (DeepSpeed default 5e8)."""
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    """None in the JSON resolves to True for stage 3 and False otherwise, as DeepSpeed does."""
+    load_from_fp32_weights: bool = True
+    round_robin_gradients: bool = False
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    sub_group_size: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_model_persistence_threshold: int = 2**63 - 1
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    ignore_unused_parameters: bool = True
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """One of `tensorboard`, `csv_monitor` (and the writer-less `wandb`, `comet`)."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole validated config with batch sizes resolved against the data-parallel world size."""
+
+    train_batch_size: int
+    """Global samples per optimizer step = micro x gradient_accumulation_steps x world size."""
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    world_size: int
+    """Data-parallel world size the batch sizes were resolved against."""
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    gradient_clipping: float = 1.0
+    """Max global grad norm; 0 disables. DeepSpeed 0.19.8 clips at 1.0 when the key is absent."""
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    communication_data_type: str | None = None
+    """"fp32" | "fp16" | "bf16" | None (= the model's dtype)."""
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    dump_state: bool = False
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    zero_allow_untested_optimizer: bool = False
+    csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
+    dataloader_drop_last: bool = False
+    seed: int | None = None
+    """Not a DeepSpeed key at top level; kept for scripts that put their seed in the config."""
+    raw: Mapping[str, Any] = field(default_factory=_frozen_mapping, repr=False, compare=False)
+    """The validated JSON, read-only, for diagnostics and checkpoint manifests only."""
