@@ -1,0 +1,22 @@
+"""A JSON-configured ZeRO training engine for PyTorch; `import engine as deepspeed` works for the
+features it supports.
+
+    engine, optimizer, loader, scheduler = engine.initialize(model=model, config="configs/zero0.json")
+"""
+
+from engine.comm import comm_stats, init_distributed
+from engine.config import ConfigError, EngineConfig, load_config
+from engine.engine import Engine
+from engine.initialize import add_config_arguments, initialize
+
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "add_config_arguments",
+    "comm_stats",
+    "init_distributed",
+    "initialize",
+    "load_config",
+]
+__version__ = "0.1.0"

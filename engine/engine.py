@@ -1,0 +1,266 @@
+"""The Engine: forward / backward / step with gradient accumulation, logging and accessors.
+
+It knows no stage details: it asks a `ZeroStage` (engine/zero/base.py) to prepare and finish each
+backward and to take the optimizer step, and it owns the counters, the LR schedule and the logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from engine import comm
+from engine.config.types import EngineConfig
+from engine.monitor.csv_monitor import CsvMonitor
+from engine.monitor.log import get_logger
+from engine.monitor.timers import WallClockTimers
+from engine.zero.base import ZeroStage
+
+logger = get_logger()
+
+
+class Engine:
+    """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: EngineConfig,
+        stage: ZeroStage,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any,
+        device: torch.device,
+        training_dataloader: Any = None,
+        owns_process_group: bool = False,
+    ) -> None:
+        self.module = module
+        self.engine_config = config
+        self.config: Mapping[str, Any] = config.raw  # DeepSpeed exposes the user's dict here
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.device = device
+        self._stage: ZeroStage | None = stage
+        self._owns_process_group = owns_process_group
+
+        self.global_rank = comm.get_rank()
+        self.local_rank = comm.get_local_rank()
+        self.world_size = comm.get_world_size()
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._window_loss: torch.Tensor | float = 0.0  # sum of unscaled micro-batch losses since the last optimizer step
+        self._window_micro = 0
+        self._last_loss: float | None = None
+
+        self._timers = WallClockTimers(device) if config.wall_clock_breakdown else None
+        self._report_started = time.perf_counter()
+        self._report_steps = 0
+        self._csv = CsvMonitor(config.csv_monitor) if config.csv_monitor.enabled and self.global_rank == 0 else None
+
+    # ------------------------------------------------------------------------ fall-through
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: unknown attributes come from the wrapped module,
+        # as with DeepSpeedEngine (engine.config_class, engine.generate, ...).
+        module = self.__dict__.get("module")
+        if module is None:
+            raise AttributeError(name)
+        return getattr(module, name)
+
+    # ---------------------------------------------------------------------------- training
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_alive()
+        if self._timers:
+            self._timers.start("forward")
+        out = self.module(*args, **kwargs)
+        if self._timers:
+            self._timers.stop("forward")
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss`, divided by gradient_accumulation_steps (as DeepSpeed does) unless
+        scale_wrt_gas=False. At an accumulation boundary gradient reduction overlaps backward."""
+        stage = self._require_alive()
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"engine.backward() needs a scalar loss tensor, got "
+                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        # Kept as a tensor: converting here would synchronise a GPU on every micro-step.
+        self._window_loss = self._window_loss + loss.detach()
+        self._window_micro += 1
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        if self._timers:
+            self._timers.start("backward")
+        stage.prepare_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._in_no_sync)
+        loss.backward(retain_graph=retain_graph)
+        stage.finish_backward()
+        if self._timers:
+            self._timers.stop("backward")
+        return loss
+
+    def step(self) -> None:
+        """Call after every micro-batch; acts at accumulation boundaries: clip, optimizer step,
+        zero gradients, LR schedule, counters, logs."""
+        stage = self._require_alive()
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): gradients there are not reduced "
+                               "across ranks; leave the no_sync() block before calling step()")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            if self.optimizer is None:
+                raise RuntimeError("engine.step() without an optimizer: add an \"optimizer\" section to "
+                                   "the config or pass optimizer= to engine.initialize()")
+            if self._timers:
+                self._timers.start("step")
+            self._global_grad_norm = stage.step(self.engine_config.gradient_clipping)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if self._timers:
+                self._timers.stop("step")
+            self._step_applied = True
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._after_optimizer_step()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _after_optimizer_step(self) -> None:
+        self._last_loss = float(self._window_loss) / max(self._window_micro, 1)
+        self._window_loss, self._window_micro = 0.0, 0
+        self._report_steps += 1
+        if self._csv is not None:
+            self._csv.write_events([
+                ("Train/Samples/train_loss", self._last_loss, self.global_samples),
+                ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
+            ])
+        every = self.engine_config.steps_per_print
+        if every and self.global_steps % every == 0:
+            elapsed = time.perf_counter() - self._report_started
+            rate = self._report_steps * self.train_batch_size() / max(elapsed, 1e-9)
+            if self.global_rank == 0:
+                lr = ", ".join(f"{x:.3e}" for x in self.get_lr())
+                logger.info("step %d | loss %.4f | lr [%s] | grad norm %.3f | %.1f samples/s | skipped %d",
+                            self.global_steps, self._last_loss, lr, self._global_grad_norm or 0.0, rate,
+                            self.skipped_steps)
+                if self._timers:
+                    logger.info(self._timers.report())
+            self._report_started = time.perf_counter()
+            self._report_steps = 0
+
+    def zero_grad(self) -> None:
+        self._require_alive().zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without communication; the next
+        reduction (a boundary backward outside the block, or step()) averages the sum."""
+        previous, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = previous
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary for the current micro-step (frameworks that manage accumulation)."""
+        self._boundary_override = is_boundary
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # --------------------------------------------------------------------------- accessors
+    def train_batch_size(self) -> int:
+        return self.engine_config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine_config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine_config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine_config.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.engine_config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine_config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.engine_config.gradient_clipping
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self) -> list[Any]:
+        if not self.optimizer:
+            return []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Gradient norm before clipping at the last optimizer step (None before the first)."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_loss(self) -> float | None:
+        """Mean unscaled loss of the last accumulation window on this rank."""
+        return self._last_loss
+
+    def memory_report(self) -> dict[str, int]:
+        return self._require_alive().memory_report()
+
+    @staticmethod
+    def comm_stats() -> dict[str, dict[str, int]]:
+        return comm.comm_stats()
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("save_checkpoint is not available in this version of the engine; "
+                                  "save engine.module.state_dict() with torch.save meanwhile")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("load_checkpoint is not available in this version of the engine")
+
+    # ------------------------------------------------------------------------------ teardown
+    def _require_alive(self) -> ZeroStage:
+        if self._stage is None:
+            raise RuntimeError("this engine was destroyed; create a new one with engine.initialize()")
+        return self._stage
+
+    def destroy(self) -> None:
+        """Release hooks, gradient buffers, optimizer state, monitors and the process group this
+        engine created. Idempotent."""
+        if self._stage is None:
+            return
+        self._stage.destroy()
+        self._stage = None
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        if self._csv is not None:
+            self._csv.close()
+        self.training_dataloader = None
+        if self._owns_process_group:
+            comm.release_process_group()
+            self._owns_process_group = False

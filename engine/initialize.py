@@ -1,0 +1,143 @@
+"""`engine.initialize(...)`: DeepSpeed's entry point, same keywords, same 4-tuple."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterable
+
+import torch
+
+from engine import comm
+from engine.config import ConfigError, EngineConfig, load_config
+from engine.data import build_dataloader
+from engine.engine import Engine
+from engine.optim import build_optimizer, build_scheduler
+from engine.param_groups import normalize_param_groups
+from engine.zero.base import ZeroStage
+from engine.zero.stage0 import Stage0
+
+# The only place that maps a stage number to its implementation.
+_STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig], ZeroStage]] = {
+    0: Stage0,
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's --deepspeed and --deepspeed_config flags (no --local_rank: ranks read the
+    environment, see zrun)."""
+    group = parser.add_argument_group("engine", "ZeRO engine configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the engine (accepted for DeepSpeed compatibility)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="path to the JSON config")
+    return parser
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize() got both config= and config_params=; pass the config once")
+    config = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
+    if config is not None and from_args is not None:
+        raise ConfigError(f"the config was given twice: as initialize(config=...) and as "
+                          f"args ({from_args!r}); remove one of them")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError("no config: pass initialize(config='x.json' or a dict), or args with "
+                          "--deepspeed_config x.json")
+    return source
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", comm.get_local_rank())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _build_optimizer(cfg: EngineConfig, module: torch.nn.Module, optimizer: Any,
+                     model_parameters: Iterable[Any] | None) -> torch.optim.Optimizer | None:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError(f"an optimizer was passed to initialize() and the config also has "
+                          f"optimizer.type {cfg.optimizer.type!r}; remove one of them")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        normalize_param_groups(optimizer.param_groups, module)  # same checks as config optimizers
+        return optimizer
+    groups = normalize_param_groups(model_parameters, module)
+    if callable(optimizer):
+        return optimizer(groups)
+    if cfg.optimizer is not None:
+        return build_optimizer(cfg.optimizer, groups)
+    return None
+
+
+def _build_scheduler(cfg: EngineConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError(f"an lr_scheduler was passed to initialize() and the config also has "
+                          f"scheduler.type {cfg.scheduler.type!r}; remove one of them")
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+            else lr_scheduler
+    if cfg.scheduler is not None:
+        if optimizer is None:
+            raise ConfigError(f"scheduler.type {cfg.scheduler.type!r} needs an optimizer; add an "
+                              "\"optimizer\" section or pass optimizer= to initialize()")
+        return build_scheduler(cfg.scheduler, optimizer)
+    return None
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: Any = None,
+    config_params: Any = None,
+) -> tuple[Engine, torch.optim.Optimizer | None, torch.utils.data.DataLoader | None, Any]:
+    """Build an Engine for `model`; returns (engine, optimizer, dataloader, lr_scheduler).
+
+    The config is a path, dict or base64 JSON in DeepSpeed's format (or args.deepspeed_config /
+    args.config). Rank 0's parameters and buffers are broadcast so every rank starts identical.
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=<torch.nn.Module>")
+    if mpu is not None:
+        raise ConfigError("mpu= (model parallelism) is not supported; this engine is data-parallel only")
+    source = _config_source(args, config, config_params)
+    if dist_init_required is False and not comm.is_initialized():
+        raise RuntimeError("dist_init_required=False but no torch.distributed process group exists")
+    if distributed_port is not None:
+        import os
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    owns_group = comm.acquire_process_group()
+    try:
+        cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
+        device = _device()
+        model.to(device)
+        # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was.
+        comm.broadcast_coalesced([t.data for t in model.parameters()] + list(model.buffers()))
+        opt = _build_optimizer(cfg, model, optimizer, model_parameters)
+        scheduler = _build_scheduler(cfg, opt, lr_scheduler)
+        if cfg.zero.stage not in _STAGES:
+            raise ConfigError(f"zero_optimization.stage: {cfg.zero.stage} is not implemented yet; "
+                              f"use one of {sorted(_STAGES)}")
+        stage = _STAGES[cfg.zero.stage](model, opt, cfg)
+    except BaseException:
+        if owns_group:
+            comm.release_process_group()
+        raise
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, comm.get_rank(),
+                                  comm.get_world_size(), collate_fn, cfg.dataloader_drop_last)
+    engine = Engine(model, cfg, stage, opt, scheduler, device, loader, owns_process_group=owns_group)
+    return engine, opt, loader, scheduler

@@ -1,0 +1,29 @@
+"""The engine's logger: rank-0 lines that do not tear a tqdm progress bar."""
+
+from __future__ import annotations
+
+import logging
+
+from tqdm import tqdm
+
+
+class _TqdmHandler(logging.Handler):
+    """Writes through tqdm.write so log lines appear above an active progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record))
+        except Exception:  # logging must never take the training step down
+            self.handleError(record)
+
+
+def get_logger() -> logging.Logger:
+    """The "engine" logger, with a handler installed once unless the application configured one."""
+    logger = logging.getLogger("engine")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = _TqdmHandler()
+        handler.setFormatter(logging.Formatter("[engine] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
