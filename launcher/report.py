@@ -1,0 +1,141 @@
+"""Which rank failed (from the agent's failure summary) and the tail of that rank's log files."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# torch.distributed.elastic prints a summary on stderr when a worker fails, one block per failed rank:
+#   Failures:                              (the other failed ranks, or <NO_OTHER_FAILURES>)
+#   [1]:
+#     time      : 2026-11-21_09:13:55
+#     host      : myhost
+#     rank      : 0 (local_rank: 0)
+#     exitcode  : -15 (pid: 1233)  (SIGTERM)
+#   Root Cause (first observed failure):   (the agent's pick)
+#   [0]: ... same fields ...
+_ROOT = "Root Cause (first observed failure)"
+_FIELD = re.compile(r"^\s+(time|host|rank|exitcode)\s*:\s*(.*)$")
+_RANK = re.compile(r"^(-?\d+)\s*\(local_rank:\s*(-?\d+)\)")
+_EXIT = re.compile(r"^(-?\d+)")
+# The agent kills the surviving ranks with these; such a rank is a victim, not a cause.
+_AGENT_KILLS = (-15, -9)
+# The agent's log line when it starts stopping the surviving ranks after a failure.
+_STOPPING = re.compile(r"Sending process \d+ closing signal")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    local_rank: int
+    exitcode: int  # negative: killed by that signal number
+    host: str
+    time: str = ""  # the agent's observation time, to the second
+    agent_root: bool = False
+
+    def describe(self) -> str:
+        how = (
+            f"was killed by signal {-self.exitcode}"
+            if self.exitcode < 0
+            else f"exited with code {self.exitcode}"
+        )
+        return f"[{self.host} rank {self.rank}] (local rank {self.local_rank}) {how}"
+
+    def zrun_exit_code(self) -> int:
+        # The failing rank's code, shell-style 128+N for a signal, never 0 for a failure.
+        return self.exitcode if self.exitcode > 0 else (128 - self.exitcode if self.exitcode < 0 else 1)
+
+
+class FailureParser:
+    """Fed the agent's stderr line by line; collects every failed-rank block of its summary.
+
+    Rank output echoed by the agent is prefixed `[rankN]:`, and blocks only count after the
+    summary's `Failures:` header, so a rank printing look-alike lines does not confuse it.
+    """
+
+    def __init__(self) -> None:
+        self._in_summary = False
+        self._root_section = False
+        self._fields: dict[str, str] = {}
+        self.failures: list[RankFailure] = []
+        # monotonic time at which the agent began stopping ranks (set by the relay thread).
+        self.stopping_since: float | None = None
+
+    def feed(self, line: str) -> None:
+        if self.stopping_since is None and not line.startswith("[") and _STOPPING.search(line):
+            self.stopping_since = time.monotonic()
+        if line.startswith("Failures:"):
+            self._in_summary, self._root_section, self.failures = True, False, []
+            return
+        if not self._in_summary:
+            return
+        if _ROOT in line and not line.startswith("["):
+            self._root_section = True
+        elif m := _FIELD.match(line):
+            self._fields[m.group(1)] = m.group(2).strip()
+            if m.group(1) == "exitcode":
+                self._finish_block()
+
+    def _finish_block(self) -> None:
+        f, self._fields = self._fields, {}
+        rank, code = _RANK.match(f.get("rank", "")), _EXIT.match(f.get("exitcode", ""))
+        if rank and code:
+            self.failures.append(
+                RankFailure(
+                    int(rank.group(1)),
+                    int(rank.group(2)),
+                    int(code.group(1)),
+                    f.get("host", "?"),
+                    f.get("time", ""),
+                    self._root_section,
+                )
+            )
+
+
+def pick_root_cause(
+    failures: list[RankFailure], last_write: Callable[[RankFailure], float]
+) -> RankFailure | None:
+    """The rank that failed first.
+
+    The agent's own pick is unreliable when several ranks fail within one second (its timestamps
+    are whole seconds and ties go to the lowest rank): a rank whose collective broke *because* a
+    peer died looks just like the cause. Ranks the agent killed itself are never the cause; among
+    the rest, the earliest second wins, then the one whose log files stopped changing first.
+    """
+    if not failures:
+        return None
+    causes = [f for f in failures if f.exitcode not in _AGENT_KILLS] or failures
+    return min(causes, key=lambda f: (f.time, last_write(f), not f.agent_root))
+
+
+def rank_log_files(log_dir: str, run_id: str, local_rank: int) -> list[str]:
+    """torchrun 2.x writes <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log."""
+    attempts = sorted(
+        glob.glob(os.path.join(glob.escape(log_dir), glob.escape(run_id) + "_*", "attempt_*")),
+        key=lambda p: int(p.rsplit("_", 1)[1]) if p.rsplit("_", 1)[1].isdigit() else -1,
+    )
+    if not attempts:
+        return []
+    rank_dir = os.path.join(attempts[-1], str(local_rank))
+    return [
+        os.path.join(rank_dir, n)
+        for n in ("stdout.log", "stderr.log")
+        if os.path.exists(os.path.join(rank_dir, n))
+    ]
+
+
+def tail(path: str, n: int = 20) -> list[str]:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64 * 1024))  # the last lines of a huge log without reading it all
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    return lines[-n:]
+
+
+def last_write(log_dir: str, run_id: str, local_rank: int) -> float:
+    """When the rank's logs were last written (0.0 if there are none)."""
+    return max((os.path.getmtime(p) for p in rank_log_files(log_dir, run_id, local_rank)), default=0.0)
