@@ -62,6 +62,19 @@ class OffloadConfig:
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = 4
+    """Buffers in the NVMe swap pool: 4 for offload_optimizer, 5 for offload_param (DeepSpeed's defaults)."""
+    buffer_size: int = 100_000_000
+    """offload_param only: elements per NVMe swap buffer (DeepSpeed default 1e8)."""
+    max_in_cpu: int = 1_000_000_000
+    """offload_param only: elements kept in CPU memory when offloading to NVMe (default 1e9)."""
+    pipeline_read: bool = False
+    """offload_optimizer only: overlap the read of the next tile with the current step (ZeRO-Infinity)."""
+    pipeline_write: bool = False
+    """offload_optimizer only: overlap the write of the previous tile with the current step."""
+    fast_init: bool = False
+    """offload_optimizer only: faster optimizer-state initialisation on NVMe."""
+    ratio: float = 1.0
+    """offload_optimizer only: fraction of optimizer state offloaded (stage 3 only below 1.0)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,8 @@ class ZeroConfig:
     load_from_fp32_weights: bool = True
     round_robin_gradients: bool = False
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
-    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
+    """DeepSpeed's offload_param pool has 5 buffers by default, offload_optimizer's 4."""
     sub_group_size: int = 1_000_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
@@ -89,6 +103,14 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
     ignore_unused_parameters: bool = True
+    zero_hpz_partition_size: int = 1
+    """ZeRO++ secondary (hierarchical) partition size; 1 = off. Values > 1 are refused for now."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ quantized weight all-gather (changes numerics); refused for now."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ quantized gradient reduction (changes numerics); refused for now."""
+    mics_shard_size: int = -1
+    """MiCS shard group size; -1 = off. Values > 0 are refused for now."""
 
 
 @dataclass(frozen=True)
@@ -120,12 +142,17 @@ class EngineConfig:
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
     """"fp32" | "fp16" | "bf16" | None (= the model's dtype)."""
-    steps_per_print: int = 10
+    steps_per_print: int | None = None
+    """Log a progress line every N optimizer steps; None = never. DeepSpeed's code default is None
+    (its docs still say 10); we match the code, which is what users' runs do."""
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+    """DeepSpeed default True: with optimizer offload, insist on its CPU optimizer. Offload is refused
+    for now, so this is carried for later stages."""
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     dataloader_drop_last: bool = False

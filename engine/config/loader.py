@@ -1,0 +1,115 @@
+"""load_config: read, validate and resolve a DeepSpeed-format config into a frozen EngineConfig.
+
+Every check runs even when an earlier one failed (bad values are dropped first so later checks see only
+well-typed data), and all problems are raised together as one ConfigError: a user fixes them in one run.
+Phases: read -> schema -> aliases -> "auto" -> batch sizes -> support table -> build.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from engine.config import paths
+from engine.config.aliases import normalize
+from engine.config.auto import resolve_auto
+from engine.config.batch import GAS, MICRO, TRAIN, BatchSizes, resolve_batch_sizes
+from engine.config.build import build_engine_config
+from engine.config.errors import ConfigError
+from engine.config.source import DICT_SOURCE, ConfigSource, read_source
+from engine.config.support import check_support
+from engine.config.types import EngineConfig
+from engine.config.validate import check_schema
+from engine.config.warn import warn_once
+
+logger = logging.getLogger("engine.config")
+
+
+def load_config(source: ConfigSource, *, world_size: int, world_size_source: str) -> EngineConfig:
+    """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` data-parallel ranks.
+
+    `world_size_source` says where the world size came from (e.g. "WORLD_SIZE env (torchrun)"); batch-size
+    errors quote it. Raises ConfigError listing every problem found.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r} (from {world_size_source})")
+    raw, where = read_source(source)
+    problems, bad_paths = check_schema(raw)
+    if any(not p for p in bad_paths):  # the root itself is unusable; nothing more to check
+        raise ConfigError(_located(problems, where))
+
+    config = copy.deepcopy(raw)
+    for path in sorted(bad_paths, key=len, reverse=True):
+        paths.delete(config, path)
+
+    aliases = normalize(config)
+    problems += aliases.problems
+    auto = resolve_auto(config)
+    problems += auto.problems
+    sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, world_size, world_size_source)
+    problems += batch_problems
+    refusals, warnings_ = check_support(config, aliases.origins)
+    problems += refusals
+    problems += _check_precision(config)
+
+    if problems or sizes is None:
+        raise ConfigError(_located(problems, where))
+    for note in notes:
+        logger.info("%s", note)
+    for key in sorted(auto.batch_auto):
+        logger.info(
+            '%s: "auto" resolved to %s from the other batch keys',
+            key,
+            {TRAIN: sizes.train, MICRO: sizes.micro, GAS: sizes.gas}[key],
+        )
+    for key, message in aliases.deprecations + warnings_:
+        warn_once(key, message)
+    return build_engine_config(config, sizes, world_size=world_size, raw=raw)
+
+
+def _batch_sizes(
+    config: dict[str, Any], batch_auto: set[str], world_size: int, world_size_source: str
+) -> tuple[BatchSizes | None, list[str], list[str]]:
+    """(sizes, notes, problems); "auto" batch keys were removed from `config` and are inferred here."""
+    if batch_auto and config.get(TRAIN) is None and config.get(MICRO) is None:
+        # Nothing to infer from: name the "auto" keys rather than report missing batch sizes.
+        return (
+            None,
+            [],
+            [
+                f'{key}: "auto" can only be filled in by the Hugging Face Trainer and cannot be inferred '
+                "from the other batch keys here; write a number"
+                for key in sorted(batch_auto)
+            ],
+        )
+    sizes, problems, notes = resolve_batch_sizes(
+        _int_or_none(config.get(TRAIN)),
+        _int_or_none(config.get(MICRO)),
+        _int_or_none(config.get(GAS)),
+        world_size=world_size,
+        world_size_source=world_size_source,
+    )
+    return sizes, notes, problems
+
+
+def _int_or_none(value: Any) -> int | None:
+    """Batch keys passed the schema's integer check, which admits integral floats such as 8.0."""
+    return None if value is None else int(value)
+
+
+def _check_precision(config: dict[str, Any]) -> list[str]:
+    fp16 = paths.get(config, ("fp16", "enabled")) is True
+    bf16 = paths.get(config, ("bf16", "enabled")) is True
+    if fp16 and bf16:
+        return [
+            "fp16.enabled and bf16.enabled are both true; DeepSpeed refuses this too; fix: keep at most one enabled"
+        ]
+    return []
+
+
+def _located(problems: list[str], where: str) -> list[str]:
+    """Prefix each problem with the file it came from (not for dicts), unless it already names it."""
+    if where == DICT_SOURCE:
+        return problems
+    return [p if p.startswith(where) else f"{where}: {p}" for p in problems]

@@ -1,0 +1,570 @@
+"""What this engine does with each DeepSpeed config key: the one support table.
+
+Every top-level key of the schema has at least one entry. An entry is data: a key path, a status, the
+value condition under which the status applies, why, and what to do. Implementing a feature later means
+flipping its entry from REFUSED to IMPLEMENTED here, nothing else.
+
+- REFUSED: ignoring the key would silently change results or the memory/parallel plan, so loading fails
+  with a ConfigError that names the key and the fix.
+- WARNED: ignoring it cannot change the trained numbers (logging, profiling, I/O tuning); a
+  ConfigWarning is emitted once per key per process.
+- IMPLEMENTED: read into EngineConfig and acted on. ACCEPTED: read, harmless, no effect, no warning.
+  ALIAS: another spelling, renamed by engine/config/aliases.py before this table is consulted.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import paths
+
+
+class Status(str, enum.Enum):
+    IMPLEMENTED = "implemented"
+    ACCEPTED = "accepted"
+    ALIAS = "alias"
+    WARNED = "warned"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class When:
+    """A condition on a key's value, with the words the docs table shows for it."""
+
+    text: str
+    test: Callable[[Any], bool]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+PRESENT = When("present", lambda v: True)
+TRUE = When("true", lambda v: v is True)
+NON_EMPTY = When("a non-empty object", lambda v: bool(v))
+_UNSET = object()
+
+
+def _changed(section: Mapping[str, Any], defaults: Mapping[str, Any]) -> bool:
+    """True when `section` sets any key to something other than DeepSpeed's default."""
+    for key, value in section.items():
+        default = defaults.get(key, _UNSET)
+        if isinstance(value, dict) and isinstance(default, dict):
+            if _changed(value, default):
+                return True
+        elif isinstance(value, str) and isinstance(default, str):
+            if value.lower() != default.lower():
+                return True
+        elif value != default:
+            return True
+    return False
+
+
+def changed_from(defaults: Mapping[str, Any]) -> When:
+    """A section with a non-default key; a section that only restates defaults is not worth a warning."""
+    return When("a key differs from its default", lambda v: isinstance(v, dict) and _changed(v, defaults))
+
+
+def above(limit: int) -> When:
+    return When(f"> {limit}", lambda v: _number(v) and v > limit)
+
+
+def not_in(*allowed: str) -> When:
+    """Strings other than `allowed` (case-insensitive, as DeepSpeed lower-cases dtype names)."""
+    low = {a.lower() for a in allowed}
+    return When("not " + " / ".join(allowed), lambda v: isinstance(v, str) and v.lower() not in low)
+
+
+def one_of(*names: str) -> When:
+    low = {n.lower() for n in names}
+    return When(" / ".join(names), lambda v: isinstance(v, str) and v.lower() in low)
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    status: Status
+    when: When
+    reason: str
+    fix: str = ""
+
+
+S = Status
+_NO_WRITER = (
+    "no writer for it in this engine yet; training is unaffected, the metrics are just not written there"
+)
+
+TABLE: tuple[Entry, ...] = (
+    # --- implemented -------------------------------------------------------------------------------
+    Entry(
+        "train_batch_size",
+        S.IMPLEMENTED,
+        PRESENT,
+        "global samples per optimizer step; DeepSpeed's batch rules",
+    ),
+    Entry("train_micro_batch_size_per_gpu", S.IMPLEMENTED, PRESENT, "samples per rank per micro-step"),
+    Entry("gradient_accumulation_steps", S.IMPLEMENTED, PRESENT, "micro-steps per optimizer step"),
+    Entry("optimizer", S.IMPLEMENTED, PRESENT, "type and params, built by engine/optim"),
+    Entry("scheduler", S.IMPLEMENTED, PRESENT, "type and params, built by engine/optim"),
+    Entry(
+        "gradient_clipping",
+        S.IMPLEMENTED,
+        PRESENT,
+        "global grad-norm clipping; default 1.0 as DeepSpeed 0.19.8",
+    ),
+    Entry("prescale_gradients", S.IMPLEMENTED, PRESENT, "divide gradients before the all-reduce"),
+    Entry("gradient_predivide_factor", S.IMPLEMENTED, PRESENT, "pre-division factor for the all-reduce"),
+    Entry("communication_data_type", S.IMPLEMENTED, PRESENT, "fp32 or null (the model's dtype)"),
+    Entry("steps_per_print", S.IMPLEMENTED, PRESENT, "period of the progress log line; null = none"),
+    Entry("wall_clock_breakdown", S.IMPLEMENTED, PRESENT, "per-phase timers in the progress log"),
+    Entry("csv_monitor", S.IMPLEMENTED, PRESENT, "CSV metrics writer (engine/monitor)"),
+    Entry(
+        "zero_optimization",
+        S.IMPLEMENTED,
+        PRESENT,
+        "stage 0 with reduce_bucket_size, contiguous_gradients, overlap_comm; the other keys only act at "
+        "stages 1-3 and are accepted silently at stage 0",
+    ),
+    Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
+    Entry("zero_force_ds_cpu_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
+    Entry(
+        "dataloader_drop_last",
+        S.IMPLEMENTED,
+        PRESENT,
+        "drop the last incomplete batch of the engine's loader",
+    ),
+    Entry("fp16", S.IMPLEMENTED, PRESENT, "the section is read; only enabled false is supported (see below)"),
+    Entry("bf16", S.IMPLEMENTED, PRESENT, "the section is read; only enabled false is supported (see below)"),
+    Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: a seed kept in the config"),
+    # --- other spellings ---------------------------------------------------------------------------
+    Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
+    Entry(
+        "seq_parallel_communication_data_type",
+        S.ALIAS,
+        PRESENT,
+        "name in DeepSpeed's docs; read as seq_parallel_comm_data_type",
+    ),
+    Entry(
+        "allgather_size",
+        S.ALIAS,
+        PRESENT,
+        'legacy companion of "zero_optimization": true; read as zero_optimization.allgather_bucket_size',
+    ),
+    # --- accepted, no effect -----------------------------------------------------------------------
+    Entry(
+        "vocabulary_size", S.ACCEPTED, PRESENT, "DeepSpeed only uses it for a tensor-core alignment warning"
+    ),
+    Entry(
+        "use_data_before_expert_parallelism", S.ACCEPTED, PRESENT, "only matters with MoE expert parallelism"
+    ),
+    Entry(
+        "seq_parallel_comm_data_type",
+        S.ACCEPTED,
+        PRESENT,
+        "only used by sequence parallelism, which is refused",
+    ),
+    Entry("elasticity", S.ACCEPTED, PRESENT, "harmless while elasticity.enabled is false"),
+    # --- refused: ignoring these would change results or the memory / parallel plan ---------------
+    Entry(
+        "zero_optimization.stage",
+        S.REFUSED,
+        When("1 / 2 / 3", lambda v: v in (1, 2, 3)),
+        "ZeRO stages 1-3 (partitioned optimizer state, gradients, parameters) are not implemented yet; "
+        "ignoring the stage would silently replicate everything",
+        "set zero_optimization.stage to 0; stages 1-3 are not implemented yet",
+    ),
+    Entry(
+        "zero_optimization.offload_optimizer.device",
+        S.REFUSED,
+        not_in("none"),
+        "optimizer offload is not implemented; the memory plan you asked for would silently not happen",
+        'set zero_optimization.offload_optimizer.device to "none" or remove offload_optimizer',
+    ),
+    Entry(
+        "zero_optimization.offload_param.device",
+        S.REFUSED,
+        not_in("none"),
+        "parameter offload is not implemented (and needs stage 3)",
+        'set zero_optimization.offload_param.device to "none" or remove offload_param',
+    ),
+    Entry(
+        "zero_optimization.zero_quantized_weights",
+        S.REFUSED,
+        TRUE,
+        "ZeRO++ quantized weight all-gather changes the numbers and is not implemented",
+        "set it to false",
+    ),
+    Entry(
+        "zero_optimization.zero_quantized_nontrainable_weights",
+        S.REFUSED,
+        TRUE,
+        "quantized storage of frozen weights changes the numbers and is not implemented",
+        "set it to false",
+    ),
+    Entry(
+        "zero_optimization.zero_quantized_gradients",
+        S.REFUSED,
+        TRUE,
+        "ZeRO++ quantized gradient reduction changes the numbers and is not implemented",
+        "set it to false",
+    ),
+    Entry(
+        "zero_optimization.zero_hpz_partition_size",
+        S.REFUSED,
+        above(1),
+        "ZeRO++ hierarchical partitioning is not implemented",
+        "set it to 1 or remove it",
+    ),
+    Entry(
+        "zero_optimization.mics_shard_size",
+        S.REFUSED,
+        above(0),
+        "MiCS sharding is not implemented",
+        "set it to -1 or remove it",
+    ),
+    Entry(
+        "zero_optimization.zenflow",
+        S.REFUSED,
+        NON_EMPTY,
+        "ZenFlow delays part of the optimizer update, which changes results; not implemented",
+        "remove it",
+    ),
+    Entry(
+        "fp16.enabled",
+        S.REFUSED,
+        TRUE,
+        "fp16 mixed precision with loss scaling is not implemented; ignoring it would train in fp32",
+        "set fp16.enabled to false (train in fp32)",
+    ),
+    Entry(
+        "bf16.enabled",
+        S.REFUSED,
+        TRUE,
+        "bf16 mixed precision is not implemented; ignoring it would train in fp32",
+        "set bf16.enabled to false (train in fp32)",
+    ),
+    Entry(
+        "amp.enabled",
+        S.REFUSED,
+        TRUE,
+        "Apex AMP is not supported; ignoring it would train in fp32",
+        "set amp.enabled to false or remove the amp section",
+    ),
+    Entry(
+        "torch_autocast.enabled",
+        S.REFUSED,
+        TRUE,
+        "torch.autocast in the engine's forward is not implemented; ignoring it would train in fp32",
+        "set torch_autocast.enabled to false",
+    ),
+    Entry(
+        "communication_data_type",
+        S.REFUSED,
+        not_in("fp32"),
+        "reducing gradients in fp16/bf16 changes the numbers and is not implemented",
+        'set communication_data_type to "fp32" or remove it',
+    ),
+    Entry(
+        "data_types.grad_accum_dtype",
+        S.REFUSED,
+        not_in("fp32", "float32", "float", "torch.float32"),
+        "gradients are accumulated in fp32 only",
+        'set data_types.grad_accum_dtype to "fp32" or remove it',
+    ),
+    Entry(
+        "optimizer.type",
+        S.REFUSED,
+        one_of("OneBitAdam", "ZeroOneAdam", "OneBitLamb"),
+        "1-bit / 0/1 compressed-communication optimizers are not implemented",
+        'use "Adam", "AdamW" or "Lamb"',
+    ),
+    Entry(
+        "optimizer.params.max_grad_norm",
+        S.REFUSED,
+        PRESENT,
+        "DeepSpeed does not clip through optimizer params; silently dropping it would change results",
+        "remove it and set the top-level gradient_clipping instead",
+    ),
+    Entry(
+        "elasticity.enabled",
+        S.REFUSED,
+        TRUE,
+        "elastic training rewrites the batch sizes; not implemented",
+        "set elasticity.enabled to false",
+    ),
+    Entry(
+        "compression_training",
+        S.REFUSED,
+        NON_EMPTY,
+        "compression (quantization/pruning during training) changes the model; not implemented",
+        "remove it",
+    ),
+    Entry(
+        "curriculum_learning.enabled",
+        S.REFUSED,
+        TRUE,
+        "curriculum learning changes the data the model sees; not implemented",
+        "set curriculum_learning.enabled to false",
+    ),
+    Entry(
+        "data_efficiency.enabled",
+        S.REFUSED,
+        TRUE,
+        "data sampling/routing changes the data the model sees; not implemented",
+        "set data_efficiency.enabled to false",
+    ),
+    Entry(
+        "progressive_layer_drop.enabled",
+        S.REFUSED,
+        TRUE,
+        "progressive layer drop changes the forward pass; not implemented",
+        "set progressive_layer_drop.enabled to false",
+    ),
+    Entry(
+        "hybrid_engine.enabled",
+        S.REFUSED,
+        TRUE,
+        "the RLHF hybrid engine is not implemented",
+        "set hybrid_engine.enabled to false",
+    ),
+    Entry(
+        "tensor_parallel.autotp_size",
+        S.REFUSED,
+        above(1),
+        "tensor parallelism is not implemented; ignoring it would change the data-parallel layout",
+        "set tensor_parallel.autotp_size to 0 or 1",
+    ),
+    Entry(
+        "tensor_parallel.tp.tp_size",
+        S.REFUSED,
+        above(1),
+        "tensor parallelism is not implemented",
+        "set tensor_parallel.tp.tp_size to 1",
+    ),
+    Entry(
+        "sequence_parallel_size",
+        S.REFUSED,
+        above(1),
+        "sequence parallelism is not implemented; it also changes the data-parallel world size",
+        "set sequence_parallel_size to 1 or remove it",
+    ),
+    Entry(
+        "pipeline",
+        S.REFUSED,
+        NON_EMPTY,
+        "pipeline parallelism (PipelineModule) is not implemented",
+        "remove the pipeline section",
+    ),
+    Entry(
+        "sparse_attention",
+        S.REFUSED,
+        PRESENT,
+        "DeepSpeed sparse attention kernels are not implemented",
+        "remove the sparse_attention section",
+    ),
+    Entry(
+        "quantize_training.enabled",
+        S.REFUSED,
+        TRUE,
+        "MoQ quantization during training changes the weights; not implemented",
+        "set quantize_training.enabled to false",
+    ),
+    Entry(
+        "weight_quantization",
+        S.REFUSED,
+        NON_EMPTY,
+        "weight quantization at init/after load changes the weights; not implemented",
+        "remove it",
+    ),
+    # --- warned: accepted, no effect on the trained numbers ----------------------------------------
+    Entry("tensorboard.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
+    Entry("wandb.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
+    Entry("comet.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
+    Entry("trackio.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
+    Entry(
+        "flops_profiler.enabled",
+        S.WARNED,
+        TRUE,
+        "the flops profiler is not implemented",
+        "set it to false to silence this",
+    ),
+    Entry(
+        "comms_logger.enabled",
+        S.WARNED,
+        TRUE,
+        "communication logging is not implemented",
+        "set it to false to silence this",
+    ),
+    Entry(
+        "activation_checkpointing",
+        S.WARNED,
+        changed_from(
+            {
+                "partition_activations": False,
+                "contiguous_memory_optimization": False,
+                "cpu_checkpointing": False,
+                "number_checkpoints": None,
+                "synchronize_checkpoint_boundary": False,
+                "profile": False,
+            }
+        ),
+        "these options configure deepspeed.checkpointing, which this engine does not provide; use "
+        "torch.utils.checkpoint in the model",
+        "remove the section to silence this",
+    ),
+    Entry("autotuning.enabled", S.WARNED, TRUE, "the autotuner is not implemented", "set it to false"),
+    Entry(
+        "aio",
+        S.WARNED,
+        changed_from(
+            {
+                "block_size": 1048576,
+                "queue_depth": 8,
+                "thread_count": 1,
+                "intra_op_parallelism": 1,
+                "single_submit": False,
+                "overlap_events": True,
+                "use_gds": False,
+            }
+        ),
+        "async I/O only tunes NVMe offload, which is refused",
+        "remove it",
+    ),
+    Entry(
+        "checkpoint",
+        S.WARNED,
+        changed_from(
+            {
+                "tag_validation": "Warn",
+                "load_universal": False,
+                "use_node_local_storage": False,
+                "parallel_write": {"pipeline_stage": False},
+                "writer": None,
+            }
+        ),
+        "tag validation / universal / node-local / parallel-write options are not read; checkpoints are "
+        "resharded on load by default",
+        "remove the section to silence this",
+    ),
+    Entry(
+        "nebula.enabled",
+        S.WARNED,
+        TRUE,
+        "the Nebula checkpoint service is not supported; checkpoints are written by the engine's own writer",
+        "set it to false",
+    ),
+    Entry(
+        "timers",
+        S.WARNED,
+        changed_from({"throughput": {"enabled": True, "synchronized": True}}),
+        "throughput timers are always on in the progress log",
+        "remove it",
+    ),
+    Entry("dump_state", S.WARNED, TRUE, "state dumping is not implemented", "set it to false"),
+    Entry(
+        "memory_breakdown", S.WARNED, TRUE, "memory breakdown logging is not implemented", "set it to false"
+    ),
+    Entry(
+        "sparse_gradients",
+        S.WARNED,
+        TRUE,
+        "sparse (CSR) embedding-gradient reduction is not implemented; gradients are reduced dense, "
+        "which gives the same result",
+        "set it to false",
+    ),
+    Entry(
+        "eigenvalue.enabled",
+        S.WARNED,
+        TRUE,
+        "eigenvalue computation only feeds MoQ / layer drop, which are refused",
+        "set it to false",
+    ),
+    Entry(
+        "compile",
+        S.WARNED,
+        NON_EMPTY,
+        "DeepCompile options are not read; use torch.compile on the model",
+        "remove it",
+    ),
+    Entry("graph_harvesting", S.WARNED, TRUE, "CUDA-graph harvesting is not implemented", "set it to false"),
+    Entry("disable_allgather", S.WARNED, TRUE, "legacy option with no effect", "remove it"),
+    Entry(
+        "optimizer.legacy_fusion", S.WARNED, TRUE, "legacy fused-optimizer switch with no effect", "remove it"
+    ),
+)
+
+
+def _value_text(value: Any) -> str:
+    """The value as the user wrote it (JSON), shortened for whole sections."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_support(
+    config: Mapping[str, Any], origins: Mapping[str, str] | None = None
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """(refusal messages, (key, warning) pairs) for the canonical config."""
+    origins = origins or {}
+    problems: list[str] = []
+    warned: list[tuple[str, str]] = []
+    for entry in TABLE:
+        if entry.status not in (Status.REFUSED, Status.WARNED):
+            continue
+        value = paths.get(config, paths.split(entry.path))
+        if value is None or not entry.when.test(value):
+            continue
+        origin = _origin(entry.path, origins)
+        written = f" (from {origin})" if origin else ""
+        head = f"{entry.path}: {_value_text(value)}{written}"
+        if entry.status is Status.REFUSED:
+            problems.append(f"{head} is not supported: {entry.reason}; fix: {entry.fix}")
+        else:
+            message = f"{head} is accepted but has no effect here: {entry.reason}; {entry.fix}"
+            warned.append((entry.path, message))
+    return problems, warned
+
+
+def _origin(path: str, origins: Mapping[str, str]) -> str | None:
+    """What the user wrote for `path`, when it (or a section above it) was renamed from another key."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        head = ".".join(parts[:cut])
+        if head in origins:
+            rest = parts[cut:]
+            return ".".join([origins[head], *rest])
+    return None
+
+
+def support_table_markdown() -> str:
+    """The table docs/config-keys.md embeds (a test checks the file matches)."""
+    rows = ["| key | status | when | why | what to do |", "| --- | --- | --- | --- | --- |"]
+    for entry in TABLE:
+        when = "" if entry.when is PRESENT else f"`{entry.when.text}`"
+        cells = [f"`{entry.path}`", entry.status.value, when, entry.reason, entry.fix]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+BEGIN, END = "<!-- config-keys:begin -->", "<!-- config-keys:end -->"
+DOC_FILE = Path(__file__).resolve().parents[2] / "docs" / "config-keys.md"
+
+
+def render_doc(text: str) -> str:
+    """`text` with the generated table between the markers."""
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"markers {BEGIN} / {END} not found")
+    return pattern.sub(lambda _: f"{BEGIN}\n{support_table_markdown()}{END}", text)
+
+
+def write_docs(doc_file: Path = DOC_FILE) -> None:
+    """Regenerate the table in docs/config-keys.md:
+    python -c "from engine.config.support import write_docs; write_docs()"
+    """
+    doc_file.write_text(render_doc(doc_file.read_text(encoding="utf-8")), encoding="utf-8")

@@ -1,0 +1,34 @@
+"""Warn-once for config keys that are accepted but have no effect yet.
+
+One warning per key per process: a training script that builds several engines (or a test session)
+should not repeat the same advice on every load.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+logger = logging.getLogger("engine.config")
+
+
+class ConfigWarning(UserWarning):
+    """A config key this engine accepts but does not act on (yet), or a deprecated spelling."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> bool:
+    """Emit `message` the first time `key` is seen in this process; True when it was emitted."""
+    if key in _warned:
+        return False
+    _warned.add(key)
+    # stacklevel 3: caller -> load_config -> here, so the warning points at the code that loaded the config.
+    warnings.warn(message, ConfigWarning, stacklevel=3)
+    return True
+
+
+def reset_warned() -> None:
+    """Forget which keys were warned about (for tests that check the once-per-process rule)."""
+    _warned.clear()

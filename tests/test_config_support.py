@@ -1,0 +1,249 @@
+"""The support table: refused keys, warned-once keys, and the frozen config surface (STYLE item 8)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import pytest
+
+from engine.config import ConfigError, ConfigWarning, EngineConfig, load_config, support
+from engine.config.build import FIELD_OF_KEY
+from engine.config.support import TABLE, Status
+from engine.config.validate import schema, top_level_keys
+from engine.config.warn import reset_warned
+
+BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+
+
+def load(extra: dict[str, Any]) -> EngineConfig:
+    return load_config({**BASE, **extra}, world_size=1, world_size_source="test")
+
+
+def refusal(extra: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(extra)
+    (message,) = info.value.problems
+    return message
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
+        (
+            {"zero_optimization": {"offload_param": {"device": "nvme"}}},
+            "zero_optimization.offload_param.device",
+        ),
+        ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
+        (
+            {"zero_optimization": {"zero_quantized_gradients": True}},
+            "zero_optimization.zero_quantized_gradients",
+        ),
+        ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
+        ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size"),
+        ({"fp16": {"enabled": True}}, "fp16.enabled"),
+        ({"bf16": {"enabled": True}}, "bf16.enabled"),
+        ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
+        ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
+        ({"communication_data_type": "bf16"}, "communication_data_type"),
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
+        ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type"),
+        ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "optimizer.params.max_grad_norm"),
+        ({"elasticity": {"enabled": True}}, "elasticity.enabled"),
+        ({"compression_training": {"weight_quantization": {}}}, "compression_training"),
+        ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
+        ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled"),
+        ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled"),
+        ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
+        ({"pipeline": {"stages": 2}}, "pipeline"),
+        ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+    ],
+)
+def test_refused_keys_name_key_and_fix(extra: dict[str, Any], key: str) -> None:
+    message = refusal(extra)
+    assert message.startswith(f"{key}: ") and " is not supported: " in message and "; fix: " in message
+
+
+def test_stage_refusal_says_what_to_do() -> None:
+    assert refusal({"zero_optimization": {"stage": 2}}).endswith(
+        "fix: set zero_optimization.stage to 0; stages 1-3 are not implemented yet"
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            "zero_optimization": {
+                "stage": 0,
+                "reduce_bucket_size": 1e7,
+                "contiguous_gradients": False,
+                "overlap_comm": True,
+                "allgather_bucket_size": 2e8,
+                "round_robin_gradients": True,
+                "stage3_max_live_parameters": 1e9,
+                "offload_optimizer": {"device": "none"},
+            }
+        },
+        {"fp16": {"enabled": False, "loss_scale": 0, "initial_scale_power": 12}},
+        {"bf16": {"enabled": False}},
+        {"amp": {"enabled": False}},
+        {"communication_data_type": "fp32"},
+        {"data_types": {"grad_accum_dtype": "fp32"}},
+        {"elasticity": {"enabled": False, "max_train_batch_size": 100}},
+        {"tensor_parallel": {"autotp_size": 1}},
+        # Sections that only restate DeepSpeed's defaults are not worth a warning.
+        {"activation_checkpointing": {"partition_activations": False, "number_checkpoints": None}},
+        {"checkpoint": {"tag_validation": "WARN", "parallel_write": {"pipeline_stage": False}}},
+        {"timers": {"throughput": {"enabled": True, "synchronized": True}}},
+        {"tensorboard": {"enabled": False, "output_path": "tb"}, "wandb": {"enabled": False}},
+        {
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "dataloader_drop_last": True,
+        },
+    ],
+)
+def test_disabled_or_implemented_features_load_silently(extra: dict[str, Any]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load(extra)
+
+
+def test_implemented_values_reach_engine_config() -> None:
+    cfg = load(
+        {
+            "gradient_clipping": 0.5,
+            "prescale_gradients": True,
+            "gradient_predivide_factor": 2,
+            "steps_per_print": 5,
+            "wall_clock_breakdown": True,
+            "dataloader_drop_last": True,
+            "csv_monitor": {"enabled": True, "output_path": "runs", "job_name": "j"},
+            "zero_optimization": {"reduce_bucket_size": 2e6, "contiguous_gradients": False},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+        }
+    )
+    assert (cfg.gradient_clipping, cfg.prescale_gradients, cfg.gradient_predivide_factor) == (0.5, True, 2.0)
+    assert cfg.steps_per_print == 5 and cfg.wall_clock_breakdown and cfg.dataloader_drop_last
+    assert (
+        cfg.csv_monitor.enabled and cfg.csv_monitor.output_path == "runs" and cfg.csv_monitor.job_name == "j"
+    )
+    assert cfg.zero.reduce_bucket_size == 2_000_000 and cfg.zero.contiguous_gradients is False
+    assert cfg.scheduler is not None and cfg.scheduler.params["warmup_num_steps"] == 10
+
+
+def test_warned_key_is_warned_once_per_process() -> None:
+    reset_warned()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load({"tensorboard": {"enabled": True, "output_path": "tb"}})
+        load({"tensorboard": {"enabled": True, "output_path": "tb"}})
+    mine = [
+        w for w in caught if issubclass(w.category, ConfigWarning) and "tensorboard.enabled" in str(w.message)
+    ]
+    assert len(mine) == 1
+    assert "no writer for it in this engine yet" in str(mine[0].message)
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"wandb": {"enabled": True}}, "wandb.enabled"),
+        ({"flops_profiler": {"enabled": True, "profile_step": 2}}, "flops_profiler.enabled"),
+        ({"comms_logger": {"enabled": True}}, "comms_logger.enabled"),
+        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+        ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint"),
+        ({"dump_state": True}, "dump_state"),
+        ({"memory_breakdown": True}, "memory_breakdown"),
+        ({"sparse_gradients": True}, "sparse_gradients"),
+        ({"aio": {"queue_depth": 32}}, "aio"),
+        ({"timers": {"throughput": {"enabled": False}}}, "timers"),
+    ],
+)
+def test_warned_keys(extra: dict[str, Any], key: str) -> None:
+    reset_warned()
+    with pytest.warns(ConfigWarning, match=f"^{key}: .* is accepted but has no effect here"):
+        load(extra)
+
+
+def test_warnings_not_spent_on_a_failed_load() -> None:
+    reset_warned()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError):
+            load({"wandb": {"enabled": True}, "fp16": {"enabled": True}})
+        load({"wandb": {"enabled": True}})
+    assert sum("wandb.enabled" in str(w.message) for w in caught) == 1
+
+
+# --- surface freeze (STYLE item 8) ---------------------------------------------------------------
+
+
+def test_every_top_level_schema_key_is_mapped_or_in_the_table() -> None:
+    table_tops = {entry.path.split(".")[0] for entry in TABLE}
+    missing = [k for k in top_level_keys() if k not in FIELD_OF_KEY and k not in table_tops]
+    assert not missing, f"top-level keys neither mapped into EngineConfig nor in the support table: {missing}"
+    assert set(top_level_keys()) <= table_tops, "every top-level key should have a row in docs/config-keys.md"
+
+
+def test_field_mapping_matches_schema_and_dataclass() -> None:
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(FIELD_OF_KEY) <= set(top_level_keys())
+    assert set(FIELD_OF_KEY.values()) <= fields
+    unmapped = fields - set(FIELD_OF_KEY.values()) - {"world_size", "raw"}
+    assert not unmapped, f"EngineConfig fields no config key fills: {unmapped}"
+
+
+def test_table_paths_exist_in_the_schema() -> None:
+    for entry in TABLE:
+        node: Any = schema()
+        for part in entry.path.split("."):
+            props = _properties(node)
+            if props is None:  # an open section: deeper keys are not described
+                break
+            assert part in props, f"support table path {entry.path!r} is not in schema.json"
+            node = props[part]
+
+
+def _properties(node: dict[str, Any]) -> dict[str, Any] | None:
+    root = schema()
+    while "$ref" in node:
+        target: Any = root
+        for part in node["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        node = target
+    for branch in node.get("anyOf", []):
+        found = _properties(branch)
+        if found:
+            return found
+    return node.get("properties")
+
+
+def test_implemented_top_level_keys_are_mapped() -> None:
+    for entry in TABLE:
+        if entry.status is Status.IMPLEMENTED and "." not in entry.path:
+            assert entry.path in FIELD_OF_KEY, entry.path
+
+
+def test_every_refusal_and_warning_has_reason_and_fix() -> None:
+    for entry in TABLE:
+        if entry.status in (Status.REFUSED, Status.WARNED):
+            assert entry.reason and entry.fix, entry.path
+
+
+def test_docs_table_matches_the_generated_table() -> None:
+    text = support.DOC_FILE.read_text(encoding="utf-8")
+    assert support.render_doc(text) == text, (
+        'docs/config-keys.md is out of date; run: python -c "from engine.config.support import write_docs; '
+        'write_docs()"'
+    )
+    assert support.support_table_markdown() in text
