@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from launcher.mirror import tee_spec
 from launcher.config import LaunchConfig
 from launcher.threads import ThreadPlan, plan_threads
 
@@ -52,9 +53,12 @@ def build_agent_command(
         "--max-restarts=0",  # a failed rank fails the job; restarts are not DeepSpeed semantics
         f"--monitor-interval={MONITOR_INTERVAL_S}",
         f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
-        # Per-rank log files so zrun can show the failed rank's last lines; tee keeps the console.
+        # Per-rank log files so zrun can show the failed rank's last lines. Every rank's output is
+        # written to a file; the console gets ranks through torchrun's tee, except global rank 0,
+        # which zrun mirrors byte for byte (launcher/mirror.py) so progress bars redraw in place.
         f"--log-dir={log_dir}",
-        "--tee=3",
+        "--redirects=3",
+        f"--tee={tee_spec(nproc, 0 if node_rank == 0 else None)}",
     ]
     if cfg.module:
         argv.append("--module")

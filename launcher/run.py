@@ -18,6 +18,7 @@ from typing import IO
 from launcher.command import SHUTDOWN_TIMEOUT_S, build_agent_command
 from launcher.config import LaunchConfig
 from launcher.errors import LaunchError
+from launcher.mirror import Rank0Mirror
 from launcher.ports import DEFAULT_PORT, free_port, port_is_free
 from launcher.procs import become_subreaper, descendants, kill_pids, reap_children
 from launcher.report import FailureParser, RankFailure, last_write, pick_root_cause, rank_log_files, tail
@@ -131,6 +132,8 @@ def run(cfg: LaunchConfig) -> int:
     parser = FailureParser()
     relay = threading.Thread(target=_relay, args=(proc.stderr, parser), daemon=True)
     relay.start()
+    mirror = Rank0Mirror(log_dir, cfg.run_id)
+    mirror.start()
     stopper = _Stopper(proc)
     old = {s: signal.signal(s, stopper) for s in (signal.SIGINT, signal.SIGTERM)}
     ranks_killed = False
@@ -163,6 +166,7 @@ def run(cfg: LaunchConfig) -> int:
         say(f"killed {len(leftovers)} leftover process(es): {leftovers}")
     reap_children()
     relay.join(timeout=5)
+    mirror.stop()
 
     if stopper.signum is not None:
         say(f"stopped by {signal.Signals(stopper.signum).name}; all ranks were stopped")

@@ -133,7 +133,8 @@ def test_build_agent_command() -> None:
         "--master-port=1234",
         "--max-restarts=0",
         "--log-dir=/logs",
-        "--tee=3",
+        "--redirects=3",
+        "--tee=1:3",  # node 0's local rank 0 is mirrored raw by zrun itself (launcher/mirror.py)
         "--module",
     ]:
         assert opt in argv
@@ -295,3 +296,23 @@ def test_sigterm_stops_every_rank(tmp_path: Path) -> None:
     assert "stopped by SIGTERM" in out
     time.sleep(0.2)
     assert [p for p in pids if _alive(p)] == []
+
+
+def test_tee_spec_leaves_out_the_mirrored_rank() -> None:
+    from launcher.mirror import tee_spec
+
+    assert tee_spec(4, 0) == "1:3,2:3,3:3"
+    assert tee_spec(1, 0) == "0"  # nothing to tee: the only rank is mirrored
+    assert tee_spec(2, None) == "3"  # other nodes tee every rank
+
+
+def test_rank0_output_reaches_the_console_raw_and_other_ranks_prefixed() -> None:
+    # torchrun's tee would print each "\r" redraw as its own prefixed line; zrun mirrors rank 0's
+    # bytes unchanged, so a progress bar redraws in place.
+    r = subprocess.run(  # bytes, not text: universal newlines would turn "\r" into "\n"
+        [sys.executable, "-m", "launcher.zrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(SCRIPTS / "progress_bar.py")], cwd=ROOT, capture_output=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    assert b"\rBAR 0/3\rBAR 1/3\rBAR 2/3\n" in r.stderr
+    assert b"DONE rank=0" in r.stdout and b"[rank0]:DONE" not in r.stdout
+    assert b"[rank1]:DONE rank=1" in r.stdout
