@@ -114,7 +114,7 @@ def initialize(
         raise ConfigError("mpu= (model parallelism) is not supported; this engine is data-parallel only")
     source = _config_source(args, config, config_params)
     if dist_init_required is False and not comm.is_initialized():
-        raise RuntimeError("dist_init_required=False but no torch.distributed process group exists")
+        raise RuntimeError("dist_init_required=False but no process group exists; create one first or drop the argument")
     if distributed_port is not None:
         import os
         os.environ.setdefault("MASTER_PORT", str(distributed_port))

@@ -240,10 +240,11 @@ def test_every_refusal_and_warning_has_reason_and_fix() -> None:
             assert entry.reason and entry.fix, entry.path
 
 
-def test_docs_table_matches_the_generated_table() -> None:
-    text = support.DOC_FILE.read_text(encoding="utf-8")
+@pytest.mark.parametrize("doc", [support.DOC_FILE, support.DOC_FILE.parents[1] / "README.md"])
+def test_docs_table_matches_the_generated_table(doc) -> None:
+    text = doc.read_text(encoding="utf-8")
     assert support.render_doc(text) == text, (
-        'docs/config-keys.md is out of date; run: python -c "from engine.config.support import write_docs; '
-        'write_docs()"'
+        f'{doc.name} is out of date; run: python -c "from pathlib import Path; from engine.config.support '
+        f"import write_docs; write_docs(Path('{doc.relative_to(doc.parents[1] if doc.name == 'README.md' else doc.parents[1])}'))\""
     )
     assert support.support_table_markdown() in text

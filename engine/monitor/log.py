@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from tqdm import tqdm
 
@@ -17,12 +18,20 @@ class _TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
+class _RankZeroInfo(logging.Filter):
+    """INFO and below from rank 0 only (N identical lines help nobody); warnings from every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or os.environ.get("RANK", "0") == "0"
+
+
 def get_logger() -> logging.Logger:
     """The "engine" logger, with a handler installed once unless the application configured one."""
     logger = logging.getLogger("engine")
     if not logger.handlers and not logging.getLogger().handlers:
         handler = _TqdmHandler()
         handler.setFormatter(logging.Formatter("[engine] %(message)s"))
+        handler.addFilter(_RankZeroInfo())
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False

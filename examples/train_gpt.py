@@ -1,0 +1,111 @@
+"""The main job: train a small byte-level GPT on the Python standard library's sources.
+
+    zrun --nproc_per_node 2 examples/train_gpt.py --config configs/zero0.json
+
+Works with any config in configs/; a plain `python examples/train_gpt.py` runs one process.
+A DeepSpeed script needs nothing else: `import engine as deepspeed` and the same calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import engine  # noqa: E402
+from corpus import ByteWindows, stdlib_sources  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "zero0.json"),
+                        help="DeepSpeed-format JSON config (default: configs/zero0.json)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--d_model", type=int, default=128)
+    parser.add_argument("--n_layers", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--eval_windows", type=int, default=128, help="validation windows (default 128)")
+    engine.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, windows: ByteWindows, batch: int, device: torch.device) -> float:
+    """Mean next-byte cross-entropy (nats) over the validation windows; same on every rank."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch):
+        xs, ys = zip(*(windows[i] for i in range(start, min(start + batch, len(windows)))))
+        x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+        total += float(model(x, y)) * len(xs)
+        count += len(xs)
+    model.train(was_training)
+    return total / count
+
+
+def main() -> None:
+    args = parse_args()
+    if args.deepspeed_config:  # DeepSpeed's flag wins over the script's default
+        args.config = None
+    torch.manual_seed(args.seed)
+    train_bytes, val_bytes, files = stdlib_sources()
+    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers))
+
+    # One window per seq_len bytes of the training text: far more than a few hundred steps use.
+    train_set = ByteWindows(train_bytes, args.seq_len, len(train_bytes) // args.seq_len, seed=args.seed)
+    val_set = ByteWindows(val_bytes, args.seq_len, args.eval_windows, seed=args.seed + 1)
+    model_engine, _, loader, _ = engine.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                   training_data=train_set)
+    global_batch = model_engine.train_batch_size()
+    rank0 = model_engine.global_rank == 0
+    n_params = sum(p.numel() for p in model.parameters())
+    if rank0:
+        print(f"corpus: {files} stdlib files, {len(train_bytes) / 1e6:.1f} MB train / "
+              f"{len(val_bytes) / 1e6:.1f} MB validation; model {n_params / 1e6:.2f}M params; "
+              f"{model_engine.world_size} rank(s), global batch {global_batch} x {args.seq_len} bytes, "
+              f"ZeRO stage {model_engine.zero_optimization_stage()}", flush=True)
+
+    micro_eval = model_engine.train_micro_batch_size_per_gpu()
+    val_before = evaluate(model_engine.module, val_set, micro_eval, model_engine.device)
+    if rank0:
+        print(f"validation loss before training: {val_before:.4f} nats/byte", flush=True)
+
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=not rank0, dynamic_ncols=True)
+    started = time.perf_counter()
+    model_engine.train()
+    for x, y in loader:
+        loss = model_engine(x.to(model_engine.device), y.to(model_engine.device))
+        model_engine.backward(loss)
+        model_engine.step()
+        if model_engine.was_step_applied():
+            elapsed = time.perf_counter() - started
+            bar.set_postfix(loss=f"{model_engine.get_loss():.3f}",
+                            samples_s=f"{model_engine.global_samples / elapsed:.0f}")
+            bar.update(1)
+        if model_engine.global_steps >= args.steps:
+            break
+    bar.close()
+    wall = time.perf_counter() - started
+
+    val_after = evaluate(model_engine.module, val_set, micro_eval, model_engine.device)
+    if rank0:
+        print(f"done: {model_engine.global_steps} steps, {model_engine.global_samples} samples in {wall:.1f} s "
+              f"({model_engine.global_samples / wall:.1f} samples/s, "
+              f"{model_engine.global_samples * args.seq_len / wall:.0f} bytes/s)")
+        print(f"final train loss {model_engine.get_loss():.4f}; validation loss {val_before:.4f} -> "
+              f"{val_after:.4f} nats/byte ({val_after / math.log(2):.3f} bits/byte)", flush=True)
+    model_engine.destroy()
+
+
+if __name__ == "__main__":
+    main()

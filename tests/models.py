@@ -1,0 +1,63 @@
+"""Small models and a single-process reference trainer shared by the parity tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class MLP(torch.nn.Module):
+    """Four linear layers (eight parameters) and a buffer, enough to split into several buckets."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x * self.scale
+
+
+def make_model(seed: int = 0, width: int = 16) -> MLP:
+    torch.manual_seed(seed)
+    return MLP(width)
+
+
+def global_batches(steps: int, global_batch: int, width: int = 16, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(global_batch, width, generator=g), torch.randn(global_batch, width, generator=g))
+            for _ in range(steps)]
+
+
+def rank_micro_batch(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int, micro: int,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's k-th micro-batch of a global batch: rows [(k*ws + r)*micro, +micro)."""
+    start = (k * world_size + rank) * micro
+    return batch[0][start:start + micro], batch[1][start:start + micro]
+
+
+def reference_train(batches: list[tuple[torch.Tensor, torch.Tensor]], optimizer_config: dict[str, Any],
+                    clip: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Plain single-process training on whole global batches: the ground truth."""
+    model = make_model(seed)
+    opt_type = optimizer_config["type"].lower()
+    params = optimizer_config.get("params", {})
+    if opt_type in ("adamw", "adam"):
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), **params)
+    elif opt_type == "sgd":
+        opt = torch.optim.SGD(model.parameters(), **params)
+    else:
+        raise ValueError(opt_type)
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,150 @@
+"""Engine API surface and lifecycle in one process (world size 1, the same code path as N)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+
+import pytest
+import torch
+
+import engine
+from models import make_model
+
+CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 0}, "steps_per_print": 1000}
+
+
+def _one_step(eng: engine.Engine) -> None:
+    eng.backward(eng(torch.randn(4, 16)).pow(2).mean())
+    eng.step()
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def test_create_destroy_loop_does_not_grow_memory() -> None:
+    # A 4M-parameter model: a leak of its gradient buffer or Adam state (48 MiB per engine)
+    # over 12 rounds would add hundreds of MiB.
+    def round_trip() -> None:
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+        eng, _, _, _ = engine.initialize(model=model, config=CONFIG)
+        eng.backward(eng(torch.randn(4, 1024)).pow(2).mean())
+        eng.step()
+        eng.destroy()
+        del eng, model
+        gc.collect()
+
+    for _ in range(3):
+        round_trip()  # warm up allocator pools
+    before = _rss_mib()
+    for _ in range(12):
+        round_trip()
+    grown = _rss_mib() - before
+    assert grown < 48, f"RSS grew {grown:.0f} MiB over 12 create/destroy rounds"
+    assert not torch.distributed.is_initialized(), "destroy() must tear down the group it created"
+
+
+def test_destroyed_engine_refuses_use_and_destroy_is_idempotent() -> None:
+    eng, _, _, _ = engine.initialize(model=make_model(), config=CONFIG)
+    eng.destroy()
+    eng.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        _one_step(eng)
+
+
+def test_accessors_and_module_fallthrough() -> None:
+    eng, opt, loader, sched = engine.initialize(model=make_model(), config=CONFIG)
+    try:
+        assert loader is None and sched is None and opt is eng.optimizer
+        assert (eng.train_batch_size(), eng.train_micro_batch_size_per_gpu(), eng.gradient_accumulation_steps()) == (4, 4, 1)
+        assert eng.zero_optimization_stage() == 0 and not eng.fp16_enabled() and not eng.bfloat16_enabled()
+        assert eng.gradient_clipping() == 1.0  # DeepSpeed 0.19.8's default when the key is absent
+        assert eng.world_size == 1 and eng.global_rank == 0 and eng.device.type in ("cpu", "cuda")
+        assert eng.get_lr() == [1e-3]
+        assert eng.layers is eng.module.layers  # unknown attributes come from the module
+        _one_step(eng)
+        assert eng.global_steps == 1 and eng.global_samples == 4 and eng.was_step_applied()
+        assert eng.get_global_grad_norm() > 0
+        assert eng.train() is eng and eng.module.training
+        eng.eval()
+        assert not eng.module.training
+    finally:
+        eng.destroy()
+
+
+def test_config_from_args_and_add_config_arguments(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 4, // comments load, as in DeepSpeed\n'
+                    ' "optimizer": {"type": "SGD", "params": {"lr": 0.1}},}')
+    parser = engine.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert not hasattr(args, "local_rank")
+    eng, opt, _, _ = engine.initialize(args=args, model=make_model())
+    try:
+        assert isinstance(opt, torch.optim.SGD)
+    finally:
+        eng.destroy()
+    with pytest.raises(engine.ConfigError, match="given twice"):
+        engine.initialize(args=args, model=make_model(), config=CONFIG)
+    assert not torch.distributed.is_initialized(), "a failed initialize must not leak the process group"
+
+
+def test_client_optimizer_scheduler_and_param_groups() -> None:
+    model = make_model()
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
+              {"params": []}]
+    config = {k: v for k, v in CONFIG.items() if k != "optimizer"}
+    eng, opt, _, sched = engine.initialize(
+        model=model, model_parameters=groups, config=config,
+        optimizer=lambda g: torch.optim.AdamW(g, lr=0.01),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    try:
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # empty group dropped
+        _one_step(eng)
+        assert eng.get_lr() == [0.005, 0.005]  # the engine steps the client scheduler
+    finally:
+        eng.destroy()
+    twice = [{"params": list(model.parameters())}, {"params": [next(model.parameters())]}]
+    with pytest.raises(ValueError, match="one group only"):
+        engine.initialize(model=model, model_parameters=twice, config=CONFIG)
+    stranger = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="not part of the model"):
+        engine.initialize(model=model, model_parameters=stranger, config=CONFIG)
+
+
+def test_gradient_accumulation_boundaries_and_step_counters() -> None:
+    config = {**CONFIG, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+    eng, _, _, _ = engine.initialize(model=make_model(), config=config)
+    try:
+        assert eng.gradient_accumulation_steps() == 4
+        boundaries = []
+        for _ in range(8):
+            boundaries.append(eng.is_gradient_accumulation_boundary())
+            eng.backward(eng(torch.randn(2, 16)).pow(2).mean())
+            eng.step()
+        assert boundaries == [False, False, False, True] * 2
+        assert eng.global_steps == 2 and eng.micro_steps == 8 and eng.global_samples == 16
+        with eng.no_sync(), pytest.raises(RuntimeError, match="no_sync"):
+            eng.step()
+    finally:
+        eng.destroy()
+
+
+def test_backward_divides_loss_by_accumulation_steps() -> None:
+    config = {**CONFIG, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    eng, _, _, _ = engine.initialize(model=make_model(), config=config)
+    try:
+        x = torch.randn(2, 16)
+        eng.backward(eng(x).sum())
+        scaled = eng.module.layers[0].bias.grad.clone()
+        eng.zero_grad()
+        eng.backward(eng(x).sum(), scale_wrt_gas=False)
+        torch.testing.assert_close(eng.module.layers[0].bias.grad, scaled * 4)
+    finally:
+        eng.destroy()
