@@ -9,7 +9,6 @@ failure report); only the console copy of rank 0 bypasses torchrun's tee.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from typing import BinaryIO
