@@ -148,3 +148,21 @@ def test_backward_divides_loss_by_accumulation_steps() -> None:
         torch.testing.assert_close(eng.module.layers[0].bias.grad, scaled * 4)
     finally:
         eng.destroy()
+
+
+def test_step_log_wall_clock_breakdown_and_csv_monitor(tmp_path, capsys) -> None:
+    config = {**CONFIG, "steps_per_print": 2, "wall_clock_breakdown": True,
+              "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}}
+    eng, _, _, _ = engine.initialize(model=make_model(), config=config)
+    try:
+        for _ in range(4):
+            _one_step(eng)
+    finally:
+        eng.destroy()
+    err = capsys.readouterr().err
+    assert "step 2 | loss" in err and "step 4 | loss" in err and "samples/s" in err and "skipped 0" in err
+    assert "time (ms) | forward:" in err and "backward:" in err and "step:" in err
+    rows = (tmp_path / "job" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert rows[0] == "step,Train/Samples/train_loss"
+    assert [int(r.split(",")[0]) for r in rows[1:]] == [4, 8, 12, 16]  # global samples after each step
+    assert (tmp_path / "job" / "Train_Samples_lr.csv").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from tqdm import tqdm
 
@@ -13,7 +14,7 @@ class _TqdmHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            tqdm.write(self.format(record))
+            tqdm.write(self.format(record), file=sys.stderr)  # where the bars and logging live
         except Exception:  # logging must never take the training step down
             self.handleError(record)
 
@@ -26,9 +27,10 @@ class _RankZeroInfo(logging.Filter):
 
 
 def get_logger() -> logging.Logger:
-    """The "engine" logger, with a handler installed once unless the application configured one."""
+    """The "engine" logger: its own handler at INFO, like DeepSpeed's, so step logs show whatever the
+    application did to the root logger. Quiet it with logging.getLogger("engine").setLevel(...)."""
     logger = logging.getLogger("engine")
-    if not logger.handlers and not logging.getLogger().handlers:
+    if not any(isinstance(h, _TqdmHandler) for h in logger.handlers):
         handler = _TqdmHandler()
         handler.setFormatter(logging.Formatter("[engine] %(message)s"))
         handler.addFilter(_RankZeroInfo())
