@@ -127,11 +127,11 @@ def _write_results(model_name: str, cfg: GPTConfig, rows: list[tuple[str, list[f
     except ImportError:
         print("matplotlib not installed: table only (pip install matplotlib for the plot)")
         return
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(9, 3.4))
     names = [n for n, _ in rows]
     ax.barh(names, [statistics.median(t) for _, t in rows], color="#4c72b0")
     ax.set_xlabel("median step time (s), lower is better")
-    ax.set_title(f"Stage 0 vs DDP, model {model_name}, {comm.get_world_size()} ranks (gloo, CPU)")
+    ax.set_title(f"Stage 0 vs DDP, model {model_name}, {comm.get_world_size()} ranks (gloo, CPU)", fontsize=10)
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f"stage0_{model_name}.png"), dpi=110)

@@ -138,6 +138,7 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, comm.get_rank(),
-                                  comm.get_world_size(), collate_fn, cfg.dataloader_drop_last)
+                                  comm.get_world_size(), collate_fn, cfg.dataloader_drop_last,
+                                  seed=cfg.seed if cfg.seed is not None else 0)
     engine = Engine(model, cfg, stage, opt, scheduler, device, loader, owns_process_group=owns_group)
     return engine, opt, loader, scheduler

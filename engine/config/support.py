@@ -141,7 +141,7 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry("fp16", S.IMPLEMENTED, PRESENT, "the section is read; only enabled false is supported (see below)"),
     Entry("bf16", S.IMPLEMENTED, PRESENT, "the section is read; only enabled false is supported (see below)"),
-    Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: a seed kept in the config"),
+    Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)"),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
     Entry(

@@ -157,6 +157,6 @@ class EngineConfig:
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     dataloader_drop_last: bool = False
     seed: int | None = None
-    """Not a DeepSpeed key at top level; kept for scripts that put their seed in the config."""
+    """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""
     raw: Mapping[str, Any] = field(default_factory=_frozen_mapping, repr=False, compare=False)
     """The validated JSON, read-only, for diagnostics and checkpoint manifests only."""
