@@ -1,10 +1,14 @@
 """Stage 0: replicated parameters and optimizer, gradients all-reduced in buckets (DDP-equivalent).
 
 # [Note: the flat gradient buffer]
-# Every trainable parameter's `.grad` is a view into one flat buffer per dtype, laid out in the
-# order gradients arrive (reverse of registration). Autograd accumulates into an existing `.grad`
-# in place, so micro-steps accumulate locally with no copies, and a bucket is a contiguous slice
-# of the buffer that is all-reduced in place: no flatten before, no unflatten after.
+# Every trainable parameter's gradient lives in a view into one flat buffer per dtype, laid out in
+# the order gradients arrive (reverse of registration). A window (the micro-steps of one optimizer
+# step) starts with `.grad = None`, so autograd hands the first gradient over as a fresh tensor;
+# the post-accumulate hook copies it into the view once and makes the view the `.grad`, and later
+# micro-steps accumulate into it in place. That is one copy per window instead of a memset plus
+# an in-place add (measured 5% of a 34M-parameter step). Views of parameters that got no gradient
+# this window hold stale data until their bucket is launched, which zeroes them first. A bucket
+# is a contiguous slice of the buffer, all-reduced in place: no flatten, no unflatten.
 #
 # [Note: bucket launch order]
 # Collectives must be issued in the same order on every rank or gloo/NCCL pair the wrong
@@ -86,15 +90,15 @@ class Stage0:
             for members in assign_buckets(of_dtype, config.zero.reduce_bucket_size):
                 start = offset
                 for p in members:
-                    view = flat[offset:offset + p.numel()].view_as(p)
-                    self._grad_view[id(p)] = view
-                    p.grad = view
+                    self._grad_view[id(p)] = flat[offset:offset + p.numel()].view_as(p)
+                    p.grad = None
                     offset += p.numel()
                 bucket = _Bucket(len(self._buckets), members, flat[start:offset])
                 self._buckets.append(bucket)
                 for p in members:
                     self._bucket_of[id(p)] = bucket
 
+        self._written: set[int] = set()  # id() of params whose view holds this window's gradient
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
         self._reduce_in_backward = False  # launch bucket all-reduces from hooks in this backward
         self._next_launch = 0  # index of the next bucket to launch; see [Note: bucket launch order]
@@ -103,12 +107,12 @@ class Stage0:
     # ----------------------------------------------------------------------------------- hooks
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         view = self._grad_view[id(param)]
-        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-            # The user replaced .grad (e.g. optimizer.zero_grad(set_to_none=True)): adopt the new
-            # gradient into the buffer so reduction and the optimizer keep seeing it.
-            if param.grad is not None:
-                view.copy_(param.grad)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            # .grad was None before this backward (a new window, or the user's own
+            # zero_grad(set_to_none=True)): this is the whole gradient so far. See the Note.
+            view.copy_(param.grad)
             param.grad = view
+        self._written.add(id(param))
         if not self._reduce_in_backward:
             return
         bucket = self._bucket_of[id(param)]
@@ -133,6 +137,13 @@ class Stage0:
 
     # ------------------------------------------------------------------------------ reduction
     def _launch(self, bucket: _Bucket) -> None:
+        for p in bucket.params:
+            if id(p) not in self._written:
+                # No gradient on this rank this window: contribute zeros, and expose the averaged
+                # result (other ranks may have used it) to the optimizer.
+                view = self._grad_view[id(p)]
+                view.zero_()
+                p.grad = view
         # DeepSpeed's scaling: prescale divides by N before the sum; otherwise divide by the
         # predivide factor before and by N/predivide after (fp16 range control).
         if self._prescale:
@@ -199,6 +210,7 @@ class Stage0:
         return total_norm
 
     def zero_grad(self) -> None:
+        """Start a new accumulation window: gradients become None, as torch's zero_grad() does."""
         for bucket in self._buckets:
             if bucket.work is not None:
                 bucket.work.wait()
@@ -206,13 +218,11 @@ class Stage0:
             bucket.state = BucketState.ACCUMULATING
             bucket.ready.clear()
         self._next_launch = 0
-        for flat in self._flat_grads.values():
-            flat.zero_()
+        # No memset: the next window's first gradient overwrites each view (see the Note).
+        self._written.clear()
         for bucket in self._buckets:
             for p in bucket.params:
-                view = self._grad_view[id(p)]
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
+                p.grad = None
 
     def memory_report(self) -> dict[str, int]:
         grads = sum(f.numel() * f.element_size() for f in self._flat_grads.values())
