@@ -166,16 +166,11 @@ def comm_stats() -> dict[str, dict[str, int]]:
     return {"bytes_sent": dict(_state.bytes_sent), "calls": dict(_state.calls)}
 
 
-def reset_comm_stats() -> None:
-    _state.bytes_sent.clear()
-    _state.calls.clear()
-
-
-def acquire_process_group(dist_backend: str | None = None) -> bool:
+def acquire_process_group(distributed_port: int | None = None, dist_init_required: bool | None = None) -> bool:
     """For engine.initialize(): make sure a group exists. Returns True when the engine must call
     release_process_group() on destroy (the group was created implicitly, for engines only)."""
     if not dist.is_initialized():
-        init_distributed(dist_backend)
+        init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
         _state.implicit_group = True
     if _state.implicit_group:
         _state.engine_refs += 1

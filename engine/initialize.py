@@ -113,12 +113,7 @@ def initialize(
     if mpu is not None:
         raise ConfigError("mpu= (model parallelism) is not supported; this engine is data-parallel only")
     source = _config_source(args, config, config_params)
-    if dist_init_required is False and not comm.is_initialized():
-        raise RuntimeError("dist_init_required=False but no process group exists; create one first or drop the argument")
-    if distributed_port is not None:
-        import os
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    owns_group = comm.acquire_process_group()
+    owns_group = comm.acquire_process_group(distributed_port, dist_init_required)
     try:
         cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
         device = _device()

@@ -170,10 +170,6 @@ class Stage0:
             if bucket.state is BucketState.REDUCING:
                 self._finish(bucket)
 
-    @property
-    def gradients_reduced(self) -> bool:
-        return all(b.state is BucketState.REDUCED for b in self._buckets)
-
     # ----------------------------------------------------------------------- stage interface
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
         self._reduce_in_backward = boundary and sync
