@@ -15,8 +15,17 @@ __all__ = [
     "EngineConfig",
     "add_config_arguments",
     "comm_stats",
+    "estimate_memory",
     "init_distributed",
     "initialize",
     "load_config",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:  # lazy: an eager import makes `python -m engine.estimate` warn (runpy)
+    if name == "estimate_memory":
+        from engine.estimate import estimate_memory
+
+        return estimate_memory
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
