@@ -152,6 +152,26 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool
     return dist.all_reduce(tensor, op=op, async_op=async_op)
 
 
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | None:
+    """Sum `input` (world_size equal slices) across ranks; rank r receives slice r in `output`.
+
+    `output` may be rank r's slice of `input` itself (in place, no copy).
+    """
+    # A ring reduce-scatter sends (N-1)/N of the input per rank.
+    _count("reduce_scatter", input, 1.0)
+    return dist.reduce_scatter_single(output, input, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | None:
+    """Concatenate every rank's `input` into `output` (world_size x input).
+
+    `input` may be rank r's slice of `output` itself (in place, no copy).
+    """
+    # A ring all-gather sends (N-1)/N of the output per rank.
+    _count("all_gather", output, 1.0)
+    return dist.all_gather_single(output, input, async_op=async_op)
+
+
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work | None:
     _count("broadcast", tensor, 1.0)
     return dist.broadcast(tensor, src=src, async_op=async_op)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from engine.config.types import EngineConfig
 from engine.monitor.csv_monitor import CsvMonitor
 from engine.monitor.log import get_logger
 from engine.monitor.timers import WallClockTimers
+from engine.precision import Precision
 from engine.zero.base import ZeroStage
 
 logger = get_logger()
@@ -34,6 +36,7 @@ class Engine:
         lr_scheduler: Any,
         device: torch.device,
         training_dataloader: Any = None,
+        precision: Precision | None = None,
         owns_process_group: bool = False,
     ) -> None:
         self.module = module
@@ -44,6 +47,7 @@ class Engine:
         self.training_dataloader = training_dataloader
         self.device = device
         self._stage: ZeroStage | None = stage
+        self.precision = precision if precision is not None else Precision(config)
         self._owns_process_group = owns_process_group
 
         self.global_rank = comm.get_rank()
@@ -104,7 +108,7 @@ class Engine:
         if self._timers:
             self._timers.start("backward")
         stage.prepare_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._in_no_sync)
-        loss.backward(retain_graph=retain_graph)
+        self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
         stage.finish_backward()
         if self._timers:
             self._timers.stop("backward")
@@ -124,12 +128,16 @@ class Engine:
                                    "the config or pass optimizer= to engine.initialize()")
             if self._timers:
                 self._timers.start("step")
-            self._global_grad_norm = stage.step(self.engine_config.gradient_clipping)
-            if self.lr_scheduler is not None:
+            outcome = stage.step(self.engine_config.gradient_clipping)
+            self._global_grad_norm = outcome.grad_norm
+            # DeepSpeed: a skipped (overflowed) step does not advance the LR schedule, but counts.
+            if outcome.applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+            if not outcome.applied:
+                self.skipped_steps += 1
             if self._timers:
                 self._timers.stop("step")
-            self._step_applied = True
+            self._step_applied = outcome.applied
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._after_optimizer_step()
@@ -181,11 +189,11 @@ class Engine:
         """Override the boundary for the current micro-step (frameworks that manage accumulation)."""
         self._boundary_override = is_boundary
 
-    def train(self, mode: bool = True) -> "Engine":
+    def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
 
-    def eval(self) -> "Engine":
+    def eval(self) -> Engine:
         return self.train(False)
 
     # --------------------------------------------------------------------------- accessors

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -13,12 +14,29 @@ from engine.data import build_dataloader
 from engine.engine import Engine
 from engine.optim import build_optimizer, build_scheduler
 from engine.param_groups import normalize_param_groups
+from engine.precision import Precision
 from engine.zero.base import ZeroStage
 from engine.zero.stage0 import Stage0
+from engine.zero.stage1 import Stage1
+from engine.zero.stage2 import Stage2
+
+
+def _stage0(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
+            precision: Precision) -> ZeroStage:
+    """Stage 0: the replicated per-parameter optimizer when every trainable parameter is fp32 and no
+    loss scaling is needed; otherwise stage 1's flat machinery with one partition (fp32 masters for
+    low-precision groups, loss scaling), all-reducing instead of scattering."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if precision.scaler is None and all(p.dtype == torch.float32 for p in trainable):
+        return Stage0(module, optimizer, config)
+    return Stage1(module, optimizer, config, precision, partitioned=False)
+
 
 # The only place that maps a stage number to its implementation.
-_STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig], ZeroStage]] = {
-    0: Stage0,
+_STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig, Precision], ZeroStage]] = {
+    0: _stage0,
+    1: Stage1,
+    2: Stage2,
 }
 
 
@@ -118,6 +136,8 @@ def initialize(
         cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
         device = _device()
         model.to(device)
+        precision = Precision(cfg)
+        precision.cast_module(model)
         # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was.
         comm.broadcast_coalesced([t.data for t in model.parameters()] + list(model.buffers()))
         opt = _build_optimizer(cfg, model, optimizer, model_parameters)
@@ -125,7 +145,7 @@ def initialize(
         if cfg.zero.stage not in _STAGES:
             raise ConfigError(f"zero_optimization.stage: {cfg.zero.stage} is not implemented yet; "
                               f"use one of {sorted(_STAGES)}")
-        stage = _STAGES[cfg.zero.stage](model, opt, cfg)
+        stage = _STAGES[cfg.zero.stage](model, opt, cfg, precision)
     except BaseException:
         if owns_group:
             comm.release_process_group()
@@ -135,5 +155,6 @@ def initialize(
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, comm.get_rank(),
                                   comm.get_world_size(), collate_fn, cfg.dataloader_drop_last,
                                   seed=cfg.seed if cfg.seed is not None else 0)
-    engine = Engine(model, cfg, stage, opt, scheduler, device, loader, owns_process_group=owns_group)
+    engine = Engine(model, cfg, stage, opt, scheduler, device, loader, precision=precision,
+                    owns_process_group=owns_group)
     return engine, opt, loader, scheduler

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    grad_norm: float
+    """Global gradient norm before clipping (unscaled; inf/nan when fp16 overflowed)."""
+    applied: bool
+    """False when the step was skipped (fp16 overflow on any rank)."""
 
 
 class ZeroStage(Protocol):
@@ -19,9 +28,9 @@ class ZeroStage(Protocol):
     def finish_backward(self) -> None:
         """Called after each backward returns: complete whatever communication it started."""
 
-    def step(self, max_grad_norm: float) -> float:
+    def step(self, max_grad_norm: float) -> StepOutcome:
         """At an accumulation boundary: finish gradient reduction, clip to max_grad_norm (0: off),
-        step the optimizer, zero the gradients. Returns the global gradient norm before clipping."""
+        step the optimizer (unless fp16 overflowed), zero the gradients."""
 
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (keeps their storage)."""

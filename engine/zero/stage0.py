@@ -26,6 +26,7 @@ import torch
 
 from engine import comm
 from engine.config.types import EngineConfig
+from engine.zero.base import StepOutcome
 
 
 class BucketState(enum.Enum):
@@ -188,7 +189,7 @@ class Stage0:
             self.finish_reduction()
         self._reduce_in_backward = False
 
-    def step(self, max_grad_norm: float) -> float:
+    def step(self, max_grad_norm: float) -> StepOutcome:
         # Phase 1: every gradient averaged across ranks (no-op if backward already did it).
         self.finish_reduction()
         # Phase 2: global norm; at stage 0 every rank holds the full averaged gradient.
@@ -203,7 +204,7 @@ class Stage0:
         # Phase 4: update and start the next accumulation window.
         self.optimizer.step()
         self.zero_grad()
-        return total_norm
+        return StepOutcome(total_norm, applied=True)
 
     def zero_grad(self) -> None:
         """Start a new accumulation window: gradients become None, as torch's zero_grad() does."""
@@ -240,3 +241,4 @@ class Stage0:
         self._bucket_of.clear()
         self._grad_view.clear()
         self._flat_grads.clear()
+

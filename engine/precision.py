@@ -1,0 +1,89 @@
+"""Mixed precision shared by every stage: the model's dtype, the wire and accumulation dtypes, loss
+scaling, and the global-norm / overflow computation over gradient shards.
+
+bf16 and fp16 configs cast the model to that dtype; the stages keep an fp32 master copy for every
+flat group whose dtype is not fp32 (fp32 groups need none: the optimizer updates them in place).
+fp16 scales the loss (engine/loss_scaler.py); an overflow anywhere skips the step on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine import comm
+from engine.config.types import EngineConfig
+from engine.loss_scaler import LossScaler
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+}
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    return None if name is None else _DTYPES[name.lower()]
+
+
+@dataclass(frozen=True)
+class GradNorm:
+    """The result of one global gradient-norm reduction."""
+
+    norm: float
+    """Global L2 norm of the averaged, unscaled gradient (inf/nan on overflow)."""
+    overflow: bool
+
+
+class Precision:
+    """The dtypes and loss scaler of one engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.fp16.enabled:
+            self.model_dtype: torch.dtype | None = torch.float16
+        elif config.bf16.enabled:
+            self.model_dtype = torch.bfloat16
+        else:
+            self.model_dtype = None  # keep the model's own dtypes
+        self.scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
+        self.comm_dtype = dtype_from_name(config.communication_data_type)
+        """dtype gradients travel in; None = the gradient's own dtype (DeepSpeed's default)."""
+        self.accum_dtype = dtype_from_name(config.grad_accum_dtype)
+        """dtype of the full-size gradient accumulation buffer; None = the parameter's dtype."""
+
+    def cast_module(self, module: torch.nn.Module) -> None:
+        """bf16/fp16 configs train the model in that dtype (DeepSpeed calls module.half()/bfloat16())."""
+        if self.model_dtype is not None:
+            module.to(self.model_dtype)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        return self.comm_dtype or grad_dtype
+
+    def grad_accum_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.accum_dtype or param_dtype
+
+    def global_norm(self, shards: list[torch.Tensor], *, factor: float, partitioned: bool) -> GradNorm:
+        """Global L2 norm of `factor x` the gradients whose local pieces are `shards`.
+
+        With `partitioned`, each rank holds a disjoint part: local sums of squares are summed by one
+        all-reduce (never a gather). An inf or nan anywhere makes the sum non-finite on every rank,
+        so the same collective is the overflow check all ranks agree on.
+        """
+        if shards:
+            sumsq = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float32) ** 2 for s in shards]).sum()
+        else:
+            sumsq = torch.zeros((), dtype=torch.float32)
+        sumsq = sumsq.reshape(1).to(torch.float32)
+        if partitioned and comm.get_world_size() > 1:
+            comm.all_reduce(sumsq)
+        total = float(sumsq) ** 0.5 * abs(factor)
+        return GradNorm(total, overflow=not math.isfinite(total))

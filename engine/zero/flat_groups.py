@@ -1,0 +1,128 @@
+"""Flat parameter groups: the model's parameters moved into flat buffers, and the optimizer rebound
+to one fp32 shard per group (engine/zero/layout.py's Note explains the layout).
+
+Used by the partitioned stages (1, 2, and stage 0 in mixed precision with one "shard" = everything).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.zero.layout import GroupLayout, build_layout
+
+# Optimizers whose update is elementwise, so running them on a flat shard equals running them per
+# parameter. Optimizers with per-tensor statistics (LAMB's trust ratio, LARS, Adafactor's factored
+# moments) would silently change meaning on a flat shard.
+ELEMENTWISE_OPTIMIZERS = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam",
+                          "Lion", "ReferenceAdam", "ASGD"}
+
+
+@dataclass
+class FlatGroup:
+    """One optimizer param group's parameters of one dtype, laid out flat."""
+
+    index: int
+    """Position among all flat groups."""
+    opt_group: int
+    """Index of the optimizer param group it belongs to."""
+    params: list[torch.nn.Parameter]
+    """In arrival order (the layout's order)."""
+    names: list[str]
+    layout: GroupLayout
+    rank: int
+    """Which slice of every bucket this rank owns (0 when not partitioned)."""
+    flat: torch.Tensor
+    """Padded flat parameter buffer; each param's .data is a view into it."""
+    master: torch.Tensor
+    """(num_buckets, slice_numel) fp32: the optimizer's parameter. A strided view of `flat` for
+    fp32 groups (the shard is the master), a separate contiguous buffer otherwise."""
+    shard_grad: torch.Tensor
+    """(num_buckets, slice_numel) fp32, contiguous: the reduced gradient of this rank's shard."""
+    grad_written: list[bool] = field(default_factory=list)
+    """Per bucket: shard_grad row holds this window's gradient (else it is stale)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def owns_master(self) -> bool:
+        """fp32 groups are their own master; other dtypes keep a separate fp32 copy of the shard."""
+        return self.dtype != torch.float32
+
+    def shard_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's slices of a flat (padded_numel) buffer as one (num_buckets, slice) view."""
+        lay = self.layout
+        return buffer.as_strided((lay.num_buckets, lay.slice_numel), (lay.bucket_numel, 1),
+                                 buffer.storage_offset() + self.rank * lay.slice_numel)
+
+    def bucket(self, buffer: torch.Tensor, b: int) -> torch.Tensor:
+        start, end = self.layout.bucket_range(b)
+        return buffer[start:end]
+
+    def refresh_params(self) -> None:
+        """Write the updated master shard into this rank's slices of the parameter buffer."""
+        if self.owns_master:
+            self.shard_view(self.flat).copy_(self.master)
+
+
+def arrival_order(module: torch.nn.Module) -> dict[int, int]:
+    """id(param) -> position in the order gradients are expected (reverse of registration)."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    return {id(p): i for i, p in enumerate(reversed(trainable))}
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untested: bool) -> None:
+    name = type(optimizer).__name__
+    if name not in ELEMENTWISE_OPTIMIZERS and not allow_untested:
+        raise ValueError(
+            f"optimizer {name} at zero_optimization.stage {stage}: the partitioned stages run the optimizer on "
+            f"flat shards that mix parameters, which is only equivalent for elementwise optimizers "
+            f"({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}); {name} may compute per-tensor statistics "
+            "(LAMB's trust ratio does). Use one of those, zero_optimization.stage 0, or set "
+            "\"zero_allow_untested_optimizer\": true if you know it is elementwise")
+
+
+def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
+                      bucket_size: int) -> list[FlatGroup]:
+    """Move every trainable parameter of the optimizer into flat buffers and point the optimizer at
+    the fp32 shards, in place (so a scheduler bound to this optimizer keeps working)."""
+    order = arrival_order(module)
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups: list[FlatGroup] = []
+    for gi, opt_group in enumerate(optimizer.param_groups):
+        params = sorted((p for p in opt_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
+        masters: list[torch.Tensor] = []
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            members = [p for p in params if p.dtype == dtype]
+            group = _flatten(len(groups), gi, members, [names.get(id(p), "?") for p in members],
+                             world_size=world_size, rank=rank, bucket_size=bucket_size)
+            groups.append(group)
+            masters.append(group.master)
+        opt_group["params"] = masters
+    optimizer.state.clear()
+    return groups
+
+
+def _flatten(index: int, opt_group: int, params: list[torch.nn.Parameter], names: list[str], *, world_size: int,
+             rank: int, bucket_size: int) -> FlatGroup:
+    dtype, device = params[0].dtype, params[0].device
+    layout = build_layout([p.shape for p in params], world_size=world_size, bucket_size=bucket_size,
+                          element_size=params[0].element_size())
+    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    with torch.no_grad():
+        for p, span in zip(params, layout.params):
+            view = flat[span.offset:span.end].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+    shape = (layout.num_buckets, layout.slice_numel)
+    group = FlatGroup(index, opt_group, params, names, layout, rank, flat,
+                      master=flat,  # placeholder, set below
+                      shard_grad=torch.zeros(shape, dtype=torch.float32, device=device),
+                      grad_written=[False] * layout.num_buckets)
+    mine = group.shard_view(flat)
+    group.master = mine if dtype == torch.float32 else mine.to(torch.float32).contiguous()
+    group.master.grad = group.shard_grad
+    return group

@@ -1,0 +1,133 @@
+"""Stage 2: optimizer state and gradients partitioned; full parameters per rank.
+
+There is no full-size gradient buffer. The post-accumulate-grad hook of each parameter copies its
+gradient into the buffer of its bucket (cast to the wire dtype in the same copy) and frees it; a
+complete bucket is reduce-scattered asynchronously and its slice added into this rank's fp32
+gradient shard, on every micro-step. Bucket buffers come from a small pool: with overlap_comm two
+may be in flight, so backward keeps filling one while the other reduces; without it, one. Only
+when gradients arrive far out of layout order does the pool grow (logged once at debug level).
+
+Inside engine.no_sync() gradients accumulate in a temporary full-size buffer per group (a
+documented memory cost: DeepSpeed refuses no_sync at stage 2 instead), which the next synchronised
+backward (or step) adds into its buckets and frees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config.types import EngineConfig
+from engine.monitor.log import get_logger
+from engine.precision import Precision
+from engine.zero.partitioned import Bucket, PartitionedStage
+
+logger = get_logger()
+
+
+class Stage2(PartitionedStage):
+    stage = 2
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
+                 precision: Precision) -> None:
+        super().__init__(module, optimizer, config, precision, partitioned=True)
+        self._max_buffers = 2 if config.zero.overlap_comm else 1
+        self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
+        self._grew = False
+
+    # ------------------------------------------------------------------------------- hooks
+    def _on_grad(self, param: torch.Tensor) -> None:
+        g, i = self._where[id(param)]
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        if not self._reduce_in_backward:
+            self._accumulate_unsynced(g.index, i, grad)
+            return
+        flat_grad = grad.reshape(-1)
+        unsynced = self._unsynced.get(g.index)
+        for b in g.layout.buckets_of(i):
+            bk = self._bucket[(g.index, b)]
+            if bk.launched:  # accumulated again after its bucket was sent; see partitioned.py's Note
+                self._add_late(bk, i, grad)
+                continue
+            data = self._acquire(bk)
+            in_bucket, in_param = bk.portion(i)
+            if i in bk.ready:
+                data[in_bucket].add_(flat_grad[in_param])
+                continue
+            data[in_bucket].copy_(flat_grad[in_param])
+            if unsynced is not None:
+                span = g.layout.params[i]
+                data[in_bucket].add_(unsynced[span.offset:span.end][in_param])
+            self._mark_ready(bk, i)
+
+    def _accumulate_unsynced(self, group: int, i: int, grad: torch.Tensor) -> None:
+        g = self.groups[group]
+        buf = self._unsynced.get(group)
+        if buf is None:
+            buf = self._unsynced[group] = torch.zeros(g.layout.padded_numel, device=g.flat.device,
+                                                      dtype=self.precision.grad_accum_dtype(g.dtype))
+        span = g.layout.params[i]
+        buf[span.offset:span.end].add_(grad.reshape(-1))
+
+    def _acquire(self, bk: Bucket) -> torch.Tensor:
+        """The bucket's buffer, taking one from the pool; waits for the oldest in-flight reduction
+        when the pool is at its limit (overlap_comm: 2, else 1)."""
+        if bk.data is not None:
+            return bk.data
+        while self.pool.in_use >= self._max_buffers:
+            in_flight = next((x for x in self.buckets[:self._next_launch] if x.work is not None), None)
+            if in_flight is None:
+                if not self._grew:
+                    logger.debug("stage 2: gradients arrive out of bucket order; bucket pool grows beyond %d",
+                                 self._max_buffers)
+                    self._grew = True
+                break
+            self._finish(in_flight)
+        g = bk.group
+        bk.data = self.pool.acquire(g.layout.bucket_numel, self.wire_dtype(g), g.flat.device)
+        bk.pooled = True
+        return bk.data
+
+    def _fill(self, bk: Bucket) -> None:
+        data = self._acquire(bk)
+        g = bk.group
+        unsynced = self._unsynced.get(g.index)
+        for i in bk.params:
+            if i in bk.ready:
+                continue
+            in_bucket, in_param = bk.portion(i)  # no gradient this backward: zeros or the no_sync sum
+            if unsynced is None:
+                data[in_bucket].zero_()
+            else:
+                span = g.layout.params[i]
+                data[in_bucket].copy_(unsynced[span.offset:span.end][in_param])
+        start, _ = g.layout.bucket_range(bk.b)
+        pad_from = max(0, g.layout.numel - start)
+        if pad_from < data.numel():
+            data[pad_from:].zero_()
+
+    # ------------------------------------------------------------------------ stage interface
+    def _has_unreduced(self) -> bool:
+        return bool(self._unsynced)
+
+    def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
+        self._reduce_in_backward = sync  # every synchronised micro-step reduces
+
+    def finish_backward(self) -> None:
+        reducing = self._reduce_in_backward
+        super().finish_backward()
+        if reducing:
+            self._unsynced.clear()  # consumed by this reduction
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._unsynced.clear()
+
+    def _gradient_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._unsynced.values())
+
+    def destroy(self) -> None:
+        super().destroy()
+        self._unsynced.clear()
