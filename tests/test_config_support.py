@@ -31,8 +31,8 @@ def refusal(extra: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, "zero_optimization.stage"),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
             "zero_optimization.offload_optimizer.device",
@@ -48,12 +48,12 @@ def refusal(extra: dict[str, Any]) -> str:
         ),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size"),
-        ({"fp16": {"enabled": True}}, "fp16.enabled"),
-        ({"bf16": {"enabled": True}}, "bf16.enabled"),
+        ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
+        ({"quantize_training": {"enabled": True}}, "quantize_training.enabled"),
         ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
-        ({"communication_data_type": "bf16"}, "communication_data_type"),
-        ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
+        ({"optimizer": {"type": "onebitlamb"}}, "optimizer.type"),
+        ({"data_types": {"grad_accum_dtype": "int8"}}, "data_types.grad_accum_dtype"),
         ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type"),
         ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "optimizer.params.max_grad_norm"),
         ({"elasticity": {"enabled": True}}, "elasticity.enabled"),
@@ -73,8 +73,8 @@ def test_refused_keys_name_key_and_fix(extra: dict[str, Any], key: str) -> None:
 
 
 def test_stage_refusal_says_what_to_do() -> None:
-    assert refusal({"zero_optimization": {"stage": 2}}).endswith(
-        "fix: set zero_optimization.stage to 0; stages 1-3 are not implemented yet"
+    assert refusal({"zero_optimization": {"stage": 3}}).endswith(
+        "fix: set zero_optimization.stage to 0, 1 or 2; stage 3 is not implemented yet"
     )
 
 
@@ -98,6 +98,14 @@ def test_stage_refusal_says_what_to_do() -> None:
         {"amp": {"enabled": False}},
         {"communication_data_type": "fp32"},
         {"data_types": {"grad_accum_dtype": "fp32"}},
+        {"zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "loss_scale": 0, "auto_cast": False}},
+        {
+            "zero_optimization": {"stage": 2, "overlap_comm": True},
+            "bf16": {"enabled": True},
+            "communication_data_type": "fp16",
+            "data_types": {"grad_accum_dtype": "bf16"},
+            "comms_logger": {"enabled": True},
+        },
         {"elasticity": {"enabled": False, "max_train_batch_size": 100}},
         {"tensor_parallel": {"autotp_size": 1}},
         # Sections that only restate DeepSpeed's defaults are not worth a warning.
@@ -141,6 +149,60 @@ def test_implemented_values_reach_engine_config() -> None:
     assert cfg.scheduler is not None and cfg.scheduler.params["warmup_num_steps"] == 10
 
 
+def test_stages_precision_and_dtypes_reach_engine_config() -> None:
+    cfg = load({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "initial_scale_power": 12}})
+    assert cfg.zero.stage == 2 and cfg.fp16.enabled and cfg.fp16.initial_scale_power == 12
+    assert not cfg.bf16.enabled and cfg.grad_accum_dtype is None and cfg.comms_logger is False
+    cfg = load({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}})
+    assert cfg.zero.stage == 1 and cfg.bf16.enabled and not cfg.fp16.enabled
+
+
+def test_comms_logger_is_implemented_not_warned() -> None:
+    reset_warned()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        assert load({"comms_logger": {"enabled": True, "verbose": False}}).comms_logger is True
+        assert load({"comms_logger": {"enabled": False}}).comms_logger is False
+
+
+@pytest.mark.parametrize(
+    "written, name",
+    [
+        ("fp32", "fp32"),
+        ("float", "fp32"),
+        ("torch.float32", "fp32"),
+        ("float16", "fp16"),
+        ("half", "fp16"),
+        ("torch.float16", "fp16"),
+        ("bf16", "bf16"),
+        ("bfloat16", "bf16"),
+        ("torch.bfloat16", "bf16"),
+    ],
+)
+def test_grad_accum_dtype_spellings_load_as_short_names(written: str, name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        assert load({"data_types": {"grad_accum_dtype": written}}).grad_accum_dtype == name
+
+
+@pytest.mark.parametrize("written, name", [("fp32", "fp32"), ("FP16", "fp16"), ("fp16", "fp16"), ("Bf16", "bf16")])
+def test_communication_data_type_loads_as_short_name(written: str, name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        assert load({"communication_data_type": written}).communication_data_type == name
+
+
+def test_int8_dtypes_are_refused_by_key() -> None:
+    message = refusal({"data_types": {"grad_accum_dtype": "int8"}})
+    assert message.startswith('data_types.grad_accum_dtype: "int8" is not supported: ')
+    message = refusal({"data_types": {"grad_accum_dtype": "torch.int8"}})
+    assert message.startswith('data_types.grad_accum_dtype: "torch.int8" is not supported: ')
+    # DeepSpeed's get_communication_data_type accepts only fp32/fp16/bf16 (any case); the schema says so.
+    for written in ("int8", "torch.float16"):
+        message = refusal({"communication_data_type": written})
+        assert message.startswith(f"communication_data_type: '{written}' does not match"), message
+
+
 def test_warned_key_is_warned_once_per_process() -> None:
     reset_warned()
     with warnings.catch_warnings(record=True) as caught:
@@ -159,7 +221,6 @@ def test_warned_key_is_warned_once_per_process() -> None:
     [
         ({"wandb": {"enabled": True}}, "wandb.enabled"),
         ({"flops_profiler": {"enabled": True, "profile_step": 2}}, "flops_profiler.enabled"),
-        ({"comms_logger": {"enabled": True}}, "comms_logger.enabled"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint"),
         ({"dump_state": True}, "dump_state"),
@@ -180,7 +241,7 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ConfigError):
-            load({"wandb": {"enabled": True}, "fp16": {"enabled": True}})
+            load({"wandb": {"enabled": True}, "zero_optimization": {"stage": 3}})
         load({"wandb": {"enabled": True}})
     assert sum("wandb.enabled" in str(w.message) for w in caught) == 1
 
@@ -245,6 +306,6 @@ def test_docs_table_matches_the_generated_table(doc) -> None:
     text = doc.read_text(encoding="utf-8")
     assert support.render_doc(text) == text, (
         f'{doc.name} is out of date; run: python -c "from pathlib import Path; from engine.config.support '
-        f"import write_docs; write_docs(Path('{doc.relative_to(doc.parents[1] if doc.name == 'README.md' else doc.parents[1])}'))\""
+        f"import write_docs; write_docs(Path('{doc.relative_to(support.DOC_FILE.parents[1])}'))\""
     )
     assert support.support_table_markdown() in text

@@ -38,6 +38,8 @@ FIELD_OF_KEY: dict[str, str] = {
     "prescale_gradients": "prescale_gradients",
     "gradient_predivide_factor": "gradient_predivide_factor",
     "communication_data_type": "communication_data_type",
+    "data_types": "grad_accum_dtype",
+    "comms_logger": "comms_logger",
     "steps_per_print": "steps_per_print",
     "wall_clock_breakdown": "wall_clock_breakdown",
     "memory_breakdown": "memory_breakdown",
@@ -90,6 +92,14 @@ def _named(cls: type, data: Mapping[str, Any] | None) -> Any:
     return cls(type=data["type"], params=freeze(dict(data.get("params") or {})))
 
 
+def _dtype_name(name: Any) -> str | None:
+    """Canonical short name of a dtype spelling ("float32", "torch.bfloat16", "half", ...)."""
+    if not isinstance(name, str):
+        return None
+    low = name.lower().removeprefix("torch.")
+    return {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}.get(low, low)
+
+
 def build_engine_config(
     config: Mapping[str, Any], sizes: BatchSizes, *, world_size: int, raw: Mapping[str, Any]
 ) -> EngineConfig:
@@ -122,7 +132,9 @@ def build_engine_config(
         scheduler=_named(SchedulerConfig, config.get("scheduler")),
         fp16=_section(FP16Config, config.get("fp16")),
         bf16=_section(BF16Config, config.get("bf16")),
-        communication_data_type=comm.lower() if isinstance(comm, str) else None,
+        communication_data_type=_dtype_name(comm),
+        grad_accum_dtype=_dtype_name((config.get("data_types") or {}).get("grad_accum_dtype")),
+        comms_logger=bool((config.get("comms_logger") or {}).get("enabled", False)),
         zero=_zero(config.get("zero_optimization") or {}),
         csv_monitor=_section(MonitorConfig, config.get("csv_monitor")),
         tensorboard=_section(MonitorConfig, config.get("tensorboard")),

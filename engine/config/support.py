@@ -120,7 +120,20 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry("prescale_gradients", S.IMPLEMENTED, PRESENT, "divide gradients before the all-reduce"),
     Entry("gradient_predivide_factor", S.IMPLEMENTED, PRESENT, "pre-division factor for the all-reduce"),
-    Entry("communication_data_type", S.IMPLEMENTED, PRESENT, "fp32 or null (the model's dtype)"),
+    Entry(
+        "communication_data_type",
+        S.IMPLEMENTED,
+        PRESENT,
+        "dtype gradients are reduced in (fp32, fp16, bf16); null = the gradients' own dtype, as DeepSpeed",
+    ),
+    Entry(
+        "data_types.grad_accum_dtype",
+        S.IMPLEMENTED,
+        PRESENT,
+        "dtype of the full-size gradient accumulation buffer (stage 1, stage 2 inside no_sync); "
+        "default the parameter dtype",
+    ),
+    Entry("comms_logger", S.IMPLEMENTED, PRESENT, "enabled: bytes sent per collective type at each step log line"),
     Entry("steps_per_print", S.IMPLEMENTED, PRESENT, "period of the progress log line; null = none"),
     Entry("wall_clock_breakdown", S.IMPLEMENTED, PRESENT, "per-phase timers in the progress log"),
     Entry("csv_monitor", S.IMPLEMENTED, PRESENT, "CSV metrics writer (engine/monitor)"),
@@ -128,8 +141,10 @@ TABLE: tuple[Entry, ...] = (
         "zero_optimization",
         S.IMPLEMENTED,
         PRESENT,
-        "stage 0 with reduce_bucket_size, contiguous_gradients, overlap_comm; the other keys only act at "
-        "stages 1-3 and are accepted silently at stage 0",
+        "stages 0-2: reduce_bucket_size, allgather_bucket_size (elements of all-gathers in flight), "
+        "overlap_comm (stage 2: two bucket buffers in flight), reduce_scatter (false: all-reduce), "
+        "allgather_partitions (false: broadcasts), contiguous_gradients (always on), round_robin_gradients "
+        "(accepted, no effect without offload); stage-3 keys are accepted with stage 3 refused",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
     Entry("zero_force_ds_cpu_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
@@ -139,8 +154,14 @@ TABLE: tuple[Entry, ...] = (
         PRESENT,
         "drop the last incomplete batch of the engine's loader",
     ),
-    Entry("fp16", S.IMPLEMENTED, PRESENT, "the section is read; only enabled false is supported (see below)"),
-    Entry("bf16", S.IMPLEMENTED, PRESENT, "the section is read; only enabled false is supported (see below)"),
+    Entry(
+        "fp16",
+        S.IMPLEMENTED,
+        PRESENT,
+        "fp16 model, fp32 master shards, dynamic (or static loss_scale) loss scaling with DeepSpeed's keys; "
+        "an overflow on any rank skips the step everywhere",
+    ),
+    Entry("bf16", S.IMPLEMENTED, PRESENT, "bf16 model with fp32 master shards (no loss scaling needed)"),
     Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)"),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
@@ -174,10 +195,10 @@ TABLE: tuple[Entry, ...] = (
     Entry(
         "zero_optimization.stage",
         S.REFUSED,
-        When("1 / 2 / 3", lambda v: v in (1, 2, 3)),
-        "ZeRO stages 1-3 (partitioned optimizer state, gradients, parameters) are not implemented yet; "
-        "ignoring the stage would silently replicate everything",
-        "set zero_optimization.stage to 0; stages 1-3 are not implemented yet",
+        When("3", lambda v: v == 3),
+        "ZeRO stage 3 (partitioned parameters) is not implemented yet; ignoring the stage would silently "
+        "replicate the parameters",
+        "set zero_optimization.stage to 0, 1 or 2; stage 3 is not implemented yet",
     ),
     Entry(
         "zero_optimization.offload_optimizer.device",
@@ -236,18 +257,11 @@ TABLE: tuple[Entry, ...] = (
         "remove it",
     ),
     Entry(
-        "fp16.enabled",
+        "fp16.auto_cast",
         S.REFUSED,
         TRUE,
-        "fp16 mixed precision with loss scaling is not implemented; ignoring it would train in fp32",
-        "set fp16.enabled to false (train in fp32)",
-    ),
-    Entry(
-        "bf16.enabled",
-        S.REFUSED,
-        TRUE,
-        "bf16 mixed precision is not implemented; ignoring it would train in fp32",
-        "set bf16.enabled to false (train in fp32)",
+        "casting forward inputs to fp16 is not implemented; ignoring it would feed fp32 inputs to an fp16 model",
+        "set fp16.auto_cast to false and cast inputs yourself (or use bf16)",
     ),
     Entry(
         "amp.enabled",
@@ -266,15 +280,17 @@ TABLE: tuple[Entry, ...] = (
     Entry(
         "communication_data_type",
         S.REFUSED,
-        not_in("fp32"),
-        "reducing gradients in fp16/bf16 changes the numbers and is not implemented",
-        'set communication_data_type to "fp32" or remove it',
+        not_in("fp32", "float32", "float", "torch.float32", "fp16", "float16", "half", "torch.float16", "bf16",
+               "bfloat16", "torch.bfloat16"),
+        "only fp32, fp16 and bf16 gradient communication is implemented (no int8 quantised reduction)",
+        'set communication_data_type to "fp32", "bf16" or "fp16", or remove it',
     ),
     Entry(
         "data_types.grad_accum_dtype",
         S.REFUSED,
-        not_in("fp32", "float32", "float", "torch.float32"),
-        "gradients are accumulated in fp32 only",
+        not_in("fp32", "float32", "float", "torch.float32", "fp16", "float16", "half", "torch.float16", "bf16",
+               "bfloat16", "torch.bfloat16"),
+        "gradients accumulate in fp32, fp16 or bf16 only",
         'set data_types.grad_accum_dtype to "fp32" or remove it',
     ),
     Entry(
@@ -392,13 +408,6 @@ TABLE: tuple[Entry, ...] = (
         S.WARNED,
         TRUE,
         "the flops profiler is not implemented",
-        "set it to false to silence this",
-    ),
-    Entry(
-        "comms_logger.enabled",
-        S.WARNED,
-        TRUE,
-        "communication logging is not implemented",
         "set it to false to silence this",
     ),
     Entry(

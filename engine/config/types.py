@@ -141,7 +141,12 @@ class EngineConfig:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
-    """"fp32" | "fp16" | "bf16" | None (= the model's dtype)."""
+    """"fp32" | "fp16" | "bf16" | None (= the gradients' own dtype, as DeepSpeed)."""
+    grad_accum_dtype: str | None = None
+    """`data_types.grad_accum_dtype`: dtype of full-size gradient accumulation buffers; None = the
+    parameter's dtype."""
+    comms_logger: bool = False
+    """`comms_logger.enabled`: log bytes sent per collective type at every step log line."""
     steps_per_print: int | None = None
     """Log a progress line every N optimizer steps; None = never. DeepSpeed's code default is None
     (its docs still say 10); we match the code, which is what users' runs do."""
