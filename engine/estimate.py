@@ -6,14 +6,18 @@ differs in two ways, so the terms are spelled out separately:
 
 * fp32 training keeps no master copy: the optimizer updates the fp32 parameter shard in place
   (see [Note: the flat layout] in engine/zero/layout.py), so m = 0 there and 4 otherwise.
-* stages 2 and 3 reduce-scatter gradients into an fp32 shard, whatever the accumulation dtype.
+* gradients are reduced into an fp32 shard, whatever the accumulation dtype. At stages 0-1 the
+  full-size accumulation buffer holds them first; when it is fp32 the shard is a view into it (no
+  extra bytes), otherwise the fp32 shard (all of it at stage 0, Psi/N at stage 1) comes on top.
+  fp32 training at stage 0 accumulates in fp32.
 
 Per rank, with Psi trainable elements, N ranks, b / g bytes per param / gradient-accumulation element,
-m master bytes and s optimizer-state bytes per element:
+m master bytes, f = 0 if g = 4 else 4 (the separate fp32 gradient shard), and s optimizer-state bytes
+per element:
 
     stage  params    gradients  master    optimizer
-    0      b Psi     g Psi      m Psi     s Psi
-    1      b Psi     g Psi      m Psi/N   s Psi/N
+    0      b Psi     g Psi + f Psi    m Psi     s Psi
+    1      b Psi     g Psi + f Psi/N  m Psi/N   s Psi/N
     2      b Psi     4 Psi/N    m Psi/N   s Psi/N
     3      b Psi/N   4 Psi/N    m Psi/N   s Psi/N
 
@@ -123,6 +127,9 @@ def _stage_estimate(
     stage: int, numel: int, world_size: int, dtype: str, grad_dtype: str, optimizer: str
 ) -> MemoryEstimate:
     b, g = _DTYPE_BYTES[dtype], _DTYPE_BYTES[grad_dtype]
+    if stage == 0 and dtype == "fp32":
+        g = 4  # the replicated fp32 stage keeps gradients in the parameters' dtype
+    f = 0 if g == 4 else 4
     m = 0 if dtype == "fp32" else 4
     s = _OPTIMIZER_STATE_BYTES[optimizer]
     shard = -(-numel // world_size)  # ceil without float rounding
@@ -131,7 +138,7 @@ def _stage_estimate(
         world_size=world_size,
         numel=numel,
         params=b * (shard if stage >= 3 else numel),
-        gradients=4 * shard if stage >= 2 else g * numel,
+        gradients=4 * shard if stage >= 2 else g * numel + f * (shard if stage == 1 else numel),
         master=m * (shard if stage >= 1 else numel),
         optimizer_state=s * (shard if stage >= 1 else numel),
         dtype=dtype,

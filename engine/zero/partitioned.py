@@ -64,30 +64,40 @@ class Bucket:
 
 
 class BucketPool:
-    """Reusable bucket-sized buffers, allocated once (fresh memory costs first-touch page faults)."""
+    """Reusable bucket buffers, allocated once (fresh memory costs first-touch page faults).
 
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+    Every buffer of a dtype has the size of the largest bucket (`capacity`), so buckets of
+    different groups share them and the pool's memory is set by the config, not by the model.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> full buffer handed out
         self.allocated_bytes = 0
-        self.in_use = 0
+
+    @property
+    def in_use(self) -> int:
+        return len(self._lent)
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.setdefault((numel, dtype, device), [])
-        self.in_use += 1
+        free = self._free.setdefault((dtype, device), [])
         if free:
-            return free.pop()
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        self.allocated_bytes += buf.numel() * buf.element_size()
-        return buf
+            buf = free.pop()
+        else:
+            buf = torch.empty(max(numel, self.capacity), dtype=dtype, device=device)
+            self.allocated_bytes += buf.numel() * buf.element_size()
+        self._lent[buf.data_ptr()] = buf
+        return buf[:numel]
 
-    def release(self, buf: torch.Tensor) -> None:
-        self.in_use -= 1
-        self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+    def release(self, view: torch.Tensor) -> None:
+        buf = self._lent.pop(view.data_ptr())
+        self._free.setdefault((buf.dtype, buf.device), []).append(buf)
 
     def clear(self) -> None:
         self._free.clear()
+        self._lent.clear()
         self.allocated_bytes = 0
-        self.in_use = 0
 
 
 class PartitionedStage:
@@ -130,7 +140,7 @@ class PartitionedStage:
         self._next_launch = 0
         self._reduce_in_backward = False
         self._late: dict[int, torch.Tensor] = {}  # bucket order -> late gradient parts; see the Note
-        self.pool = BucketPool()
+        self.pool = BucketPool(max(g.layout.bucket_numel for g in self.groups) if self.groups else 0)
         self.launched_from_hooks = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
 
@@ -331,24 +341,30 @@ class PartitionedStage:
 
     # ------------------------------------------------------------------------------ reports
     def memory_report(self) -> dict[str, int]:
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
+        """Bytes held on this rank per model-state category; views count once, with their storage."""
+        seen: set[int] = set()
 
-        state = 0
-        for g in self.groups:
-            for value in self.optimizer.state.get(g.master, {}).values():
-                if torch.is_tensor(value) and value.numel() > 1:
-                    state += nbytes(value)
+        def nbytes(tensors: list[torch.Tensor]) -> int:
+            total = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        state = [v for g in self.groups for v in self.optimizer.state.get(g.master, {}).values()
+                 if torch.is_tensor(v) and v.numel() > 1]
         return {
-            "params": sum(nbytes(g.flat) for g in self.groups),
-            "master": sum(nbytes(g.master) for g in self.groups if g.owns_master),
-            "gradients": self._gradient_bytes() + sum(nbytes(g.shard_grad) for g in self.groups),
-            "optimizer_state": state,
+            "params": nbytes([g.flat for g in self.groups]),
+            "master": nbytes([g.master for g in self.groups]),
+            "gradients": nbytes(self._gradient_buffers() + [g.shard_grad for g in self.groups]),
+            "optimizer_state": nbytes(state),
             "buckets": self.pool.allocated_bytes,
         }
 
-    def _gradient_bytes(self) -> int:
-        return 0
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        return []
 
     def state_dict(self) -> dict[str, object]:
         return {}

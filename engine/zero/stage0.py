@@ -222,8 +222,20 @@ class Stage0:
                 p.grad = None
 
     def memory_report(self) -> dict[str, int]:
-        grads = sum(f.numel() * f.element_size() for f in self._flat_grads.values())
-        return {"gradient_buffers": grads, "buckets": len(self._buckets)}
+        """Bytes held on this rank per model-state category (the same keys as every stage)."""
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        params = [p for bucket in self._buckets for p in bucket.params]
+        state = sum(nbytes(v) for p in params for v in self.optimizer.state.get(p, {}).values()
+                    if torch.is_tensor(v) and v.numel() > 1)
+        return {
+            "params": sum(nbytes(p) for p in params),
+            "master": 0,  # fp32 training: the parameters are the master weights
+            "gradients": sum(nbytes(f) for f in self._flat_grads.values()),
+            "optimizer_state": state,
+            "buckets": 0,  # buckets are slices of the gradient buffer: no extra memory
+        }
 
     def state_dict(self) -> dict[str, object]:
         return {}

@@ -26,6 +26,11 @@ class Stage1(PartitionedStage):
         for g in self.groups:
             flat = torch.zeros(g.layout.padded_numel, dtype=precision.grad_accum_dtype(g.dtype), device=g.flat.device)
             self._grad_flat[g.index] = flat
+            if flat.dtype == torch.float32 and partitioned:
+                # The reduce-scatter lands in place in this rank's slices of the buffer, so those
+                # slices are the fp32 gradient shard: no separate 4 Psi/N buffer.
+                g.shard_grad = g.shard_view(flat)
+                g.master.grad = g.shard_grad
             for p, span in zip(g.params, g.layout.params):
                 self._view[id(p)] = flat[span.offset:span.end].view(p.shape)
         self._written: set[int] = set()  # id() of params whose view holds this window's gradient
@@ -97,8 +102,8 @@ class Stage1(PartitionedStage):
         self._written.clear()
         self._pending = False
 
-    def _gradient_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._grad_flat.values())
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        return list(self._grad_flat.values())
 
     def destroy(self) -> None:
         super().destroy()

@@ -125,8 +125,8 @@ class Stage2(PartitionedStage):
         super().zero_grad()
         self._unsynced.clear()
 
-    def _gradient_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._unsynced.values())
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        return list(self._unsynced.values())
 
     def destroy(self) -> None:
         super().destroy()
