@@ -72,6 +72,10 @@ def _config(scenario: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+
+
 def _train(scenario: dict[str, Any]) -> dict[str, Any]:
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = make_flex(100 + rank)
@@ -84,6 +88,7 @@ def _train(scenario: dict[str, Any]) -> dict[str, Any]:
     gas, splits = scenario.get("gas", 1), scenario.get("no_sync", 1)
     dtype = eng.module.inp.weight.dtype
     losses, scales, comm_per_step = [], [], []
+    snapshots = {"initial": _state(eng.module)} if scenario.get("snapshot") else {}
     for step, batch in enumerate(batches(STEPS, MICRO * gas * splits * ws)):
         before = eng.comm_stats()["bytes_sent"]
         for k in range(gas):
@@ -103,13 +108,15 @@ def _train(scenario: dict[str, Any]) -> dict[str, Any]:
         comm_per_step.append({op: after[op] - before.get(op, 0) for op in after})
         losses.append(eng.get_loss())
         scales.append(eng.precision.loss_scale)
+        if scenario.get("snapshot") and step < 2:
+            snapshots["after_first" if step == 0 else "after_second"] = _state(eng.module)
     stage = eng._stage
     layout = [(g.layout.padded_numel, g.layout.shard_numel, g.layout.num_buckets, g.layout.bucket_numel,
                g.layout.numel, str(g.dtype)) for g in getattr(stage, "groups", [])]
     out = {"state": {k: v.detach().float().clone() for k, v in eng.module.state_dict().items()},
            "losses": losses, "scales": scales, "skipped": eng.skipped_steps, "comm": comm_per_step,
            "memory": eng.memory_report(), "layout": layout, "same_optimizer": opt is client if client else True,
-           "opt_params": [tuple(p.shape) for g in opt.param_groups for p in g["params"]]}
+           "opt_params": [tuple(p.shape) for g in opt.param_groups for p in g["params"]], **snapshots}
     eng.destroy()
     return out
 
@@ -205,12 +212,15 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage: int) -> None
 
 def test_fp16_skipped_step_leaves_parameters_unchanged() -> None:
     fp16 = {"enabled": True, "initial_scale_power": 10, "hysteresis": 1}
-    clean = run_distributed(_train, 2, args=({"stage": 2, "top": {"fp16": fp16}},))[0]
-    # An inf on the very first step: the step is skipped, so the parameters after step 0 are the
-    # initial ones, and every later step sees the same data as in the clean run one step later.
-    skipped = run_distributed(_train, 2, args=({"stage": 2, "top": {"fp16": fp16}, "inject_inf": (0, 0)},))[0]
-    assert skipped["skipped"] == 1 and clean["skipped"] == 0
-    assert skipped["scales"][0] == 512.0 and clean["scales"][0] == 1024.0
+    results = run_distributed(_train, 2, args=({"stage": 2, "top": {"fp16": fp16}, "inject_inf": (0, 0),
+                                                "snapshot": True},))
+    for result in results:
+        assert result["skipped"] == 1 and result["scales"][0] == 512.0
+        # The overflowed first step changed nothing: parameters (and the fp32 masters they come
+        # from) are the initial ones; the second step, applied, moves them.
+        for name, initial in result["initial"].items():
+            torch.testing.assert_close(result["after_first"][name], initial, atol=0, rtol=0, msg=name)
+        assert any(not torch.equal(result["after_second"][n], t) for n, t in result["initial"].items())
 
 
 # ---------------------------------------------------------------------------- measurements

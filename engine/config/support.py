@@ -162,6 +162,12 @@ TABLE: tuple[Entry, ...] = (
         "an overflow on any rank skips the step everywhere",
     ),
     Entry("bf16", S.IMPLEMENTED, PRESENT, "bf16 model with fp32 master shards (no loss scaling needed)"),
+    Entry(
+        "bf16.immediate_grad_update",
+        S.ACCEPTED,
+        PRESENT,
+        "gradients always go into their fp32 accumulation as they arrive; same numbers either way",
+    ),
     Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)"),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
@@ -264,6 +270,34 @@ TABLE: tuple[Entry, ...] = (
         "set fp16.auto_cast to false and cast inputs yourself (or use bf16)",
     ),
     Entry(
+        "fp16.fp16_master_weights_and_grads",
+        S.REFUSED,
+        TRUE,
+        "fp16 master weights and gradients change the numbers; this engine keeps fp32 master shards",
+        "set it to false or remove it",
+    ),
+    Entry(
+        "bf16.bf16_master_weights_and_grads",
+        S.REFUSED,
+        TRUE,
+        "bf16 master weights and gradients change the numbers; this engine keeps fp32 master shards",
+        "set it to false or remove it",
+    ),
+    Entry(
+        "bf16.bf16_optimizer_states",
+        S.REFUSED,
+        TRUE,
+        "bf16 optimizer states change the numbers; this engine keeps optimizer states in fp32",
+        "set it to false or remove it",
+    ),
+    Entry(
+        "bf16.check_grad_overflow",
+        S.REFUSED,
+        TRUE,
+        "skipping bf16 steps on inf/nan gradients is not implemented (only fp16 loss scaling skips steps)",
+        "set it to false or remove it",
+    ),
+    Entry(
         "amp.enabled",
         S.REFUSED,
         TRUE,
@@ -280,8 +314,7 @@ TABLE: tuple[Entry, ...] = (
     Entry(
         "communication_data_type",
         S.REFUSED,
-        not_in("fp32", "float32", "float", "torch.float32", "fp16", "float16", "half", "torch.float16", "bf16",
-               "bfloat16", "torch.bfloat16"),
+        not_in("fp32", "fp16", "bf16"),
         "only fp32, fp16 and bf16 gradient communication is implemented (no int8 quantised reduction)",
         'set communication_data_type to "fp32", "bf16" or "fp16", or remove it',
     ),
