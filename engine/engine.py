@@ -69,6 +69,8 @@ class Engine:
         self._timers = WallClockTimers(device) if config.wall_clock_breakdown else None
         self._report_started = time.perf_counter()
         self._report_steps = 0
+        self._comm_at_step = comm.comm_stats()
+        self._last_step_comm: dict[str, dict[str, int]] = {"bytes_sent": {}, "calls": {}}
         self._csv = CsvMonitor(config.csv_monitor) if config.csv_monitor.enabled and self.global_rank == 0 else None
 
     # ------------------------------------------------------------------------ fall-through
@@ -145,6 +147,7 @@ class Engine:
         self._boundary_override = None
 
     def _after_optimizer_step(self) -> None:
+        self._record_step_comm()
         self._last_loss = float(self._window_loss) / max(self._window_micro, 1)
         self._window_loss, self._window_micro = 0.0, 0
         self._report_steps += 1
@@ -164,6 +167,11 @@ class Engine:
                             self.skipped_steps)
                 if self._timers:
                     logger.info(self._timers.report())
+                if self.engine_config.comms_logger:
+                    sent, calls = self._last_step_comm["bytes_sent"], self._last_step_comm["calls"]
+                    logger.info("comm last step: %s", ", ".join(
+                        f"{op} {sent.get(op, 0) / 2**20:.2f} MiB in {calls[op]} calls" for op in sorted(calls))
+                        or "nothing sent")
             self._report_started = time.perf_counter()
             self._report_steps = 0
 
@@ -240,9 +248,17 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         return self._require_alive().memory_report()
 
-    @staticmethod
-    def comm_stats() -> dict[str, dict[str, int]]:
-        return comm.comm_stats()
+    def comm_stats(self) -> dict[str, Any]:
+        """Bytes this rank sent and calls made per collective type: cumulative ("bytes_sent",
+        "calls") and for the last optimizer step ("last_step": the same two dicts)."""
+        return {**comm.comm_stats(), "last_step": self._last_step_comm}
+
+    def _record_step_comm(self) -> None:
+        now = comm.comm_stats()
+        before = self._comm_at_step
+        self._last_step_comm = {kind: {op: n - before[kind].get(op, 0) for op, n in now[kind].items()
+                                       if n - before[kind].get(op, 0)} for kind in ("bytes_sent", "calls")}
+        self._comm_at_step = now
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("save_checkpoint is not available in this version of the engine; "

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_distributed
-from test_zero12 import ATOL, LR, MICRO, TiedNet, batches, micro_batch, param_groups
+from test_zero12 import ATOL, LR, MICRO, WIDTH, TiedNet, batches, micro_batch, param_groups
 from torch.utils.checkpoint import checkpoint
 
 import engine
@@ -105,7 +105,9 @@ def _train(scenario: dict[str, Any]) -> dict[str, Any]:
                     eng.backward(loss)
             eng.step()
         after = eng.comm_stats()["bytes_sent"]
-        comm_per_step.append({op: after[op] - before.get(op, 0) for op in after})
+        diff = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
+        assert eng.comm_stats()["last_step"]["bytes_sent"] == diff
+        comm_per_step.append(diff)
         losses.append(eng.get_loss())
         scales.append(eng.precision.loss_scale)
         if scenario.get("snapshot") and step < 2:
@@ -228,7 +230,7 @@ def test_fp16_skipped_step_leaves_parameters_unchanged() -> None:
 def test_comm_stats_move_two_psi_per_step(stage: int) -> None:
     ws = 2
     result = run_distributed(_train, ws, args=({"stage": stage},))[0]
-    step = {op: n for op, n in result["comm"][-1].items() if n}
+    step = result["comm"][-1]
     psi = sum(p.numel() for p in make_flex(0).parameters() if p.requires_grad)
     ring = (ws - 1) / ws
     if stage == 0:
@@ -266,3 +268,18 @@ def test_memory_report_equals_the_formula(stage: int, dtype: str) -> None:
     estimate = engine.estimate_memory(psi, stage=stage, world_size=2, dtype=dtype)
     model_states = memory["params"] + memory["master"] + memory["gradients"] + memory["optimizer_state"]
     assert abs(model_states - estimate.total) <= 20 * (padded - psi + 2 * len(result["layout"]) * 32)
+
+
+def test_comms_logger_prints_bytes_per_collective(capsys: pytest.CaptureFixture[str]) -> None:
+    def run() -> None:
+        model = make_flex(0)
+        cfg = {**_config({"stage": 2}), "steps_per_print": 1, "comms_logger": {"enabled": True}}
+        eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+        x = torch.randn(MICRO, WIDTH)
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        eng.destroy()
+
+    run()
+    err = capsys.readouterr().err
+    assert "comm last step: reduce_scatter 0.00 MiB in 4 calls" in err, err  # one rank: nothing on the wire
