@@ -1,0 +1,477 @@
+"""Step time, memory and communication of ZeRO stages 0-2 (fp32 and bf16) against PyTorch DDP, in one run.
+
+    zrun --nproc_per_node 2 benchmarks/bench_step.py --model S [--steps 20] [--warmup 3] [--bucket 2e7]
+
+Every variant trains the same GPT (examples/gpt.py) on the same random batches with AdamW (lr 1e-4) and
+clipping 1.0, one after the other in the same processes, so the ratios compare like with like:
+PyTorch DDP fp32 and bf16, engine stages 0, 1, 2 in fp32 and bf16 (overlap_comm, buckets of --bucket
+elements), and DeepSpeed's stages 0-2 when `import deepspeed` works (skipped with a note otherwise).
+A variant that raises is reported as failed in the table (traceback on stderr) and the run goes on;
+--fail-fast re-raises instead. Rank 0 writes benchmarks/results/step_<model>.md (tables, settings,
+machine) and step_<model>.png (plot, if matplotlib is there), and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from gpt import GPT, GPTConfig
+
+import engine
+from engine import comm
+
+MODELS = {  # the sizes of ../shared/reference/deepspeed-compat.md's measurements
+    "S": GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layers=4, n_heads=4),
+    "M": GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8),
+}
+MICRO = 8
+LR = 1e-4
+CLIP = 1.0
+MIB = 2**20
+OP_ABBREV = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag", "broadcast": "bc"}
+
+
+@dataclass
+class Result:
+    name: str
+    precision: str  # "fp32" or "bf16"
+    kind: str  # "ddp", "engine" or "deepspeed"
+    times: list[float] = field(default_factory=list)
+    rss_after: list[float] = field(default_factory=list)  # MiB per rank
+    peak_rss: list[float] = field(default_factory=list)  # MiB per rank, empty when VmHWM cannot be reset
+    memory: list[dict[str, int]] = field(default_factory=list)  # per rank: params, master, gradients, ...
+    comm_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's bytes per timed step, per op
+    comm_note: str = ""
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _batches(cfg: GPTConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + comm.get_rank())
+    return [(torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
+             torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g)) for _ in range(n)]
+
+
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs). True if it worked."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _proc_status_kib("VmHWM") <= _proc_status_kib("VmRSS") + 1024  # allow pages touched meanwhile
+
+
+def _comm_snapshot() -> dict[str, int]:
+    return dict(engine.comm_stats()["bytes_sent"])
+
+
+def _time_steps(step: Callable[[torch.Tensor, torch.Tensor], None], batches: list, warmup: int,
+                on_timed_start: Callable[[], None] | None = None) -> list[float]:
+    times = []
+    for i, (x, y) in enumerate(batches):
+        if i == warmup and on_timed_start is not None:
+            on_timed_start()
+        comm.barrier()  # every variant's step starts together on all ranks
+        t0 = time.perf_counter()
+        step(x, y)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _model(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- variants
+def run_ddp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
+    """DDP as its users run it: fp32, or the whole model in bf16 with torch AdamW straight on the bf16
+    parameters (no fp32 master copy), DDP's default 25 MB buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    base = _model(cfg)
+    if res.precision == "bf16":
+        base = base.to(torch.bfloat16)
+    model = DistributedDataParallel(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+
+    res.times = _time_steps(step, batches, warmup)
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    pbytes = sum(nbytes(p) for p in params)
+    state = sum(nbytes(v) for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1)
+    # gradients exist from backward to zero_grad (set_to_none); the reducer keeps its own flat bucket
+    # copy of every gradient (gradient_as_bucket_view=False, the default): both computed, not read.
+    res.memory = [{"params": pbytes, "master": 0, "gradients": pbytes, "optimizer_state": state, "buckets": pbytes}]
+    n = comm.get_world_size()
+    res.comm_per_step = {"all_reduce": 2.0 * pbytes * (n - 1) / n}
+    res.comm_note = "computed"
+
+
+def _engine_config(stage: int, precision: str, bucket: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "overlap_comm": True},
+    }
+
+
+def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int) -> None:
+    model = _model(cfg)
+    eng, _, _, _ = engine.initialize(model=model, config=_engine_config(stage, res.precision, bucket))
+    try:
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            eng.backward(eng(x, y))
+            eng.step()
+
+        before: dict[str, int] = {}
+        res.times = _time_steps(step, batches, warmup, lambda: before.update(_comm_snapshot()))
+        after = _comm_snapshot()
+        steps = max(len(res.times), 1)
+        res.comm_per_step = {op: (after[op] - before.get(op, 0)) / steps for op in after
+                             if after[op] != before.get(op, 0)}
+        res.memory = [dict(eng.memory_report())]
+    finally:
+        eng.destroy()
+
+
+def run_deepspeed(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int) -> None:
+    import deepspeed
+
+    conf = _engine_config(stage, res.precision, bucket)
+    conf["optimizer"]["params"]["torch_adam"] = True
+    conf["zero_force_ds_cpu_optimizer"] = False
+    model = _model(cfg)
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    try:
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            eng.backward(eng(x, y))
+            eng.step()
+
+        res.times = _time_steps(step, batches, warmup)
+        res.comm_note = "not counted"
+    finally:
+        eng.destroy()
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def _run_variant(res: Result, fn: Callable[[], None], fail_fast: bool, can_reset_hwm: bool) -> None:
+    gc.collect()
+    comm.barrier()
+    reset_ok = can_reset_hwm and _reset_peak_rss()
+    try:
+        fn()
+    except Exception as exc:  # reported in the table, the run goes on
+        if fail_fast:
+            raise
+        res.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        print(f"[rank {comm.get_rank()}] variant {res.name!r} failed:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+    rss = _proc_status_kib("VmRSS") / 1024
+    hwm = _proc_status_kib("VmHWM") / 1024 if reset_ok else -1.0
+    gc.collect()
+    # Both ranks exchange what they got (same collective on both, failed or not).
+    mine = {"rss": rss, "hwm": hwm, "memory": res.memory[0] if res.memory else None, "error": res.error}
+    everyone: list[Any] = [None] * comm.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    res.rss_after = [e["rss"] for e in everyone]
+    res.peak_rss = [e["hwm"] for e in everyone] if all(e["hwm"] >= 0 for e in everyone) else []
+    res.memory = [e["memory"] for e in everyone] if all(e["memory"] for e in everyone) else []
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+    res.error = "; ".join(errors)
+    if comm.get_rank() == 0:
+        status = f"FAILED ({res.error})" if res.error else f"median {statistics.median(res.times):.3f} s"
+        print(f"{res.name}: {status}", flush=True)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:.1f}"
+
+
+def _per_rank(values: list[float]) -> str:
+    return " / ".join(f"{v:.0f}" for v in values) if values else "n/a"
+
+
+def _model_states(mem: dict[str, int]) -> int:
+    return mem["params"] + mem["master"] + mem["gradients"] + mem["optimizer_state"]
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e4 else f"{nbytes:.0f} B"
+
+
+def _comm_cell(res: Result) -> tuple[str, str]:
+    if not res.comm_per_step:
+        return ("n/a", res.comm_note or "n/a")
+    total = sum(res.comm_per_step.values())
+    split = " + ".join(f"{OP_ABBREV.get(op, op)} {_mb(b)}" for op, b in sorted(
+        res.comm_per_step.items(), key=lambda kv: -kv[1]))
+    if res.comm_note:
+        split += f" ({res.comm_note})"
+    return (f"{total / 1e6:.2f}", split)
+
+
+def _machine_facts(load_before: tuple[float, ...]) -> list[str]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem_total = "unknown"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+            mem_total = f"{kib / 2**20:.1f} GiB"
+    except (OSError, StopIteration):
+        pass
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                              timeout=10).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "engine"], capture_output=True, check=False,
+                               text=True, timeout=10).stdout.strip()
+        code = f"commit {head}" + (" with uncommitted changes in engine/" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        code = "commit unknown (no git)"
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return [f"- CPU: {cpu}; {os.cpu_count()} logical cores ({affinity} usable by this process); RAM {mem_total}",
+            f"- code: {code}",
+            f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}",
+            f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+            (f"- load average (1/5/15 min) before the run {' / '.join(f'{x:.2f}' for x in load_before)}, after "
+             f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (this benchmark alone keeps ~{comm.get_world_size()} "
+             "cores busy; more means other work shared the cores and the timings are noisier)")]
+
+
+def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Result], notes: list[str]) -> None:
+    out_dir = os.path.join(ROOT, "benchmarks", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    ws = comm.get_world_size()
+    base = {r.precision: statistics.median(r.times) for r in results if r.kind == "ddp" and r.times and not r.error}
+    has_peak = any(r.peak_rss for r in results)
+    lines = [
+        (f"# Step time, memory and traffic per step, model {args.model} ({n_params / 1e6:.1f}M params), "
+         f"{ws} ranks, {torch.get_num_threads()} thread(s) per rank, gloo, CPU"),
+        "",
+        (f"Median of {args.steps} timed steps after {args.warmup} warm-up steps (forward + backward + clip + "
+         f"AdamW step; barrier before each step), micro batch {MICRO} x {cfg.seq_len} tokens per rank. "
+         "Ratio: median / the median of DDP at the same precision in the same run."),
+        "",
+        ("| variant | median s | min s | p90 s | ratio to DDP | RSS after steps MiB (r0 / r1) | "
+         + ("peak RSS in variant MiB (r0 / r1) | " if has_peak else "")
+         + "model states MiB/rank | buckets MiB | comm MB/step | comm split per step |"),
+        "| --- | --- | --- | --- | --- | --- | " + ("--- | " if has_peak else "") + "--- | --- | --- | --- |",
+    ]
+    for r in results:
+        if r.error or not r.times:
+            med = low = p90 = ratio = "failed" if r.error else "n/a"
+        else:
+            m = statistics.median(r.times)
+            med, low, p90 = f"{m:.3f}", f"{min(r.times):.3f}", f"{sorted(r.times)[int(0.9 * (len(r.times) - 1))]:.3f}"
+            ratio = f"{m / base[r.precision]:.3f}" if r.precision in base else "n/a"
+        states = " / ".join(_mib(_model_states(m)) for m in r.memory) if r.memory else "n/a"
+        if r.memory and len({_model_states(m) for m in r.memory}) == 1:
+            states = _mib(_model_states(r.memory[0]))
+        buckets = _mib(r.memory[0]["buckets"]) if r.memory else "n/a"
+        if r.kind == "ddp" and r.memory:
+            buckets += " (computed)"
+        total, split = _comm_cell(r) if not r.error else ("n/a", "n/a")
+        row = [r.name, med, low, p90, ratio, _per_rank(r.rss_after)]
+        if has_peak:
+            row.append(_per_rank(r.peak_rss))
+        row += [states, buckets, total, split]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Model states per rank (rank 0), MiB:", "",
+              "| variant | params | master | gradients | optimizer state | sum | buckets |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if r.memory:
+            m = r.memory[0]
+            lines.append(f"| {r.name} | {_mib(m['params'])} | {_mib(m['master'])} | {_mib(m['gradients'])} | "
+                         f"{_mib(m['optimizer_state'])} | {_mib(_model_states(m))} | {_mib(m['buckets'])} |")
+    failed = [r for r in results if r.error]
+    if failed:
+        lines += ["", "Failed variants (tracebacks on stderr):", ""]
+        lines += [f"- {r.name}: {r.error}" for r in failed]
+    peak_note = (
+        "Peak RSS in variant: VmHWM after resetting it to the current RSS (`/proc/self/clear_refs` = 5) "
+        "just before the variant; same caveat about memory kept from earlier variants." if has_peak else
+        "Peak RSS per variant is not shown: VmHWM could not be reset here (ru_maxrss is per process).")
+    notes = [
+        ("DDP bf16 = the model in bf16 (`model.to(torch.bfloat16)`) with torch AdamW (foreach) directly "
+         "on the bf16 parameters, no fp32 master copy, as the reference measurement's \"DDP bf16\"; the "
+         "engine's bf16 keeps fp32 master shards, so its optimizer does more work and holds more state."),
+        ("RSS after steps: VmRSS of each rank right after the variant's last step, before it is freed. "
+         "It includes whatever earlier variants left that the allocator kept (variants run in sequence in "
+         "the same processes), so compare rows with care."),
+        peak_note,
+        ("Model states: `engine.memory_report()` params + master + gradients + optimizer_state (tensors "
+         "in the optimizer state with more than one element); buckets (communication buffers) shown "
+         "apart. For DDP they are computed from the parameters and the optimizer state: gradients count "
+         "as full-size (they live from backward to zero_grad), and buckets = the reducer's flat copy of "
+         "the gradients (gradient_as_bucket_view=False, DDP's default)."),
+        ("comm MB/step (1 MB = 1e6 bytes): bytes this rank sends per timed step by ring-algorithm volume, "
+         "from the difference of `engine.comm_stats()` over the timed steps (rank 0); ar = all_reduce, "
+         "rs = reduce_scatter, ag = all_gather. For DDP computed: 2 (N-1)/N x gradient bytes."),
+        ("examples/gpt.py does not tie the output head to the token embedding, so model S/M here have "
+         "more parameters than the reference doc's S (5.3M) / M (29.5M); compare ratios, not seconds."),
+        *notes,
+    ]
+    lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    lines += [
+        "", "Settings:", "",
+        f"- model {args.model}: {cfg}",
+        (f"- world size {ws}, backend gloo, {torch.get_num_threads()} intra-op thread(s) per rank; "
+         f"{args.steps} timed + {args.warmup} warm-up steps per variant, the same random batches for all"),
+        f"- AdamW lr {LR}, weight_decay 0, gradient clipping {CLIP}, micro batch {MICRO}, gradient accumulation 1",
+        (f"- engine: zero_optimization {{stage s, reduce_bucket_size {args.bucket}, allgather_bucket_size "
+         f"{args.bucket}, overlap_comm true}}; bf16 variants add \"bf16\": {{\"enabled\": true}}"),
+        ("- DDP: torch.nn.parallel.DistributedDataParallel with the default bucket_cap_mb (25 MB), "
+         "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_"),
+        "", "Machine:", "",
+    ] + _machine_facts(args.load_before)
+    path = os.path.join(out_dir, f"step_{args.model}.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    _plot(args, results, out_dir, path)
+
+
+def _plot(args: argparse.Namespace, results: list[Result], out_dir: str, md_path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {md_path}; matplotlib not installed: table only (pip install matplotlib for the plot)")
+        return
+    from matplotlib.patches import Patch
+
+    groups = [p for p in ("fp32", "bf16") if any(r.precision == p for r in results)]
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 0.45 * max(
+        sum(r.precision == p for r in results) for p in groups) + 2.0), squeeze=False)
+    for ax, prec in zip(axes[0], groups):
+        rows = [r for r in results if r.precision == prec]
+        names = [r.name.replace(f" {prec}", "") for r in rows]
+        meds = [statistics.median(r.times) if r.times and not r.error else 0.0 for r in rows]
+        colors = ["#dd8452" if r.kind == "ddp" else "#55a868" if r.kind == "deepspeed" else "#4c72b0" for r in rows]
+        bars = ax.barh(names, meds, color=colors, hatch=None)
+        for bar, r, m in zip(bars, rows, meds):
+            if r.kind == "ddp":
+                bar.set_hatch("//")
+                ax.axvline(m, color="#dd8452", linestyle="--", linewidth=1)
+            label = "failed" if r.error else f"{m:.3f}"
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=8)
+        ax.set_title(prec, fontsize=10)
+        ax.set_xlabel("median step time (s), lower is better")
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(meds + [1e-3]) * 1.25)
+    handles = [Patch(facecolor="#dd8452", hatch="//", label="PyTorch DDP (baseline)"),
+               Patch(facecolor="#4c72b0", label="engine")]
+    if any(r.kind == "deepspeed" for r in results):
+        handles.append(Patch(facecolor="#55a868", label="DeepSpeed"))
+    fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles), frameon=False)
+    fig.suptitle(f"Step time per variant, model {args.model}, {comm.get_world_size()} ranks (gloo, CPU, "
+                 f"{torch.get_num_threads()} thread/rank)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    png = os.path.join(out_dir, f"step_{args.model}.png")
+    fig.savefig(png, dpi=110)
+    print(f"wrote {md_path} and {png}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(MODELS), default="S")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--bucket", type=float, default=2e7, help="reduce/allgather bucket size in elements")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--timeout", type=float, default=600, help="collective timeout (s): a hang becomes an error")
+    parser.add_argument("--fail-fast", action="store_true", help="re-raise a variant's exception instead of going on")
+    args = parser.parse_args()
+    args.bucket = int(args.bucket)
+    args.load_before = os.getloadavg()
+    torch.set_num_threads(args.threads)
+    engine.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))  # the engines must not tear it down
+    cfg = MODELS[args.model]
+    batches = _batches(cfg, args.steps + args.warmup)
+    can_reset_hwm = _reset_peak_rss()
+    notes: list[str] = []
+    try:
+        import deepspeed  # noqa: F401
+        has_ds = True
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install
+        has_ds = False
+        notes.append(f"DeepSpeed skipped: `import deepspeed` failed ({type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0] if str(exc) else ''}); the reference doc has its timings.")
+    has_ds = all(_gather(has_ds))  # both ranks must take the same path
+
+    plan: list[tuple[Result, Callable[[Result], None]]] = []
+    for prec in ("fp32", "bf16"):
+        plan.append((Result(f"PyTorch DDP {prec}", prec, "ddp"),
+                     lambda r: run_ddp(r, cfg, batches, args.warmup)))
+        for stage in (0, 1, 2):
+            plan.append((Result(f"engine stage {stage} {prec}", prec, "engine"),
+                         lambda r, s=stage: run_engine(r, cfg, batches, args.warmup, s, args.bucket)))
+        if has_ds:
+            for stage in (0, 1, 2):
+                plan.append((Result(f"DeepSpeed stage {stage} {prec}", prec, "deepspeed"),
+                             lambda r, s=stage: run_deepspeed(r, cfg, batches, args.warmup, s, args.bucket)))
+    results = []
+    for res, fn in plan:
+        _run_variant(res, lambda: fn(res), args.fail_fast, can_reset_hwm)  # noqa: B023 - called right away
+        results.append(res)
+    if comm.get_rank() == 0:
+        _write_results(args, cfg, results, notes)
+    comm.barrier()
+    comm.destroy_process_group()
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * comm.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+if __name__ == "__main__":
+    main()
