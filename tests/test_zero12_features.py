@@ -283,3 +283,38 @@ def test_comms_logger_prints_bytes_per_collective(capsys: pytest.CaptureFixture[
     run()
     err = capsys.readouterr().err
     assert "comm last step: reduce_scatter 0.00 MiB in 4 calls" in err, err  # one rank: nothing on the wire
+
+
+def _train_mixed_dtypes(stage: int) -> dict[str, Any]:
+    """bf16 linear layers with an fp32 LayerNorm in an fp32 config (FSDP2 users' frequent case)."""
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = make_flex(100)
+    for module in (model.inp, model.frozen, model.hidden):
+        module.to(torch.bfloat16)
+    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config=_config({"stage": stage}))
+    losses = []
+    for batch in batches(STEPS, MICRO * ws):
+        x, y = micro_batch(batch, rank, ws, 0)
+        h = torch.tanh(eng.module.inp(x.bfloat16()))
+        h = eng.module.norm(eng.module.hidden(torch.tanh(eng.module.frozen(h))).float())
+        loss = torch.nn.functional.mse_loss(torch.nn.functional.linear(h, eng.module.out.weight.float()), y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    out = {"dtypes": sorted({str(g.dtype) for g in eng._stage.groups}), "losses": losses,
+           "state": {k: v.detach().float().clone() for k, v in eng.module.state_dict().items()},
+           "param_dtypes": {n: str(p.dtype) for n, p in eng.module.named_parameters()}}
+    eng.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_parameters_of_two_dtypes_get_one_buffer_each(stage: int) -> None:
+    results = run_distributed(_train_mixed_dtypes, 2, args=(stage,))
+    for result in results:
+        assert result["dtypes"] == ["torch.bfloat16", "torch.float32"]
+        assert result["param_dtypes"]["norm.weight"] == "torch.float32"  # dtypes are kept, not unified
+        assert result["param_dtypes"]["hidden.weight"] == "torch.bfloat16"
+        assert all(math.isfinite(x) for x in result["losses"])
+    torch.testing.assert_close(results[0]["state"], results[1]["state"], atol=0, rtol=0)
+    assert results[0]["state"]["hidden.weight"].ne(make_flex(100).hidden.weight.bfloat16().float()).any()

@@ -130,7 +130,7 @@ class PartitionedStage:
         buckets: list[tuple[int, int, int, list[int]]] = []
         for g in self.groups:
             for b in range(g.layout.num_buckets):
-                members = list(g.layout.params_in(b))
+                members = [i for i in g.layout.params_in(b) if g.layout.params[i].numel]  # 0-element: no data
                 last = max((order[id(g.params[i])] for i in members), default=-1)
                 buckets.append((last, g.index, b, members))
         buckets.sort(key=lambda t: (t[0], t[1], t[2]))
