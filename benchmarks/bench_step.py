@@ -1,14 +1,21 @@
 """Step time, memory and communication of ZeRO stages 0-2 (fp32 and bf16) against PyTorch DDP, in one run.
 
     zrun --nproc_per_node 2 benchmarks/bench_step.py --model S [--steps 20] [--warmup 3] [--bucket 2e7]
+                                                        [--variants "ddp,deepspeed bf16"]
 
 Every variant trains the same GPT (examples/gpt.py) on the same random batches with AdamW (lr 1e-4) and
 clipping 1.0, one after the other in the same processes, so the ratios compare like with like:
 PyTorch DDP fp32 and bf16, engine stages 0, 1, 2 in fp32 and bf16 (overlap_comm, buckets of --bucket
 elements), and DeepSpeed's stages 0-2 when `import deepspeed` works (skipped with a note otherwise).
 A variant that raises is reported as failed in the table (traceback on stderr) and the run goes on;
---fail-fast re-raises instead. Rank 0 writes benchmarks/results/step_<model>.md (tables, settings,
-machine) and step_<model>.png (plot, if matplotlib is there), and prints the tables.
+--fail-fast re-raises instead. --variants runs only some variants (comma-separated filters; a variant
+runs when every word of one filter is in its name, case-insensitive, e.g. "ddp,deepspeed stage 2").
+Rank 0 writes benchmarks/results/step_<model>.md (tables, settings, machine) and step_<model>.png (plot,
+if matplotlib is there), and prints the tables.
+
+DeepSpeed is not a dependency of this project: run it from a separate venv that has torch, deepspeed and
+this package (`pip install -e .`), with DS_ACCELERATOR=cpu (set here when unset), e.g.
+    DS_ACCELERATOR=cpu DSVENV/bin/zrun --nproc_per_node 2 benchmarks/bench_step.py --model S
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class Result:
     memory: list[dict[str, int]] = field(default_factory=list)  # per rank: params, master, gradients, ...
     comm_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's bytes per timed step, per op
     comm_note: str = ""
+    detail: str = ""  # DeepSpeed: the optimizer wrapper and the optimizer inside it
     error: str = ""
 
 
@@ -177,11 +185,15 @@ def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: i
 def run_deepspeed(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int) -> None:
     import deepspeed
 
+    # The engine's config as it is (AdamW lr 1e-4, clipping 1.0, the same zero_optimization knobs, bf16);
+    # torch_adam: torch.optim.AdamW as the engine uses, not DeepSpeed's compiled CPU/fused Adam.
     conf = _engine_config(stage, res.precision, bucket)
     conf["optimizer"]["params"]["torch_adam"] = True
     conf["zero_force_ds_cpu_optimizer"] = False
     model = _model(cfg)
-    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    eng, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    inner = getattr(opt, "optimizer", opt)
+    res.detail = type(opt).__name__ + (f"({type(inner).__module__}.{type(inner).__name__})" if inner is not opt else "")
     try:
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             eng.backward(eng(x, y))
@@ -357,6 +369,9 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
          "more parameters than the reference doc's S (5.3M) / M (29.5M); compare ratios, not seconds."),
         *notes,
     ]
+    if any(r.kind == "deepspeed" for r in results):
+        notes.append("DeepSpeed rows: step times and RSS only; model states, buckets and traffic are not "
+                     "measured for them (n/a).")
     lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     lines += [
         "", "Settings:", "",
@@ -368,8 +383,15 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
          f"{args.bucket}, overlap_comm true}}; bf16 variants add \"bf16\": {{\"enabled\": true}}"),
         ("- DDP: torch.nn.parallel.DistributedDataParallel with the default bucket_cap_mb (25 MB), "
          "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_"),
-        "", "Machine:", "",
-    ] + _machine_facts(args.load_before)
+    ]
+    ds_rows = [r for r in results if r.kind == "deepspeed"]
+    if ds_rows:
+        lines.append(
+            f"- DeepSpeed {args.ds_version} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', '')}), in the process "
+            "group the benchmark made (gloo): the engine's config above plus \"torch_adam\": true in the AdamW "
+            "params (torch.optim.AdamW, not DeepSpeed's compiled Adam); optimizer wrappers it chose: "
+            + "; ".join(f"{r.name.removeprefix('DeepSpeed ')} {r.detail or 'n/a'}" for r in ds_rows))
+    lines += ["", "Machine:", ""] + _machine_facts(args.load_before)
     path = os.path.join(out_dir, f"step_{args.model}.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -428,6 +450,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--timeout", type=float, default=600, help="collective timeout (s): a hang becomes an error")
     parser.add_argument("--fail-fast", action="store_true", help="re-raise a variant's exception instead of going on")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated filters: run only the variants whose name holds every word of one "
+                             "filter (case-insensitive), e.g. 'ddp,deepspeed bf16'; default: all")
     args = parser.parse_args()
     args.bucket = int(args.bucket)
     args.load_before = os.getloadavg()
@@ -437,8 +462,12 @@ def main() -> None:
     batches = _batches(cfg, args.steps + args.warmup)
     can_reset_hwm = _reset_peak_rss()
     notes: list[str] = []
+    args.ds_version = ""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # CPU tensors and gloo, whatever the machine has
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
+
+        args.ds_version = deepspeed.__version__
         has_ds = True
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install
         has_ds = False
@@ -457,6 +486,11 @@ def main() -> None:
             for stage in (0, 1, 2):
                 plan.append((Result(f"DeepSpeed stage {stage} {prec}", prec, "deepspeed"),
                              lambda r, s=stage: run_deepspeed(r, cfg, batches, args.warmup, s, args.bucket)))
+    filters = [f.lower().split() for f in args.variants.split(",") if f.strip()]
+    if filters:
+        plan = [(res, fn) for res, fn in plan if any(all(w in res.name.lower() for w in f) for f in filters)]
+        if not plan:
+            parser.error(f"--variants {args.variants!r} matches no variant")
     results = []
     for res, fn in plan:
         _run_variant(res, lambda: fn(res), args.fail_fast, can_reset_hwm)  # noqa: B023 - called right away
