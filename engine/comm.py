@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -36,6 +37,9 @@ class _CommState:
     """Live engines using an implicit group; the last one to be destroyed tears it down."""
     bytes_sent: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    p2p_tag: int = 0
+    scratch: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = field(default_factory=dict)
+    """Receive buffers of pairwise reduce-scatters, reused (see _scratch)."""
 
 
 _state = _CommState()
@@ -152,24 +156,115 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool
     return dist.all_reduce(tensor, op=op, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | None:
+class PairwiseWork:
+    """Async handle of a collective built from point-to-point transfers: wait() completes the
+    transfers, then runs the local part (the reduction of what arrived), once."""
+
+    def __init__(self, works: list[Work], finish: Callable[[], None] | None = None) -> None:
+        self._works = works
+        self._finish = finish
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+Handle = Work | PairwiseWork
+"""What an async collective returns: wait() on it before touching its buffers."""
+
+
+def free_buffers() -> None:
+    """Drop the cached receive buffers (engine.destroy() calls this)."""
+    _state.scratch.clear()
+
+
+def _use_pairwise() -> bool:
+    """gloo's reduce_scatter is an all-reduce plus a slice (2x the bytes) and its all-gather runs
+    2.5-3.7x slower than an all-reduce of the same size; direct pairwise exchanges move exactly
+    (N-1)/N of the buffer (measured at 2 ranks, 64 MiB: 32 ms and 27 ms against 94 and 96 ms).
+    ZERO_ENGINE_NATIVE_COLLECTIVES=1 forces torch's own collectives."""
+    return (get_world_size() > 1 and get_backend() == "gloo"
+            and os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") != "1")
+
+
+def _next_tag() -> int:
+    # Every rank issues the same collectives in the same order, so the counters agree; a distinct
+    # tag per collective keeps concurrent collectives between the same pair apart.
+    _state.p2p_tag = (_state.p2p_tag + 1) % (1 << 20)
+    return _state.p2p_tag
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable receive buffer (fresh memory pays first-touch page faults on every call)."""
+    free = _state.scratch.setdefault((numel, dtype, device), [])
+    return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+
+
+def _return_scratch(buf: torch.Tensor) -> None:
+    _state.scratch.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | PairwiseWork | None:
     """Sum `input` (world_size equal slices) across ranks; rank r receives slice r in `output`.
 
-    `output` may be rank r's slice of `input` itself (in place, no copy).
+    `output` may be rank r's slice of `input` itself (in place). `input` must not be written
+    until the collective is waited for.
     """
-    # A ring reduce-scatter sends (N-1)/N of the input per rank.
+    # A ring reduce-scatter sends (N-1)/N of the input per rank, as does the pairwise exchange.
     _count("reduce_scatter", input, 1.0)
-    return dist.reduce_scatter_single(output, input, async_op=async_op)
+    if not _use_pairwise() or input.numel() == 0:
+        return dist.reduce_scatter_single(output, input, async_op=async_op)
+    n, rank = get_world_size(), get_rank()
+    chunks = input.view(n, -1)
+    if output.data_ptr() != chunks[rank].data_ptr():
+        output.copy_(chunks[rank])
+    received = _scratch(chunks.shape[1] * (n - 1), input.dtype, input.device).view(n - 1, -1)
+    tag = _next_tag()
+    works = []
+    for k in range(1, n):
+        works.append(dist.isend(chunks[(rank + k) % n], (rank + k) % n, tag=tag))
+        works.append(dist.irecv(received[k - 1], (rank - k) % n, tag=tag))
+
+    def finish() -> None:
+        for k in range(n - 1):
+            output.add_(received[k])
+        _return_scratch(received.view(-1))
+
+    work = PairwiseWork(works, finish)
+    if not async_op:
+        work.wait()
+        return None
+    return work
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | None:
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | PairwiseWork | None:
     """Concatenate every rank's `input` into `output` (world_size x input).
 
     `input` may be rank r's slice of `output` itself (in place, no copy).
     """
-    # A ring all-gather sends (N-1)/N of the output per rank.
+    # A ring all-gather sends (N-1)/N of the output per rank, as does the pairwise exchange.
     _count("all_gather", output, 1.0)
-    return dist.all_gather_single(output, input, async_op=async_op)
+    if not _use_pairwise() or output.numel() == 0:
+        return dist.all_gather_single(output, input, async_op=async_op)
+    n, rank = get_world_size(), get_rank()
+    chunks = output.view(n, -1)
+    if input.data_ptr() != chunks[rank].data_ptr():
+        chunks[rank].copy_(input)
+    tag = _next_tag()
+    works = []
+    for k in range(1, n):
+        works.append(dist.isend(chunks[rank], (rank + k) % n, tag=tag))
+        works.append(dist.irecv(chunks[(rank - k) % n], (rank - k) % n, tag=tag))
+    work = PairwiseWork(works)
+    if not async_op:
+        work.wait()
+        return None
+    return work
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work | None:

@@ -47,7 +47,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     """Parameters whose gradient for this reduction has been written into `data`."""
     launched: bool = False
-    work: comm.Work | None = None
+    work: comm.Handle | None = None
     data: torch.Tensor | None = None
     """The bucket_numel elements being reduced (wire dtype)."""
     out: torch.Tensor | None = None
@@ -311,7 +311,7 @@ class PartitionedStage:
         """All-gather every bucket's updated slices in place into the flat parameter buffers."""
         if not self.partitioned or self._world == 1:
             return
-        in_flight: list[comm.Work] = []
+        in_flight: list[comm.Handle] = []
         in_flight_numel = 0
         for bk in self.buckets:
             g, lay = bk.group, bk.group.layout
@@ -383,3 +383,4 @@ class PartitionedStage:
         self._where.clear()
         self._late.clear()
         self.pool.clear()
+        comm.free_buffers()
