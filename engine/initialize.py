@@ -19,6 +19,7 @@ from engine.zero.base import ZeroStage
 from engine.zero.stage0 import Stage0
 from engine.zero.stage1 import Stage1
 from engine.zero.stage2 import Stage2
+from engine.zero.stage3 import Stage3
 
 
 def _stage0(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
@@ -37,6 +38,7 @@ _STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfi
     0: _stage0,
     1: Stage1,
     2: Stage2,
+    3: Stage3,
 }
 
 

@@ -31,8 +31,9 @@ def refusal(extra: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
-        ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+         "zero_optimization.offload_optimizer.device"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device"),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
             "zero_optimization.offload_optimizer.device",
@@ -72,9 +73,9 @@ def test_refused_keys_name_key_and_fix(extra: dict[str, Any], key: str) -> None:
     assert message.startswith(f"{key}: ") and " is not supported: " in message and "; fix: " in message
 
 
-def test_stage_refusal_says_what_to_do() -> None:
-    assert refusal({"zero_optimization": {"stage": 3}}).endswith(
-        "fix: set zero_optimization.stage to 0, 1 or 2; stage 3 is not implemented yet"
+def test_offload_refusal_says_what_to_do() -> None:
+    assert refusal({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}).endswith(
+        'fix: set zero_optimization.offload_optimizer.device to "none" or remove offload_optimizer'
     )
 
 
@@ -241,7 +242,7 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ConfigError):
-            load({"wandb": {"enabled": True}, "zero_optimization": {"stage": 3}})
+            load({"wandb": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
         load({"wandb": {"enabled": True}})
     assert sum("wandb.enabled" in str(w.message) for w in caught) == 1
 

@@ -144,7 +144,9 @@ TABLE: tuple[Entry, ...] = (
         "stages 0-2: reduce_bucket_size, allgather_bucket_size (elements of all-gathers in flight), "
         "overlap_comm (stage 2: two bucket buffers in flight), reduce_scatter (false: all-reduce), "
         "allgather_partitions (false: broadcasts), contiguous_gradients (always on), round_robin_gradients "
-        "(accepted, no effect without offload); stage-3 keys are accepted with stage 3 refused",
+        "(accepted, no effect without offload); stage 3: gather units of repeated blocks plus a root unit, the "
+        "stage3_* prefetch / persistence / live-parameter keys are accepted and not acted on yet (one unit is "
+        "gathered at a time, no prefetch)",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
     Entry("zero_force_ds_cpu_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
@@ -198,14 +200,6 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry("elasticity", S.ACCEPTED, PRESENT, "harmless while elasticity.enabled is false"),
     # --- refused: ignoring these would change results or the memory / parallel plan ---------------
-    Entry(
-        "zero_optimization.stage",
-        S.REFUSED,
-        When("3", lambda v: v == 3),
-        "ZeRO stage 3 (partitioned parameters) is not implemented yet; ignoring the stage would silently "
-        "replicate the parameters",
-        "set zero_optimization.stage to 0, 1 or 2; stage 3 is not implemented yet",
-    ),
     Entry(
         "zero_optimization.offload_optimizer.device",
         S.REFUSED,

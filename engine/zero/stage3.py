@@ -1,0 +1,405 @@
+"""Stage 3: parameters, gradients and optimizer state partitioned; full parameters exist only while
+the unit that owns them computes (paper 5.3, 7.2.2).
+
+Each gather unit (engine/zero/units.py) keeps, per optimizer param group and dtype, one group in the
+shared flat layout with a single bucket: rank r stores slice r (its *shard*, which in fp32 is also
+the optimizer's master), one all-gather fetches the whole unit and one reduce-scatter returns its
+gradients. Lifecycle of a unit in a step:
+
+    forward pre-hook   gather (all-gather into a fresh full buffer; params' .data become views)
+    forward post-hook  release (params' .data become empty) and wrap the outputs so that
+    backward           the unit is gathered again right before its backward runs
+    grad hooks         each gradient is copied into the unit's gradient bucket and freed; when all
+                       of the unit's gradients are in, the bucket is reduce-scattered into the fp32
+                       shard gradient (in a fixed unit order on every rank) and the unit released
+
+The root unit (parameters outside the repeated blocks: embeddings, final norm, a tied head) is
+gathered when the model's forward starts and stays gathered until its gradients are reduced.
+
+Gathered buffers are allocated fresh and never recycled while gathered views might still be
+referenced: autograd may have saved a view of a weight (e.g. `w.t()`) for backward, and a recycled
+buffer would silently feed it another unit's numbers. Released storage is freed by refcounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from engine import comm
+from engine.config.types import EngineConfig
+from engine.monitor.log import get_logger
+from engine.precision import Precision
+from engine.zero.base import StepOutcome
+from engine.zero.flat_groups import check_elementwise
+from engine.zero.layout import GroupLayout, build_layout
+from engine.zero.units import plan_units
+
+logger = get_logger()
+
+
+@dataclass
+class ShardedGroup:
+    """The parameters of one unit that share an optimizer param group and a dtype."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    layout: GroupLayout
+    shard: torch.Tensor
+    """This rank's slice of the unit's flat buffer (param dtype): the persistent storage."""
+    opt_group: int | None
+    """Index of the optimizer param group; None for frozen parameters (gathered, never updated)."""
+    master: torch.Tensor | None = None
+    """fp32 optimizer parameter: the shard itself in fp32, a copy otherwise (None when frozen)."""
+    shard_grad: torch.Tensor | None = None
+    full: torch.Tensor | None = None
+    """The gathered flat buffer while the unit is gathered."""
+    grad_bucket: torch.Tensor | None = None
+    grad_written: bool = False
+    arrived: set[int] = field(default_factory=set)
+    work: comm.Handle | None = None
+    out: torch.Tensor | None = None
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str
+    module: torch.nn.Module | None
+    groups: list[ShardedGroup]
+    gathered: bool = False
+    reduced: bool = False
+    """Its gradients of this backward were sent."""
+
+    @property
+    def trainable(self) -> list[ShardedGroup]:
+        return [g for g in self.groups if g.opt_group is not None]
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward gathers the unit before its backward runs."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: Stage3, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.stage, ctx.unit = stage, unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.unit.reduced:
+            ctx.stage._gather(ctx.unit)
+        return (None, None, *grads)
+
+
+class Stage3:
+    stage = 3
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
+                 precision: Precision) -> None:
+        if optimizer is None:
+            raise ValueError("zero_optimization.stage 3 needs an optimizer: add an \"optimizer\" section to the "
+                             "config or pass optimizer= to engine.initialize()")
+        check_elementwise(optimizer, 3, config.zero_allow_untested_optimizer)
+        self.optimizer = optimizer
+        self.precision = precision
+        self._world = comm.get_world_size()
+        self._rank = comm.get_rank()
+        self._prescale = config.prescale_gradients
+        self._predivide = config.gradient_predivide_factor
+        self.module = module
+
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
+        self.units: list[Unit] = []
+        for plan in plan_units(module):
+            keys: dict[tuple[int | None, torch.dtype], list[int]] = {}
+            for i, p in enumerate(plan.params):
+                keys.setdefault((group_of.get(id(p)), p.dtype), []).append(i)
+            groups = [self._shard(plan.params, plan.param_names, idx, opt_group)
+                      for (opt_group, _), idx in keys.items()]
+            self.units.append(Unit(len(self.units), plan.name, plan.module, groups))
+        masters: dict[int, list[torch.Tensor]] = {gi: [] for gi in range(len(optimizer.param_groups))}
+        for unit in self.units:
+            for g in unit.trainable:
+                masters[g.opt_group].append(g.master)
+        for gi, opt_group in enumerate(optimizer.param_groups):
+            opt_group["params"] = masters[gi]
+        optimizer.state.clear()
+
+        self._where = {id(p): (u, g, i) for u in self.units for g in u.trainable for i, p in enumerate(g.params)}
+        # Gradients are reduced unit by unit in one fixed order on every rank: the reverse of the
+        # forward order, so the last block (whose backward ends first) goes first, the root last.
+        self._reduce_order = list(reversed(self.units))
+        self._next_reduce = 0
+        self._handles: list[Any] = []
+        self._register_hooks(module)
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        self.grad_bucket_bytes = 0
+
+    # ----------------------------------------------------------------------------- building
+    def _shard(self, params: list[torch.nn.Parameter], names: list[str], idx: list[int],
+               opt_group: int | None) -> ShardedGroup:
+        members = [params[i] for i in idx]
+        layout = build_layout([p.shape for p in members], world_size=self._world,
+                              bucket_size=max(1, sum(p.numel() for p in members)),
+                              element_size=members[0].element_size())
+        assert layout.num_buckets == 1
+        dtype, device = members[0].dtype, members[0].device
+        flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for p, span in zip(members, layout.params):
+            flat[span.offset:span.end].copy_(p.data.reshape(-1))
+        start, end = layout.slice_range(0, self._rank)
+        shard = flat[start:end].clone()
+        del flat
+        group = ShardedGroup(members, [names[i] for i in idx], layout, shard, opt_group)
+        for p in members:
+            p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()  # DeepSpeed's names for the full shape
+            p.data = torch.empty(0, dtype=dtype, device=device)
+        if opt_group is not None:
+            group.master = shard if dtype == torch.float32 else shard.to(torch.float32)
+            group.shard_grad = torch.zeros(layout.slice_numel, dtype=torch.float32, device=device)
+            group.master.grad = group.shard_grad
+        return group
+
+    def _register_hooks(self, module: torch.nn.Module) -> None:
+        root = next((u for u in self.units if u.module is None), None)
+        if root is not None:
+            self._handles.append(module.register_forward_pre_hook(lambda _m, _i: self._gather(root)))
+            self._handles.append(module.register_forward_hook(lambda _m, _i, _o: self._after_root_forward(root)))
+        for unit in self.units:
+            if unit.module is None:
+                continue
+            self._handles.append(unit.module.register_forward_pre_hook(
+                lambda _m, _i, unit=unit: self._gather(unit)))
+            self._handles.append(unit.module.register_forward_hook(
+                lambda _m, _i, out, unit=unit: self._after_forward(unit, out)))
+        for unit in self.units:
+            for g in unit.trainable:
+                for p in g.params:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ------------------------------------------------------------------------- gather/release
+    def _gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        works = []
+        for g in unit.groups:
+            g.full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)
+            works.append(comm.all_gather(g.full, g.shard, async_op=True))
+        for work in works:
+            work.wait()
+        for g in unit.groups:
+            for p, span in zip(g.params, g.layout.params):
+                p.data = g.full[span.offset:span.end].view(p.ds_shape)
+            self.gathered_bytes += g.full.numel() * g.full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        unit.gathered = True
+
+    def _release(self, unit: Unit) -> None:
+        if not unit.gathered:
+            return
+        for g in unit.groups:
+            for p in g.params:
+                p.data = torch.empty(0, dtype=g.shard.dtype, device=g.shard.device)
+            self.gathered_bytes -= g.full.numel() * g.full.element_size()
+            g.full = None
+        unit.gathered = False
+
+    def _after_root_forward(self, root: Unit) -> None:
+        if not torch.is_grad_enabled():
+            self._release(root)  # evaluation: nothing will come back for it
+
+    def _after_forward(self, unit: Unit, output: Any) -> Any:
+        self._release(unit)
+        if not torch.is_grad_enabled() or not unit.trainable:
+            return output
+        flat, spec = tree_flatten(output)
+        positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not positions:
+            return output
+        wrapped = _GatherBeforeBackward.apply(self, unit, *(flat[i] for i in positions))
+        for i, t in zip(positions, wrapped):
+            flat[i] = t
+        unit.reduced = False
+        return tree_unflatten(flat, spec)
+
+    # ---------------------------------------------------------------------------- gradients
+    def _on_grad(self, param: torch.Tensor) -> None:
+        unit, g, i = self._where[id(param)]
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        if g.grad_bucket is None:
+            g.grad_bucket = torch.zeros(g.layout.padded_numel, dtype=self.precision.wire_dtype(grad.dtype),
+                                        device=grad.device)
+            self.grad_bucket_bytes += g.grad_bucket.numel() * g.grad_bucket.element_size()
+        span = g.layout.params[i]
+        if i in g.arrived:
+            g.grad_bucket[span.offset:span.end].add_(grad.reshape(-1))
+        else:
+            g.grad_bucket[span.offset:span.end].copy_(grad.reshape(-1))
+            g.arrived.add(i)
+        if all(len(x.arrived) == len(x.params) for x in unit.trainable):
+            self._reduce_in_order(complete_only=True)
+
+    def _complete(self, unit: Unit) -> bool:
+        return all(len(g.arrived) == len(g.params) for g in unit.trainable)
+
+    def _reduce_in_order(self, *, complete_only: bool) -> None:
+        while self._next_reduce < len(self._reduce_order):
+            unit = self._reduce_order[self._next_reduce]
+            if complete_only and not self._complete(unit):
+                return
+            self._launch_reduce(unit)
+            self._next_reduce += 1
+
+    def _launch_reduce(self, unit: Unit) -> None:
+        for g in unit.trainable:
+            if g.grad_bucket is None:  # no gradient on this rank: contribute zeros
+                g.grad_bucket = torch.zeros(g.layout.padded_numel, dtype=self.precision.wire_dtype(g.shard.dtype),
+                                            device=g.shard.device)
+                self.grad_bucket_bytes += g.grad_bucket.numel() * g.grad_bucket.element_size()
+            else:
+                for i, span in enumerate(g.layout.params):
+                    if i not in g.arrived:
+                        g.grad_bucket[span.offset:span.end].zero_()
+            data = g.grad_bucket
+            if self._prescale:
+                data.mul_(1.0 / self._world)
+            elif self._predivide != 1.0:
+                data.mul_(1.0 / self._predivide)
+            lo, hi = g.layout.slice_range(0, self._rank)
+            if data.dtype == torch.float32 and not g.grad_written:
+                g.out = None
+                g.work = comm.reduce_scatter(g.shard_grad, data, async_op=True)
+            else:
+                g.out = data[lo:hi]
+                g.work = comm.reduce_scatter(g.out, data, async_op=True)
+        unit.reduced = True
+        self._release(unit)
+
+    def _finish_reduce(self, g: ShardedGroup) -> None:
+        if g.work is None:
+            return
+        g.work.wait()
+        g.work = None
+        if g.out is not None:
+            if g.grad_written:
+                g.shard_grad.add_(g.out)
+            else:
+                g.shard_grad.copy_(g.out)
+            g.out = None
+        g.grad_written = True
+        g.arrived.clear()
+
+    def _pending(self) -> bool:
+        return any(g.arrived for u in self.units for g in u.trainable)
+
+    def _flush(self) -> None:
+        """Reduce every unit not reduced yet in this backward, wait for all, release everything."""
+        if self._next_reduce > 0 or self._pending():
+            self._reduce_in_order(complete_only=False)
+        for unit in self.units:
+            for g in unit.trainable:
+                self._finish_reduce(g)
+            self._release(unit)
+        self._next_reduce = 0
+
+    # ------------------------------------------------------------------------ stage interface
+    def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
+        if not sync:
+            raise RuntimeError("engine.no_sync() is not supported at zero_optimization.stage 3 (gradients are "
+                               "partitioned as they are produced, as in DeepSpeed); use gradient_accumulation_steps "
+                               "to accumulate micro-batches")
+
+    def finish_backward(self) -> None:
+        self._flush()
+
+    def step(self, max_grad_norm: float) -> StepOutcome:
+        self._flush()
+        shards = [g.shard_grad for u in self.units for g in u.trainable]
+        for u in self.units:
+            for g in u.trainable:
+                if not g.grad_written:
+                    g.shard_grad.zero_()
+        post = 1.0 if self._prescale else self._predivide / self._world
+        factor = post / self.precision.loss_scale
+        norm = self.precision.global_norm(shards, factor=factor, partitioned=True)
+        scaler = self.precision.scaler
+        if norm.overflow and scaler is not None:
+            scaler.update(overflow=True)
+            self.zero_grad()
+            return StepOutcome(norm.norm, applied=False)
+        coef = factor
+        if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
+            coef *= max_grad_norm / (norm.norm + 1e-6)
+        if coef != 1.0:
+            for s in shards:
+                s.mul_(coef)
+        self.optimizer.step()
+        if scaler is not None:
+            scaler.update(overflow=False)
+        for u in self.units:
+            for g in u.trainable:
+                if g.master is not g.shard:
+                    g.shard.copy_(g.master)
+        self.zero_grad()
+        return StepOutcome(norm.norm, applied=True)
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            for g in u.trainable:
+                if g.work is not None:
+                    g.work.wait()
+                    g.work, g.out = None, None
+                g.grad_written = False
+                g.arrived.clear()
+                for p in g.params:
+                    p.grad = None
+        self._next_reduce = 0
+
+    def memory_report(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        groups = [g for u in self.units for g in u.groups]
+        state = sum(nbytes(v) for g in groups if g.master is not None
+                    for v in self.optimizer.state.get(g.master, {}).values() if torch.is_tensor(v) and v.numel() > 1)
+        return {
+            "params": sum(nbytes(g.shard) for g in groups),
+            "master": sum(nbytes(g.master) for g in groups if g.master is not None and g.master is not g.shard),
+            "gradients": sum(nbytes(g.shard_grad) for g in groups),
+            "optimizer_state": state,
+            "buckets": self.grad_bucket_bytes,
+            "gathered": self.gathered_bytes,
+            "peak_gathered": self.peak_gathered_bytes,
+        }
+
+    def state_dict(self) -> dict[str, object]:
+        return {}
+
+    def destroy(self) -> None:
+        """Give the module back whole (every parameter gathered into its own storage), then drop
+        hooks, shards, masters and gradient buckets."""
+        self.zero_grad()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for unit in self.units:
+            self._gather(unit)
+            for g in unit.groups:
+                for p in g.params:
+                    p.data = p.data.clone()
+                g.full = None
+                g.grad_bucket = None
+                if g.master is not None:
+                    g.master.grad = None
+            unit.gathered = False
+        self.units.clear()
+        self._where.clear()
+        self.gathered_bytes = 0
+        comm.free_buffers()
