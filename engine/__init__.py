@@ -4,6 +4,7 @@ features it supports.
     engine, optimizer, loader, scheduler = engine.initialize(model=model, config="configs/zero0.json")
 """
 
+from engine import zero
 from engine.comm import comm_stats, init_distributed
 from engine.config import ConfigError, EngineConfig, load_config
 from engine.engine import Engine
@@ -19,6 +20,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "zero",
 ]
 __version__ = "0.1.0"
 

@@ -248,6 +248,17 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         return self._require_alive().memory_report()
 
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict on rank 0 ({} on other ranks); every rank must call it. At
+        stage 3 it is gathered one unit at a time (never the whole model on every rank)."""
+        stage = self._require_alive()
+        gather = getattr(stage, "consolidated_state_dict", None)
+        if gather is not None:
+            return gather()
+        if self.global_rank != 0:
+            return {}
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
     def comm_stats(self) -> dict[str, Any]:
         """Bytes this rank sent and calls made per collective type: cumulative ("bytes_sent",
         "calls") and for the last optimizer step ("last_step": the same two dicts)."""

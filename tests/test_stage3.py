@@ -203,3 +203,51 @@ def _train_measured() -> dict[str, Any]:
            "max_block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:])}
     eng.destroy()
     return out
+
+
+def _gathered_parameters(stage: int) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    model = make_net(7)
+    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage}})
+    for x, y in batches(2, MICRO):
+        eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+        eng.step()
+    weight = eng.module.blocks[0].lin.weight
+    out: dict[str, Any] = {"outside": tuple(weight.shape)}
+    with engine.zero.GatheredParameters([weight, eng.module.out.weight]):
+        out["inside"] = tuple(weight.shape)
+        out["value"] = weight.detach().clone()
+        out["tied_inside"] = tuple(eng.module.inp.weight.shape)
+    out["after"] = tuple(weight.shape)
+    with engine.zero.GatheredParameters(weight, modifier_rank=0):
+        if rank == 0:
+            weight.data.fill_(0.5)
+    full = eng.consolidated_state_dict()
+    out["keys"] = list(full)
+    out["modified"] = full["blocks.0.lin.weight"].clone() if full else None
+    out["tied_equal"] = bool(full) and torch.equal(full["inp.weight"], full["out.weight"])
+    x, y = batches(1, MICRO)[0]
+    eng.backward(torch.nn.functional.mse_loss(eng(x), y))  # training goes on from the modified weight
+    eng.step()
+    eng.destroy()
+    out["final"] = eng.module.blocks[0].lin.weight.detach().clone()
+    return out
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_gathered_parameters_and_consolidated_state_dict(stage: int) -> None:
+    results = run_distributed(_gathered_parameters, 2, args=(stage,))
+    full = (WIDTH, WIDTH)
+    for rank, result in enumerate(results):
+        assert result["outside"] == ((0,) if stage == 3 else full)
+        assert result["inside"] == full and result["tied_inside"] == full
+        assert result["after"] == result["outside"]
+        torch.testing.assert_close(result["value"], results[0]["value"], atol=0, rtol=0)
+        # rank 0's modification reached every rank's shard: one more step moved it by about lr only.
+        assert (result["final"] - 0.5).abs().max() < 2 * LR
+    assert results[0]["modified"] is not None and bool((results[0]["modified"] == 0.5).all())
+    assert results[0]["keys"] == list(make_net(0).state_dict())
+    assert results[0]["tied_equal"]
+    assert results[1]["keys"] == []

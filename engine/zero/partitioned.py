@@ -137,6 +137,9 @@ class PartitionedStage:
         self.buckets = [Bucket(n, self.groups[gi], b, members) for n, (_, gi, b, members) in enumerate(buckets)]
         self._bucket = {(bk.group.index, bk.b): bk for bk in self.buckets}
         self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        for g in self.groups:
+            for p in g.params:
+                p._zero_masters = self  # GatheredParameters(modifier_rank=...) refreshes masters through it
         self._next_launch = 0
         self._reduce_in_backward = False
         self._late: dict[int, torch.Tensor] = {}  # bucket order -> late gradient parts; see the Note
@@ -307,6 +310,12 @@ class PartitionedStage:
         self.zero_grad()
         return StepOutcome(norm.norm, applied=True)
 
+    def refresh_masters(self) -> None:
+        """Parameters were changed by the user (the same on every rank): copy them into the fp32 masters."""
+        for g in self.groups:
+            if g.owns_master:
+                g.master.copy_(g.shard_view(g.flat))
+
     def _gather_params(self) -> None:
         """All-gather every bucket's updated slices in place into the flat parameter buffers."""
         if not self.partitioned or self._world == 1:
@@ -377,6 +386,8 @@ class PartitionedStage:
         for g in self.groups:
             for p in g.params:
                 p.grad = None
+                if getattr(p, "_zero_masters", None) is self:
+                    del p._zero_masters
             g.master.grad = None
         self.buckets.clear()
         self._bucket.clear()

@@ -119,7 +119,10 @@ class Stage3:
                 keys.setdefault((group_of.get(id(p)), p.dtype), []).append(i)
             groups = [self._shard(plan.params, plan.param_names, idx, opt_group)
                       for (opt_group, _), idx in keys.items()]
-            self.units.append(Unit(len(self.units), plan.name, plan.module, groups))
+            unit = Unit(len(self.units), plan.name, plan.module, groups)
+            self.units.append(unit)
+            for p in plan.params:
+                p._zero_owner = (self, unit)  # for engine.zero.GatheredParameters
         masters: dict[int, list[torch.Tensor]] = {gi: [] for gi in range(len(optimizer.param_groups))}
         for unit in self.units:
             for g in unit.trainable:
@@ -379,6 +382,48 @@ class Stage3:
             "peak_gathered": self.peak_gathered_bytes,
         }
 
+    # ----------------------------------------------------------------------- user gathering
+    def gather_for_user(self, unit: Unit) -> bool:
+        """Gather a unit for GatheredParameters; False when it was already gathered (leave it so)."""
+        if unit.gathered:
+            return False
+        self._gather(unit)
+        return True
+
+    def release_for_user(self, unit: Unit) -> None:
+        self._release(unit)
+
+    def scatter_from(self, unit: Unit, src: int) -> None:
+        """After a user modified the gathered unit on rank `src`: everyone takes src's values and
+        writes its own slice back into the shard and the fp32 master."""
+        for g in unit.groups:
+            comm.broadcast(g.full, src=src)
+            lo, hi = g.layout.slice_range(0, self._rank)
+            g.shard.copy_(g.full[lo:hi])
+            if g.master is not None and g.master is not g.shard:
+                g.master.copy_(g.shard)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's full state dict on rank 0 (empty elsewhere), gathered one unit at a time, so
+        no rank ever holds more than one unit beyond its shards (and rank 0 the result)."""
+        keys = self.module.state_dict(keep_vars=True)
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            opened = self.gather_for_user(unit)
+            members = {id(p) for g in unit.groups for p in g.params}
+            if self._rank == 0:
+                for name, tensor in keys.items():
+                    if id(tensor) in members:
+                        out[name] = tensor.detach().clone()
+            if opened:
+                self._release(unit)
+        if self._rank != 0:
+            return {}
+        for name, tensor in keys.items():
+            if name not in out:  # buffers and parameters the stage does not manage
+                out[name] = tensor.detach().clone()
+        return {name: out[name] for name in keys}
+
     def state_dict(self) -> dict[str, object]:
         return {}
 
@@ -394,6 +439,7 @@ class Stage3:
             for g in unit.groups:
                 for p in g.params:
                     p.data = p.data.clone()
+                    del p._zero_owner
                 g.full = None
                 g.grad_bucket = None
                 if g.master is not None:
