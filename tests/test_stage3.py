@@ -165,30 +165,32 @@ def test_stage3_bf16_tracks_the_fp32_reference() -> None:
 
 
 def test_stage3_memory_and_traffic() -> None:
-    result = run_distributed(_train_measured, 2)[0]
+    result = run_distributed(_train_measured, 2, args=({"stage3_prefetch_bucket_size": 0},))[0]
     psi, padded, shard = result["psi"], result["padded"], result["shard"]
     assert result["memory"]["params"] == 4 * shard + result["frozen_shard_bytes"]
     assert result["memory"]["gradients"] == 4 * shard
     assert result["memory"]["optimizer_state"] == 8 * shard
     assert result["memory"]["master"] == 0  # fp32: the shard is the master
-    # Peak gathered: the root unit plus one block gathered at a time (no prefetch yet).
+    # Without prefetch: the root unit plus at most two blocks (one finishing its backward while the
+    # next is gathered) are whole at any time.
     assert result["memory"]["peak_gathered"] <= result["root_bytes"] + 2 * result["max_block_bytes"]
+    assert result["prefetched"] == 0
     # Paper 7.2.2: 3 Psi per step (all-gather in forward and in backward, reduce-scatter), except
-    # the root unit, gathered once for both.
+    # the root unit and the last block, which stay gathered from their forward to their backward.
     step = result["comm"]
     assert step["reduce_scatter"] == pytest.approx(0.5 * padded * 4, abs=16)
-    gathered_twice = 2 * (result["all_padded"] - result["root_padded"]) + result["root_padded"]
+    gathered_twice = 2 * (result["all_padded"] - result["root_padded"]) + result["root_padded"] - result["last_padded"]
     assert step["all_gather"] == pytest.approx(0.5 * gathered_twice * 4, abs=16)
     assert padded - psi < 8 * 2 * 32
 
 
-def _train_measured() -> dict[str, Any]:
+def _train_measured(zero: dict[str, Any], skip: bool = False) -> dict[str, Any]:
     model = make_net(7)
     eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3}})
-    for x, y in batches(3, MICRO):
-        eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+        "zero_optimization": {"stage": 3, **zero}})
+    for step, (x, y) in enumerate(batches(4, MICRO)):
+        eng.backward(torch.nn.functional.mse_loss(eng(x, skip_block=1 if skip and step == 2 else None), y))
         eng.step()
     units = eng._stage.units
     trainable = [g for u in units for g in u.trainable]
@@ -200,7 +202,10 @@ def _train_measured() -> dict[str, Any]:
            "all_padded": sum(g.layout.padded_numel for u in units for g in u.groups),
            "root_padded": sum(g.layout.padded_numel for g in units[0].groups),
            "root_bytes": 4 * sum(g.layout.padded_numel for g in units[0].groups),
-           "max_block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:])}
+           "max_block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+           "last_padded": sum(g.layout.padded_numel for g in units[-1].groups),
+           "block_numel": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+           "prefetched": eng._stage.prefetched_gathers, "order_changes": eng._stage.order_changes}
     eng.destroy()
     return out
 
@@ -251,3 +256,16 @@ def test_gathered_parameters_and_consolidated_state_dict(stage: int) -> None:
     assert results[0]["keys"] == list(make_net(0).state_dict())
     assert results[0]["tied_equal"]
     assert results[1]["keys"] == []
+
+
+def test_stage3_prefetch_within_max_live_parameters_and_order_changes() -> None:
+    probe = run_distributed(_train_measured, 1, args=({},))[0]
+    root, block = probe["root_padded"], probe["block_numel"]
+    max_live = root + 2 * block  # room for the root and two blocks, not all three
+    result = run_distributed(_train_measured, 2, args=({"stage3_max_live_parameters": max_live},))[0]
+    assert result["prefetched"] > 0, "later steps prefetch along the recorded order"
+    assert result["order_changes"] == 0
+    assert result["memory"]["peak_gathered"] <= 4 * (max_live + block)  # + one on-demand gather
+    # A step that skips a block changes the order: gathers fall back to on demand, then re-record.
+    changed = run_distributed(_train_measured, 2, args=({}, True))[0]
+    assert changed["order_changes"] >= 1 and changed["prefetched"] > 0

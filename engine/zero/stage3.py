@@ -16,6 +16,16 @@ gradients. Lifecycle of a unit in a step:
 The root unit (parameters outside the repeated blocks: embeddings, final norm, a tied head) is
 gathered when the model's forward starts and stays gathered until its gradients are reduced.
 
+# [Note: prefetch]
+# Every real gather of a micro-step (forward and backward) is recorded. From the next micro-step on,
+# each gather that matches the recorded order starts the all-gathers of the following units
+# asynchronously, up to stage3_prefetch_bucket_size elements ahead and never beyond
+# stage3_max_live_parameters gathered at once, so communication overlaps compute. A unit whose
+# next recorded use is right after its forward (the last block, whose backward comes next) is not
+# released in between. When the order stops matching (dynamic control flow), the rest of the
+# micro-step gathers on demand and the new order is recorded (debug log); every rank follows its
+# own identical trace, so collectives stay in the same order on all ranks.
+
 Gathered buffers are allocated fresh and never recycled while gathered views might still be
 referenced: autograd may have saved a view of a weight (e.g. `w.t()`) for backward, and a recycled
 buffer would silently feed it another unit's numbers. Released storage is freed by refcounting.
@@ -109,7 +119,18 @@ class Stage3:
         self._rank = comm.get_rank()
         self._prescale = config.prescale_gradients
         self._predivide = config.gradient_predivide_factor
+        self._prefetch_numel = config.zero.stage3_prefetch_bucket_size
+        self._max_live_numel = config.zero.stage3_max_live_parameters
         self.module = module
+        # Prefetch (see [Note: prefetch]): the unit gather order of the last micro-step, where this
+        # micro-step is in it, and the all-gathers already in flight.
+        self._trace: list[int] | None = None
+        self._recording: list[int] = []
+        self._pos = 0
+        self._following = True
+        self._inflight: dict[int, list[Any]] = {}
+        self.prefetched_gathers = 0
+        self.order_changes = 0
 
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
         self.units: list[Unit] = []
@@ -169,6 +190,7 @@ class Stage3:
 
     def _register_hooks(self, module: torch.nn.Module) -> None:
         root = next((u for u in self.units if u.module is None), None)
+        self._handles.append(module.register_forward_pre_hook(lambda _m, _i: self._start_forward()))
         if root is not None:
             self._handles.append(module.register_forward_pre_hook(lambda _m, _i: self._gather(root)))
             self._handles.append(module.register_forward_hook(lambda _m, _i, _o: self._after_root_forward(root)))
@@ -185,21 +207,86 @@ class Stage3:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     # ------------------------------------------------------------------------- gather/release
-    def _gather(self, unit: Unit) -> None:
-        if unit.gathered:
-            return
+    def _start_gather(self, unit: Unit) -> list[Any]:
         works = []
         for g in unit.groups:
             g.full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)
             works.append(comm.all_gather(g.full, g.shard, async_op=True))
+            self.gathered_bytes += g.full.numel() * g.full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        return works
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        works = self._inflight.pop(unit.index, None)
+        if works is None:
+            works = self._start_gather(unit)
         for work in works:
             work.wait()
         for g in unit.groups:
             for p, span in zip(g.params, g.layout.params):
                 p.data = g.full[span.offset:span.end].view(p.ds_shape)
-            self.gathered_bytes += g.full.numel() * g.full.element_size()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         unit.gathered = True
+        self._follow_trace(unit)
+
+    def _follow_trace(self, unit: Unit) -> None:
+        """Record this gather and, while the recorded order holds, prefetch the next units."""
+        self._recording.append(unit.index)
+        if self._trace is None or not self._following or not torch.is_grad_enabled() and not self._in_backward():
+            return
+        if self._pos < len(self._trace) and self._trace[self._pos] == unit.index:
+            self._pos += 1
+            self._prefetch()
+            return
+        self._following = False
+        self.order_changes += 1
+        logger.debug("stage 3: unit %s gathered out of the recorded order; gathering on demand and re-recording",
+                     unit.name)
+
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _unit_numel(self, unit: Unit) -> int:
+        return sum(g.layout.padded_numel for g in unit.groups)
+
+    def _prefetch(self) -> None:
+        assert self._trace is not None
+        budget = self._prefetch_numel
+        live = sum(self._unit_numel(u) for u in self.units if u.gathered or u.index in self._inflight)
+        for index in self._trace[self._pos:]:
+            unit = self.units[index]
+            if unit.gathered or index in self._inflight:
+                continue
+            numel = self._unit_numel(unit)
+            if numel > budget or live + numel > self._max_live_numel:
+                return
+            self._inflight[index] = self._start_gather(unit)
+            self.prefetched_gathers += 1
+            budget -= numel
+            live += numel
+
+    def _drop_prefetched(self) -> None:
+        """Wait for (collectives cannot be cancelled) and free gathers nobody used."""
+        for index, works in list(self._inflight.items()):
+            for work in works:
+                work.wait()
+            unit = self.units[index]
+            for g in unit.groups:
+                self.gathered_bytes -= g.full.numel() * g.full.element_size()
+                g.full = None
+        self._inflight.clear()
+
+    def _end_of_micro_step(self) -> None:
+        """After a backward: keep the recorded order, or adopt a changed one; start over."""
+        self._drop_prefetched()
+        if self._recording:
+            if self._trace != self._recording:
+                self._trace = list(self._recording)
+        self._recording = []
+        self._pos = 0
+        self._following = True
 
     def _release(self, unit: Unit) -> None:
         if not unit.gathered:
@@ -211,12 +298,26 @@ class Stage3:
             g.full = None
         unit.gathered = False
 
+    def _start_forward(self) -> None:
+        """A new forward of the whole model: a new micro-step in the recorded order."""
+        if self._recording and not self._in_backward():
+            self._drop_prefetched()
+            self._recording, self._pos, self._following = [], 0, True
+
     def _after_root_forward(self, root: Unit) -> None:
         if not torch.is_grad_enabled():
             self._release(root)  # evaluation: nothing will come back for it
 
     def _after_forward(self, unit: Unit, output: Any) -> Any:
-        self._release(unit)
+        next_use = self._trace[self._pos] if self._trace and self._following and self._pos < len(self._trace) else None
+        if next_use == unit.index and torch.is_grad_enabled():
+            # Its backward comes right after (the last block): keep it gathered and count the
+            # gather that is saved as done, so the recorded order stays the same every step.
+            self._recording.append(unit.index)
+            self._pos += 1
+            self._prefetch()
+        else:
+            self._release(unit)
         if not torch.is_grad_enabled() or not unit.trainable:
             return output
         flat, spec = tree_flatten(output)
@@ -321,9 +422,11 @@ class Stage3:
 
     def finish_backward(self) -> None:
         self._flush()
+        self._end_of_micro_step()
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         self._flush()
+        self._drop_prefetched()
         shards = [g.shard_grad for u in self.units for g in u.trainable]
         for u in self.units:
             for g in u.trainable:
@@ -430,6 +533,8 @@ class Stage3:
     def destroy(self) -> None:
         """Give the module back whole (every parameter gathered into its own storage), then drop
         hooks, shards, masters and gradient buckets."""
+        self._drop_prefetched()
+        self._trace = None
         self.zero_grad()
         for handle in self._handles:
             handle.remove()
