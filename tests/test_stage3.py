@@ -269,3 +269,57 @@ def test_stage3_prefetch_within_max_live_parameters_and_order_changes() -> None:
     # A step that skips a block changes the order: gathers fall back to on demand, then re-record.
     changed = run_distributed(_train_measured, 2, args=({}, True))[0]
     assert changed["order_changes"] >= 1 and changed["prefetched"] > 0
+
+
+GPT_STEPS = 6
+# The attention key bias has a true gradient of exactly zero (softmax ignores a constant added to
+# every key), so its gradient is summation-order noise (~1e-9), which Adam with eps 1e-8 would turn
+# into lr-sized steps that differ between any two summation orders. eps 1e-4 leaves the real
+# gradients (1e-3 and up) alone and keeps the noise negligible.
+GPT_EPS = 1e-4
+
+
+def _gpt(seed: int) -> torch.nn.Module:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2))
+
+
+def _gpt_batches(global_batch: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 32, (global_batch, 9), generator=g) for _ in range(GPT_STEPS)]
+
+
+def _train_gpt() -> dict[str, Any]:
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    eng, *_ = engine.initialize(model=_gpt(11 + rank), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": GPT_EPS}}, "zero_optimization": {"stage": 3}})
+    units = [u.name for u in eng._stage.units]
+    for batch in _gpt_batches(2 * 2 * ws):
+        for k in range(2):
+            rows = batch[(k * ws + rank) * 2:(k * ws + rank + 1) * 2]
+            eng.backward(eng(rows[:, :-1], rows[:, 1:]))
+            eng.step()
+    eng.destroy()
+    return {"units": units, "state": {k: v.detach().clone() for k, v in eng.module.state_dict().items()}}
+
+
+def test_stage3_gpt_of_the_main_job_matches_single_process() -> None:
+    results = run_distributed(_train_gpt, 2)
+    model = _gpt(11)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=GPT_EPS, weight_decay=0.0)  # DeepSpeed's decay: 0
+    for batch in _gpt_batches(8):
+        opt.zero_grad()
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    for result in results:
+        assert result["units"] == ["<root>", "blocks.0", "blocks.1"]
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(result["state"][name], want, atol=ATOL, rtol=0, msg=name)
