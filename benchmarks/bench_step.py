@@ -1,4 +1,4 @@
-"""Step time, memory and communication of ZeRO stages 0-2 (fp32 and bf16) against PyTorch DDP, in one run.
+"""Step time, memory and communication of ZeRO stages 0-3 (fp32 and bf16) against PyTorch DDP and FSDP2, in one run.
 
     zrun --nproc_per_node 2 benchmarks/bench_step.py --model S [--steps 20] [--warmup 3] [--bucket 2e7]
                                                         [--variants "ddp,deepspeed bf16"]
@@ -6,10 +6,13 @@
 Every variant trains the same GPT (examples/gpt.py) on the same random batches with AdamW (lr 1e-4) and
 clipping 1.0, one after the other in the same processes, so the ratios compare like with like:
 PyTorch DDP fp32 and bf16, engine stages 0, 1, 2 in fp32 and bf16 (overlap_comm, buckets of --bucket
-elements), and DeepSpeed's stages 0-2 when `import deepspeed` works (skipped with a note otherwise).
+elements), engine stage 3 with prefetch (stage3_prefetch_bucket_size 5e7, the default) and without (0),
+PyTorch FSDP2 (fully_shard on each block, then the root), and DeepSpeed's stages 0-3 when
+`import deepspeed` works (skipped with a note otherwise). A table compares engine stage 3 with FSDP2.
 A variant that raises is reported as failed in the table (traceback on stderr) and the run goes on;
 --fail-fast re-raises instead. --variants runs only some variants (comma-separated filters; a variant
-runs when every word of one filter is in its name, case-insensitive, e.g. "ddp,deepspeed stage 2").
+runs when every word of one filter starts a word of its name, case-insensitive, e.g. "ddp,deepspeed stage 2";
+"stage 3" then does not match "fp32", "fsdp" matches "FSDP2").
 Rank 0 writes benchmarks/results/step_<model>.md (tables, settings, machine) and step_<model>.png (plot,
 if matplotlib is there), and prints the tables.
 
@@ -53,6 +56,7 @@ MICRO = 8
 LR = 1e-4
 CLIP = 1.0
 MIB = 2**20
+PREFETCH = 50_000_000  # stage3_prefetch_bucket_size (elements) of the stage 3 rows with prefetch: the default
 OP_ABBREV = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag", "broadcast": "bc"}
 
 
@@ -60,11 +64,12 @@ OP_ABBREV = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag", "br
 class Result:
     name: str
     precision: str  # "fp32" or "bf16"
-    kind: str  # "ddp", "engine" or "deepspeed"
+    kind: str  # "ddp", "engine", "fsdp" or "deepspeed"
     times: list[float] = field(default_factory=list)
     rss_after: list[float] = field(default_factory=list)  # MiB per rank
     peak_rss: list[float] = field(default_factory=list)  # MiB per rank, empty when VmHWM cannot be reset
     memory: list[dict[str, int]] = field(default_factory=list)  # per rank: params, master, gradients, ...
+    # (stage 3 adds gathered / peak_gathered; FSDP2 has no buckets)
     comm_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's bytes per timed step, per op
     comm_note: str = ""
     detail: str = ""  # DeepSpeed: the optimizer wrapper and the optimizer inside it
@@ -153,19 +158,24 @@ def run_ddp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
     res.comm_note = "computed"
 
 
-def _engine_config(stage: int, precision: str, bucket: int) -> dict[str, Any]:
-    return {
+def _engine_config(stage: int, precision: str, bucket: int, prefetch: int | None = None) -> dict[str, Any]:
+    """prefetch: stage 3's stage3_prefetch_bucket_size in elements (0 = no prefetch); None leaves it out."""
+    conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "bf16": {"enabled": precision == "bf16"},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                               "overlap_comm": True},
     }
+    if prefetch is not None:
+        conf["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch
+    return conf
 
 
-def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int) -> None:
+def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int,
+               prefetch: int | None = None) -> None:
     model = _model(cfg)
-    eng, _, _, _ = engine.initialize(model=model, config=_engine_config(stage, res.precision, bucket))
+    eng, _, _, _ = engine.initialize(model=model, config=_engine_config(stage, res.precision, bucket, prefetch))
     try:
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             eng.backward(eng(x, y))
@@ -182,12 +192,13 @@ def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: i
         eng.destroy()
 
 
-def run_deepspeed(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int) -> None:
+def run_deepspeed(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int,
+                  prefetch: int | None = None) -> None:
     import deepspeed
 
     # The engine's config as it is (AdamW lr 1e-4, clipping 1.0, the same zero_optimization knobs, bf16);
     # torch_adam: torch.optim.AdamW as the engine uses, not DeepSpeed's compiled CPU/fused Adam.
-    conf = _engine_config(stage, res.precision, bucket)
+    conf = _engine_config(stage, res.precision, bucket, prefetch)
     conf["optimizer"]["params"]["torch_adam"] = True
     conf["zero_force_ds_cpu_optimizer"] = False
     model = _model(cfg)
@@ -203,6 +214,55 @@ def run_deepspeed(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage
         res.comm_note = "not counted"
     finally:
         eng.destroy()
+
+
+def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
+    """PyTorch FSDP2: fully_shard on each block, then on the root (which keeps the embeddings, the final
+    norm and the head, as the engine's root unit), on a 1-D CPU mesh over the default (gloo) group.
+    fp32: no mixed precision. bf16: the fp32 model with MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16), so the fp32 sharded parameters are the master weights (as the engine's fp32
+    master shards) and forward/backward compute in bf16. torch AdamW (foreach) on the sharded
+    parameters, torch.nn.utils.clip_grad_norm_ on the DTensor gradients (global norm)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    model = _model(cfg)
+    mesh = init_device_mesh("cpu", (comm.get_world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+          if res.precision == "bf16" else MixedPrecisionPolicy())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=True)
+    last_x = batches[-1][0]
+    grad_bytes = [0]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        if x is last_x:  # the sharded gradients, read once (last step), before zero_grad frees them
+            grad_bytes[0] = sum(nbytes(p.grad) for p in params if p.grad is not None)
+        opt.zero_grad()
+
+    res.times = _time_steps(step, batches, warmup)
+    # The local shards (fp32; in bf16 also the master: the bf16 copies exist only while gathered, as
+    # FSDP2's all-gather output) and the optimizer state on them; FSDP2's communication buffers are
+    # transient and not measured (buckets n/a).
+    state = sum(nbytes(v) for p in params for v in opt.state.get(p, {}).values()
+                if torch.is_tensor(v) and local(v).numel() > 1)
+    res.memory = [{"params": sum(nbytes(p) for p in params), "master": 0, "gradients": grad_bytes[0],
+                   "optimizer_state": state}]
+    res.comm_note = "not counted"
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -260,6 +320,47 @@ def _comm_cell(res: Result) -> tuple[str, str]:
     if res.comm_note:
         split += f" ({res.comm_note})"
     return (f"{total / 1e6:.2f}", split)
+
+
+def _median(results: list[Result], name: str) -> tuple[Result | None, float | None]:
+    r = next((r for r in results if r.name == name), None)
+    return r, (statistics.median(r.times) if r is not None and r.times and not r.error else None)
+
+
+def _stage3_vs_fsdp(results: list[Result]) -> list[str]:
+    """The issue's goal, per precision: engine stage 3 (prefetch) step time no worse than FSDP2's, memory
+    per rank no higher. Ratios engine / FSDP2: below 1 = the engine is faster / holds less."""
+    rows = []
+    for prec in ("fp32", "bf16"):
+        eng, e_med = _median(results, f"engine stage 3 {prec}")
+        _, off_med = _median(results, f"engine stage 3 no prefetch {prec}")
+        fsdp, f_med = _median(results, f"PyTorch FSDP2 {prec}")
+        if fsdp is None or (eng is None and off_med is None):
+            continue
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.3f}" if a is not None and b else "n/a"
+
+        def sec(v: float | None) -> str:
+            return f"{v:.3f}" if v is not None else "n/a"
+
+        e_states = max(_model_states(m) for m in eng.memory) if eng is not None and eng.memory else None
+        f_states = max(_model_states(m) for m in fsdp.memory) if fsdp.memory else None
+        e_peak = max(eng.peak_rss) if eng is not None and eng.peak_rss else None
+        f_peak = max(fsdp.peak_rss) if fsdp.peak_rss else None
+        rows.append(f"| {prec} | {sec(e_med)} | {sec(off_med)} | {sec(f_med)} | {ratio(e_med, f_med)} | "
+                    f"{ratio(off_med, f_med)} | {_mib(e_states) if e_states is not None else 'n/a'} | "
+                    f"{_mib(f_states) if f_states is not None else 'n/a'} | {ratio(e_states, f_states)} | "
+                    f"{f'{e_peak:.0f}' if e_peak is not None else 'n/a'} / {f'{f_peak:.0f}' if f_peak is not None else 'n/a'} |")
+    if not rows:
+        return []
+    return ["", ("Stage 3 vs FSDP2 (goal: engine stage 3 step time no worse than FSDP2's, memory per rank no "
+                 "higher; ratios engine / FSDP2 at the same precision, below 1 = the engine is faster / holds less; "
+                 "model states = the most over ranks, peak RSS = the most over ranks, same caveats as above):"), "",
+            ("| precision | engine stage 3 median s | engine stage 3 no prefetch median s | FSDP2 median s | "
+             "step time ratio | no prefetch: step time ratio | engine model states MiB/rank | "
+             "FSDP2 model states MiB/rank | model states ratio | peak RSS MiB engine / FSDP2 |"),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows]
 
 
 def _machine_facts(load_before: tuple[float, ...]) -> list[str]:
@@ -324,7 +425,7 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
         states = " / ".join(_mib(_model_states(m)) for m in r.memory) if r.memory else "n/a"
         if r.memory and len({_model_states(m) for m in r.memory}) == 1:
             states = _mib(_model_states(r.memory[0]))
-        buckets = _mib(r.memory[0]["buckets"]) if r.memory else "n/a"
+        buckets = _mib(r.memory[0]["buckets"]) if r.memory and "buckets" in r.memory[0] else "n/a"
         if r.kind == "ddp" and r.memory:
             buckets += " (computed)"
         total, split = _comm_cell(r) if not r.error else ("n/a", "n/a")
@@ -333,14 +434,18 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
             row.append(_per_rank(r.peak_rss))
         row += [states, buckets, total, split]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Model states per rank (rank 0), MiB:", "",
-              "| variant | params | master | gradients | optimizer state | sum | buckets |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    if any(r.memory for r in results):
+        lines += ["", "Model states per rank (rank 0), MiB:", "",
+                  "| variant | params | master | gradients | optimizer state | sum | buckets | peak gathered |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.memory:
             m = r.memory[0]
+            buckets = _mib(m["buckets"]) if "buckets" in m else "n/a"
+            gathered = _mib(m["peak_gathered"]) if r.kind == "engine" and "peak_gathered" in m else "n/a"
             lines.append(f"| {r.name} | {_mib(m['params'])} | {_mib(m['master'])} | {_mib(m['gradients'])} | "
-                         f"{_mib(m['optimizer_state'])} | {_mib(_model_states(m))} | {_mib(m['buckets'])} |")
+                         f"{_mib(m['optimizer_state'])} | {_mib(_model_states(m))} | {buckets} | {gathered} |")
+    lines += _stage3_vs_fsdp(results)
     failed = [r for r in results if r.error]
     if failed:
         lines += ["", "Failed variants (tracebacks on stderr):", ""]
@@ -369,6 +474,21 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
          "more parameters than the reference doc's S (5.3M) / M (29.5M); compare ratios, not seconds."),
         *notes,
     ]
+    if any(r.kind == "engine" and r.memory and "peak_gathered" in r.memory[0] for r in results):
+        notes.append("Engine stage 3: model states are the shards only (params = this rank's shard of the "
+                     "parameters in the compute dtype; in bf16 master = the fp32 shard); peak gathered = "
+                     "`memory_report()[\"peak_gathered\"]`, the most bytes of gathered (full) units held at "
+                     "once during the variant (warm-up included), not part of the sum; buckets = its gradient "
+                     "buckets. \"no prefetch\" sets stage3_prefetch_bucket_size 0: each unit is gathered on "
+                     "demand, so the difference to the row with prefetch is the overlap of the all-gathers.")
+    if any(r.kind == "fsdp" for r in results):
+        notes.append("FSDP2: model states from the local shards (`DTensor.to_local()`): params = the fp32 "
+                     "sharded parameters (in bf16 also the master: MixedPrecisionPolicy casts them to bf16 "
+                     "only in the all-gather, so master = 0 is not missing state), gradients = the sharded "
+                     "gradients read after the last step's optimizer step, optimizer state = AdamW's sharded "
+                     "exp_avg / exp_avg_sq; its gathered parameters and communication buffers are transient "
+                     "and not measured (buckets n/a), its traffic is not counted (it calls torch.distributed "
+                     "directly, not through engine.comm).")
     if any(r.kind == "deepspeed" for r in results):
         notes.append("DeepSpeed rows: step times and RSS only; model states, buckets and traffic are not "
                      "measured for them (n/a).")
@@ -380,10 +500,19 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
          f"{args.steps} timed + {args.warmup} warm-up steps per variant, the same random batches for all"),
         f"- AdamW lr {LR}, weight_decay 0, gradient clipping {CLIP}, micro batch {MICRO}, gradient accumulation 1",
         (f"- engine: zero_optimization {{stage s, reduce_bucket_size {args.bucket}, allgather_bucket_size "
-         f"{args.bucket}, overlap_comm true}}; bf16 variants add \"bf16\": {{\"enabled\": true}}"),
+         f"{args.bucket}, overlap_comm true}}; bf16 variants add \"bf16\": {{\"enabled\": true}}; stage 3 adds "
+         f"stage3_prefetch_bucket_size {PREFETCH} (prefetch, the default) or 0 (\"no prefetch\"), "
+         "stage3_max_live_parameters left at its default (1e9)"),
         ("- DDP: torch.nn.parallel.DistributedDataParallel with the default bucket_cap_mb (25 MB), "
          "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_"),
     ]
+    if any(r.kind == "fsdp" for r in results):
+        lines.append(
+            "- FSDP2: torch.distributed.fsdp.fully_shard on each model.blocks[i], then on the model (default "
+            "reshard_after_forward: blocks resharded after forward, the root kept), mesh "
+            "init_device_mesh(\"cpu\", (world size,)); fp32: default MixedPrecisionPolicy(); bf16: the fp32 model "
+            "with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16); "
+            "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_ on the DTensor gradients")
     ds_rows = [r for r in results if r.kind == "deepspeed"]
     if ds_rows:
         lines.append(
@@ -416,7 +545,7 @@ def _plot(args: argparse.Namespace, results: list[Result], out_dir: str, md_path
         rows = [r for r in results if r.precision == prec]
         names = [r.name.replace(f" {prec}", "") for r in rows]
         meds = [statistics.median(r.times) if r.times and not r.error else 0.0 for r in rows]
-        colors = ["#dd8452" if r.kind == "ddp" else "#55a868" if r.kind == "deepspeed" else "#4c72b0" for r in rows]
+        colors = [{"ddp": "#dd8452", "deepspeed": "#55a868", "fsdp": "#8172b3"}.get(r.kind, "#4c72b0") for r in rows]
         bars = ax.barh(names, meds, color=colors, hatch=None)
         for bar, r, m in zip(bars, rows, meds):
             if r.kind == "ddp":
@@ -430,6 +559,8 @@ def _plot(args: argparse.Namespace, results: list[Result], out_dir: str, md_path
         ax.set_xlim(0, max(meds + [1e-3]) * 1.25)
     handles = [Patch(facecolor="#dd8452", hatch="//", label="PyTorch DDP (baseline)"),
                Patch(facecolor="#4c72b0", label="engine")]
+    if any(r.kind == "fsdp" for r in results):
+        handles.append(Patch(facecolor="#8172b3", label="PyTorch FSDP2"))
     if any(r.kind == "deepspeed" for r in results):
         handles.append(Patch(facecolor="#55a868", label="DeepSpeed"))
     fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles), frameon=False)
@@ -451,8 +582,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="collective timeout (s): a hang becomes an error")
     parser.add_argument("--fail-fast", action="store_true", help="re-raise a variant's exception instead of going on")
     parser.add_argument("--variants", default="",
-                        help="comma-separated filters: run only the variants whose name holds every word of one "
-                             "filter (case-insensitive), e.g. 'ddp,deepspeed bf16'; default: all")
+                        help="comma-separated filters: run only the variants whose name has, for every word of "
+                             "one filter, a word starting with it (case-insensitive), e.g. 'ddp,deepspeed bf16', "
+                             "'stage 3,fsdp'; default: all")
     args = parser.parse_args()
     args.bucket = int(args.bucket)
     args.load_before = os.getloadavg()
@@ -482,13 +614,22 @@ def main() -> None:
         for stage in (0, 1, 2):
             plan.append((Result(f"engine stage {stage} {prec}", prec, "engine"),
                          lambda r, s=stage: run_engine(r, cfg, batches, args.warmup, s, args.bucket)))
+        for label, prefetch in (("", PREFETCH), ("no prefetch ", 0)):
+            plan.append((Result(f"engine stage 3 {label}{prec}", prec, "engine"),
+                         lambda r, pf=prefetch: run_engine(r, cfg, batches, args.warmup, 3, args.bucket, pf)))
+        plan.append((Result(f"PyTorch FSDP2 {prec}", prec, "fsdp"), lambda r: run_fsdp(r, cfg, batches, args.warmup)))
         if has_ds:
-            for stage in (0, 1, 2):
+            for stage in (0, 1, 2, 3):
                 plan.append((Result(f"DeepSpeed stage {stage} {prec}", prec, "deepspeed"),
-                             lambda r, s=stage: run_deepspeed(r, cfg, batches, args.warmup, s, args.bucket)))
+                             lambda r, s=stage: run_deepspeed(r, cfg, batches, args.warmup, s, args.bucket,
+                                                              PREFETCH if s == 3 else None)))
     filters = [f.lower().split() for f in args.variants.split(",") if f.strip()]
     if filters:
-        plan = [(res, fn) for res, fn in plan if any(all(w in res.name.lower() for w in f) for f in filters)]
+        def selected(name: str) -> bool:
+            words = name.lower().split()
+            return any(all(any(n.startswith(w) for n in words) for w in f) for f in filters)
+
+        plan = [(res, fn) for res, fn in plan if selected(res.name)]
         if not plan:
             parser.error(f"--variants {args.variants!r} matches no variant")
     results = []
