@@ -165,7 +165,8 @@ def test_stage3_bf16_tracks_the_fp32_reference() -> None:
 
 
 def test_stage3_memory_and_traffic() -> None:
-    result = run_distributed(_train_measured, 2, args=({"stage3_prefetch_bucket_size": 0},))[0]
+    result = run_distributed(_train_measured, 2, args=({"stage3_prefetch_bucket_size": 0,
+                                                        "stage3_param_persistence_threshold": 0},))[0]
     psi, padded, shard = result["psi"], result["padded"], result["shard"]
     assert result["memory"]["params"] == 4 * shard + result["frozen_shard_bytes"]
     assert result["memory"]["gradients"] == 4 * shard
@@ -262,12 +263,13 @@ def test_stage3_prefetch_within_max_live_parameters_and_order_changes() -> None:
     probe = run_distributed(_train_measured, 1, args=({},))[0]
     root, block = probe["root_padded"], probe["block_numel"]
     max_live = root + 2 * block  # room for the root and two blocks, not all three
-    result = run_distributed(_train_measured, 2, args=({"stage3_max_live_parameters": max_live},))[0]
+    result = run_distributed(_train_measured, 2, args=({"stage3_max_live_parameters": max_live,
+                                                        "stage3_param_persistence_threshold": 0},))[0]
     assert result["prefetched"] > 0, "later steps prefetch along the recorded order"
     assert result["order_changes"] == 0
     assert result["memory"]["peak_gathered"] <= 4 * (max_live + block)  # + one on-demand gather
     # A step that skips a block changes the order: gathers fall back to on demand, then re-record.
-    changed = run_distributed(_train_measured, 2, args=({}, True))[0]
+    changed = run_distributed(_train_measured, 2, args=({"stage3_param_persistence_threshold": 0}, True))[0]
     assert changed["order_changes"] >= 1 and changed["prefetched"] > 0
 
 
@@ -323,3 +325,9 @@ def test_stage3_gpt_of_the_main_job_matches_single_process() -> None:
         assert result["units"] == ["<root>", "blocks.0", "blocks.1"]
         for name, want in model.state_dict().items():
             torch.testing.assert_close(result["state"][name], want, atol=ATOL, rtol=0, msg=name)
+
+
+def test_stage3_units_below_the_persistence_threshold_are_gathered_once_per_step() -> None:
+    result = run_distributed(_train_measured, 2, args=({"stage3_param_persistence_threshold": 10**9},))[0]
+    # Every unit stays whole from its forward to its backward: one all-gather of everything per step.
+    assert result["comm"]["all_gather"] == pytest.approx(0.5 * result["all_padded"] * 4, abs=16)

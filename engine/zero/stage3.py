@@ -121,6 +121,7 @@ class Stage3:
         self._predivide = config.gradient_predivide_factor
         self._prefetch_numel = config.zero.stage3_prefetch_bucket_size
         self._max_live_numel = config.zero.stage3_max_live_parameters
+        self._persist_below = config.zero.stage3_param_persistence_threshold
         self.module = module
         # Prefetch (see [Note: prefetch]): the unit gather order of the last micro-step, where this
         # micro-step is in it, and the all-gathers already in flight.
@@ -310,7 +311,9 @@ class Stage3:
 
     def _after_forward(self, unit: Unit, output: Any) -> Any:
         next_use = self._trace[self._pos] if self._trace and self._following and self._pos < len(self._trace) else None
-        if next_use == unit.index and torch.is_grad_enabled():
+        if self._unit_numel(unit) < self._persist_below and torch.is_grad_enabled():
+            pass  # small: cheaper to keep whole until its gradients are reduced than to gather it again
+        elif next_use == unit.index and torch.is_grad_enabled():
             # Its backward comes right after (the last block): keep it gathered and count the
             # gather that is saved as done, so the recorded order stays the same every step.
             self._recording.append(unit.index)
