@@ -101,7 +101,7 @@ def _train(gas: int, clip: float, options: dict[str, Any], top: dict[str, Any]) 
               "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "gradient_clipping": clip,
               "zero_optimization": {"stage": 3}, **top}
     eng, _, _, _ = engine.initialize(model=model, model_parameters=param_groups(model), config=config)
-    dtype = next(iter(eng._stage.units[0].groups)).shard.dtype
+    dtype = eng._stage.units[0].groups[0].dtype
     empty_between_steps = []
     losses = []
     for step, batch in enumerate(batches(STEPS, MICRO * gas * ws)):

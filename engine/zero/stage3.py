@@ -58,10 +58,14 @@ class ShardedGroup:
     params: list[torch.nn.Parameter]
     names: list[str]
     layout: GroupLayout
-    shard: torch.Tensor
-    """This rank's slice of the unit's flat buffer (param dtype): the persistent storage."""
+    shard: torch.Tensor | None
+    """This rank's slice of the unit's flat buffer in the parameter dtype: the persistent storage of
+    frozen and fp32 parameters. None for trainable low-precision groups, whose only copy is the fp32
+    master (cast while gathering, as FSDP2 does: 4 instead of 2 + 4 bytes per element)."""
     opt_group: int | None
     """Index of the optimizer param group; None for frozen parameters (gathered, never updated)."""
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
     master: torch.Tensor | None = None
     """fp32 optimizer parameter: the shard itself in fp32, a copy otherwise (None when frozen)."""
     shard_grad: torch.Tensor | None = None
@@ -179,12 +183,14 @@ class Stage3:
         start, end = layout.slice_range(0, self._rank)
         shard = flat[start:end].clone()
         del flat
-        group = ShardedGroup(members, [names[i] for i in idx], layout, shard, opt_group)
+        group = ShardedGroup(members, [names[i] for i in idx], layout, shard, opt_group, dtype=dtype, device=device)
         for p in members:
             p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()  # DeepSpeed's names for the full shape
             p.data = torch.empty(0, dtype=dtype, device=device)
         if opt_group is not None:
             group.master = shard if dtype == torch.float32 else shard.to(torch.float32)
+            if dtype != torch.float32:
+                group.shard = None
             group.shard_grad = torch.zeros(layout.slice_numel, dtype=torch.float32, device=device)
             group.master.grad = group.shard_grad
         return group
@@ -211,8 +217,9 @@ class Stage3:
     def _start_gather(self, unit: Unit) -> list[Any]:
         works = []
         for g in unit.groups:
-            g.full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)
-            works.append(comm.all_gather(g.full, g.shard, async_op=True))
+            g.full = torch.empty(g.layout.padded_numel, dtype=g.dtype, device=g.device)
+            source = g.shard if g.shard is not None else g.master.to(g.dtype)
+            works.append(comm.all_gather(g.full, source, async_op=True))
             self.gathered_bytes += g.full.numel() * g.full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         return works
@@ -294,7 +301,7 @@ class Stage3:
             return
         for g in unit.groups:
             for p in g.params:
-                p.data = torch.empty(0, dtype=g.shard.dtype, device=g.shard.device)
+                p.data = torch.empty(0, dtype=g.dtype, device=g.device)
             self.gathered_bytes -= g.full.numel() * g.full.element_size()
             g.full = None
         unit.gathered = False
@@ -367,8 +374,8 @@ class Stage3:
     def _launch_reduce(self, unit: Unit) -> None:
         for g in unit.trainable:
             if g.grad_bucket is None:  # no gradient on this rank: contribute zeros
-                g.grad_bucket = torch.zeros(g.layout.padded_numel, dtype=self.precision.wire_dtype(g.shard.dtype),
-                                            device=g.shard.device)
+                g.grad_bucket = torch.zeros(g.layout.padded_numel, dtype=self.precision.wire_dtype(g.dtype),
+                                            device=g.device)
                 self.grad_bucket_bytes += g.grad_bucket.numel() * g.grad_bucket.element_size()
             else:
                 for i, span in enumerate(g.layout.params):
@@ -452,10 +459,6 @@ class Stage3:
         self.optimizer.step()
         if scaler is not None:
             scaler.update(overflow=False)
-        for u in self.units:
-            for g in u.trainable:
-                if g.master is not g.shard:
-                    g.shard.copy_(g.master)
         self.zero_grad()
         return StepOutcome(norm.norm, applied=True)
 
@@ -480,7 +483,7 @@ class Stage3:
                     for v in self.optimizer.state.get(g.master, {}).values() if torch.is_tensor(v) and v.numel() > 1)
         return {
             "params": sum(nbytes(g.shard) for g in groups),
-            "master": sum(nbytes(g.master) for g in groups if g.master is not None and g.master is not g.shard),
+            "master": sum(nbytes(g.master) for g in groups if g.master is not None and g.shard is None),
             "gradients": sum(nbytes(g.shard_grad) for g in groups),
             "optimizer_state": state,
             "buckets": self.grad_bucket_bytes,
@@ -505,9 +508,10 @@ class Stage3:
         for g in unit.groups:
             comm.broadcast(g.full, src=src)
             lo, hi = g.layout.slice_range(0, self._rank)
-            g.shard.copy_(g.full[lo:hi])
-            if g.master is not None and g.master is not g.shard:
-                g.master.copy_(g.shard)
+            mine = g.full[lo:hi]
+            for target in (g.shard, g.master):
+                if target is not None:
+                    target.copy_(mine)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's full state dict on rank 0 (empty elsewhere), gathered one unit at a time, so
