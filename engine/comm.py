@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -164,9 +165,12 @@ class PairwiseWork:
         self._works = works
         self._finish = finish
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         for work in self._works:
-            work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
         self._works = []
         if self._finish is not None:
             finish, self._finish = self._finish, None
@@ -192,11 +196,36 @@ def _use_pairwise() -> bool:
             and os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") != "1")
 
 
-def _next_tag() -> int:
-    # Every rank issues the same collectives in the same order, so the counters agree; a distinct
-    # tag per collective keeps concurrent collectives between the same pair apart.
-    _state.p2p_tag = (_state.p2p_tag + 1) % (1 << 20)
-    return _state.p2p_tag
+def _next_tag(op: str, tensor: torch.Tensor, key: int) -> int:
+    """A tag that differs between consecutive collectives and between different collectives.
+
+    Every rank issues the same collectives in the same order, so the counters agree. The low bits
+    are a checksum of what is exchanged (operation, size, dtype, the caller's key such as a unit
+    index): when ranks diverge, mismatched transfers then never pair up and silently exchange
+    the wrong buffers; they time out instead (see wait()).
+    """
+    _state.p2p_tag = (_state.p2p_tag + 1) % (1 << 12)
+    signature = zlib.crc32(f"{op}:{tensor.numel()}:{tensor.dtype}:{key}".encode()) & 0xFFFF
+    return (_state.p2p_tag << 16) | signature
+
+
+def collective_timeout() -> float:
+    """Seconds a stage waits for one collective before declaring the ranks diverged
+    (ZERO_ENGINE_COLLECTIVE_TIMEOUT, default 300: minutes, not torch's 30)."""
+    return float(os.environ.get("ZERO_ENGINE_COLLECTIVE_TIMEOUT", "300"))
+
+
+def wait(handle: Handle, what: str) -> None:
+    """Wait for an async collective; past collective_timeout(), fail with a message naming it."""
+    limit = collective_timeout()
+    try:
+        handle.wait(timedelta(seconds=limit))
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"rank {get_rank()}: {what} did not complete within {limit:.0f} s ({err}). The ranks are not "
+            "issuing the same collectives: one skipped a forward or backward, ran units in another order, or "
+            "stopped; the other ranks' errors say where each was. Set ZERO_ENGINE_COLLECTIVE_TIMEOUT "
+            "(seconds) to wait longer.") from err
 
 
 def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -209,7 +238,8 @@ def _return_scratch(buf: torch.Tensor) -> None:
     _state.scratch.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | PairwiseWork | None:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   key: int = 0) -> Work | PairwiseWork | None:
     """Sum `input` (world_size equal slices) across ranks; rank r receives slice r in `output`.
 
     `output` may be rank r's slice of `input` itself (in place). `input` must not be written
@@ -224,7 +254,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     if output.data_ptr() != chunks[rank].data_ptr():
         output.copy_(chunks[rank])
     received = _scratch(chunks.shape[1] * (n - 1), input.dtype, input.device).view(n - 1, -1)
-    tag = _next_tag()
+    tag = _next_tag("reduce_scatter", input, key)
     works = []
     for k in range(1, n):
         works.append(dist.isend(chunks[(rank + k) % n], (rank + k) % n, tag=tag))
@@ -242,7 +272,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     return work
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work | PairwiseWork | None:
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+               key: int = 0) -> Work | PairwiseWork | None:
     """Concatenate every rank's `input` into `output` (world_size x input).
 
     `input` may be rank r's slice of `output` itself (in place, no copy).
@@ -255,7 +286,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     chunks = output.view(n, -1)
     if input.data_ptr() != chunks[rank].data_ptr():
         chunks[rank].copy_(input)
-    tag = _next_tag()
+    tag = _next_tag("all_gather", output, key)
     works = []
     for k in range(1, n):
         works.append(dist.isend(chunks[rank], (rank + k) % n, tag=tag))

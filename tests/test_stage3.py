@@ -331,3 +331,23 @@ def test_stage3_units_below_the_persistence_threshold_are_gathered_once_per_step
     result = run_distributed(_train_measured, 2, args=({"stage3_param_persistence_threshold": 10**9},))[0]
     # Every unit stays whole from its forward to its backward: one all-gather of everything per step.
     assert result["comm"]["all_gather"] == pytest.approx(0.5 * result["all_padded"] * 4, abs=16)
+
+
+def _diverging_ranks() -> None:
+    rank = torch.distributed.get_rank()
+    model = make_net(7)
+    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    for step, (x, y) in enumerate(batches(3, MICRO)):
+        skip = 1 if step == 1 and rank == 1 else None  # rank-divergent control flow
+        eng.backward(torch.nn.functional.mse_loss(eng(x, skip_block=skip), y))
+        eng.step()
+
+
+def test_diverging_ranks_fail_fast_naming_the_collective_instead_of_hanging() -> None:
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_diverging_ranks, 2, timeout=60, env={"ZERO_ENGINE_COLLECTIVE_TIMEOUT": "3"})
+    message = str(info.value)
+    assert "did not complete within 3 s" in message and "stage-3 unit" in message, message
+    assert "optimizer step 2" in message, message

@@ -76,6 +76,7 @@ class ShardedGroup:
     arrived: set[int] = field(default_factory=set)
     work: comm.Handle | None = None
     out: torch.Tensor | None = None
+    unit_name: str = ""
 
 
 @dataclass
@@ -136,6 +137,8 @@ class Stage3:
         self._inflight: dict[int, list[Any]] = {}
         self.prefetched_gathers = 0
         self.order_changes = 0
+        self.steps = 0
+        self.backwards = 0
 
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
         self.units: list[Unit] = []
@@ -219,7 +222,7 @@ class Stage3:
         for g in unit.groups:
             g.full = torch.empty(g.layout.padded_numel, dtype=g.dtype, device=g.device)
             source = g.shard if g.shard is not None else g.master.to(g.dtype)
-            works.append(comm.all_gather(g.full, source, async_op=True))
+            works.append(comm.all_gather(g.full, source, async_op=True, key=unit.index))
             self.gathered_bytes += g.full.numel() * g.full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         return works
@@ -231,7 +234,7 @@ class Stage3:
         if works is None:
             works = self._start_gather(unit)
         for work in works:
-            work.wait()
+            comm.wait(work, f"all-gather of stage-3 unit {unit.name!r} ({self._where_in_training()})")
         for g in unit.groups:
             for p, span in zip(g.params, g.layout.params):
                 p.data = g.full[span.offset:span.end].view(p.ds_shape)
@@ -279,7 +282,7 @@ class Stage3:
         """Wait for (collectives cannot be cancelled) and free gathers nobody used."""
         for index, works in list(self._inflight.items()):
             for work in works:
-                work.wait()
+                comm.wait(work, "a prefetched all-gather nobody used")
             unit = self.units[index]
             for g in unit.groups:
                 self.gathered_bytes -= g.full.numel() * g.full.element_size()
@@ -389,17 +392,21 @@ class Stage3:
             lo, hi = g.layout.slice_range(0, self._rank)
             if data.dtype == torch.float32 and not g.grad_written:
                 g.out = None
-                g.work = comm.reduce_scatter(g.shard_grad, data, async_op=True)
+                g.work = comm.reduce_scatter(g.shard_grad, data, async_op=True, key=unit.index)
             else:
                 g.out = data[lo:hi]
-                g.work = comm.reduce_scatter(g.out, data, async_op=True)
+                g.work = comm.reduce_scatter(g.out, data, async_op=True, key=unit.index)
+            g.unit_name = unit.name
         unit.reduced = True
         self._release(unit)
+
+    def _where_in_training(self) -> str:
+        return f"optimizer step {self.steps + 1}, backward {self.backwards + 1}"
 
     def _finish_reduce(self, g: ShardedGroup) -> None:
         if g.work is None:
             return
-        g.work.wait()
+        comm.wait(g.work, f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where_in_training()})")
         g.work = None
         if g.out is not None:
             if g.grad_written:
@@ -433,6 +440,7 @@ class Stage3:
     def finish_backward(self) -> None:
         self._flush()
         self._end_of_micro_step()
+        self.backwards += 1
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         self._flush()
@@ -460,6 +468,7 @@ class Stage3:
         if scaler is not None:
             scaler.update(overflow=False)
         self.zero_grad()
+        self.steps += 1
         return StepOutcome(norm.norm, applied=True)
 
     def zero_grad(self) -> None:
