@@ -144,9 +144,9 @@ TABLE: tuple[Entry, ...] = (
         "stages 0-2: reduce_bucket_size, allgather_bucket_size (elements of all-gathers in flight), "
         "overlap_comm (stage 2: two bucket buffers in flight), reduce_scatter (false: all-reduce), "
         "allgather_partitions (false: broadcasts), contiguous_gradients (always on), round_robin_gradients "
-        "(accepted, no effect without offload); stage 3: gather units of repeated blocks plus a root unit, the "
-        "stage3_* prefetch / persistence / live-parameter keys are accepted and not acted on yet (one unit is "
-        "gathered at a time, no prefetch)",
+        "(accepted, no effect without offload); stage 3: gather units of repeated blocks plus a root unit, "
+        "stage3_prefetch_bucket_size, stage3_max_live_parameters and stage3_param_persistence_threshold honoured; "
+        "stage3_max_reuse_distance, stage3_model_persistence_threshold and sub_group_size accepted without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
     Entry("zero_force_ds_cpu_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
