@@ -87,3 +87,25 @@ class Precision:
             comm.all_reduce(sumsq)
         total = float(sumsq) ** 0.5 * abs(factor)
         return GradNorm(total, overflow=not math.isfinite(total))
+
+    def step_shards(self, shards: list[torch.Tensor], optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
+                    average: float, partitioned: bool) -> tuple[float, bool]:
+        """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
+        vote), a skip on fp16 overflow, one multiply folding averaging, unscaling and clipping
+        (like torch.nn.utils.clip_grad_norm_), the optimizer step and the loss-scale update.
+        Returns (global norm before clipping, whether the step was applied)."""
+        factor = average / self.loss_scale
+        norm = self.global_norm(shards, factor=factor, partitioned=partitioned)
+        if norm.overflow and self.scaler is not None:
+            self.scaler.update(overflow=True)
+            return norm.norm, False
+        coef = factor
+        if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
+            coef *= max_grad_norm / (norm.norm + 1e-6)
+        if coef != 1.0:
+            for shard in shards:
+                shard.mul_(coef)
+        optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        return norm.norm, True

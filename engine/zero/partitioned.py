@@ -285,30 +285,18 @@ class PartitionedStage:
             for b, written in enumerate(g.grad_written):
                 if not written:  # no gradient reached this bucket in the whole window
                     g.shard_grad[b].zero_()
-        # Averaging (what was not divided before the reduction) and unscaling, folded into one multiply.
-        post = 1.0 if self._prescale else self._predivide / self._world
-        factor = post / self.precision.loss_scale
-        norm = self.precision.global_norm([g.shard_grad for g in self.groups], factor=factor,
-                                          partitioned=self.partitioned)
-        scaler = self.precision.scaler
-        if norm.overflow and scaler is not None:
-            scaler.update(overflow=True)
+        average = 1.0 if self._prescale else self._predivide / self._world  # what was not divided before
+        norm, applied = self.precision.step_shards([g.shard_grad for g in self.groups], self.optimizer,
+                                                   max_grad_norm=max_grad_norm, average=average,
+                                                   partitioned=self.partitioned)
+        if not applied:
             self.zero_grad()
-            return StepOutcome(norm.norm, applied=False)
-        coef = factor
-        if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
-            coef *= max_grad_norm / (norm.norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-        if coef != 1.0:
-            for g in self.groups:
-                g.shard_grad.mul_(coef)
-        self.optimizer.step()
-        if scaler is not None:
-            scaler.update(overflow=False)
+            return StepOutcome(norm, applied=False)
         for g in self.groups:
             g.refresh_params()
         self._gather_params()
         self.zero_grad()
-        return StepOutcome(norm.norm, applied=True)
+        return StepOutcome(norm, applied=True)
 
     def refresh_masters(self) -> None:
         """Parameters were changed by the user (the same on every rank): copy them into the fp32 masters."""

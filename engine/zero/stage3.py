@@ -450,26 +450,12 @@ class Stage3:
             for g in u.trainable:
                 if not g.grad_written:
                     g.shard_grad.zero_()
-        post = 1.0 if self._prescale else self._predivide / self._world
-        factor = post / self.precision.loss_scale
-        norm = self.precision.global_norm(shards, factor=factor, partitioned=True)
-        scaler = self.precision.scaler
-        if norm.overflow and scaler is not None:
-            scaler.update(overflow=True)
-            self.zero_grad()
-            return StepOutcome(norm.norm, applied=False)
-        coef = factor
-        if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
-            coef *= max_grad_norm / (norm.norm + 1e-6)
-        if coef != 1.0:
-            for s in shards:
-                s.mul_(coef)
-        self.optimizer.step()
-        if scaler is not None:
-            scaler.update(overflow=False)
+        average = 1.0 if self._prescale else self._predivide / self._world
+        norm, applied = self.precision.step_shards(shards, self.optimizer, max_grad_norm=max_grad_norm,
+                                                   average=average, partitioned=True)
         self.zero_grad()
         self.steps += 1
-        return StepOutcome(norm.norm, applied=True)
+        return StepOutcome(norm, applied)
 
     def zero_grad(self) -> None:
         for u in self.units:
