@@ -6,9 +6,10 @@ default and, where it matters, why. `engine/config/loader.py` is the only code t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 
 def _frozen_mapping(data: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
