@@ -29,6 +29,7 @@ from engine import comm
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
+from engine.zero import shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import FlatGroup, arrival_order, build_flat_groups, check_elementwise
 
@@ -47,11 +48,10 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     """Parameters whose gradient for this reduction has been written into `data`."""
     launched: bool = False
-    work: comm.Handle | None = None
+    pending: shard_reduce.PendingReduce | None = None
+    """The reduction in flight, waited for in _finish."""
     data: torch.Tensor | None = None
     """The bucket_numel elements being reduced (wire dtype)."""
-    out: torch.Tensor | None = None
-    """Where this rank's reduced slice lands when it is not written straight into the shard grad."""
     pooled: bool = False
     """`data` came from the bucket pool and goes back to it when the reduction finishes."""
 
@@ -184,38 +184,21 @@ class PartitionedStage:
         self._next_launch = bk.order + 1
 
     def _start_reduction(self, bk: Bucket) -> None:
-        data = bk.data
-        assert data is not None
-        if self._prescale:
-            data.mul_(1.0 / self._world)
-        elif self._predivide != 1.0:
-            data.mul_(1.0 / self._predivide)
-        g, lay = bk.group, bk.group.layout
-        row = g.shard_grad[bk.b]
-        if not self.partitioned or not self._use_reduce_scatter:
-            bk.work = comm.all_reduce(data, async_op=True)
-            bk.out = data[self._rank * lay.slice_numel:(self._rank + 1) * lay.slice_numel]
-        elif data.dtype == row.dtype and not g.grad_written[bk.b]:
-            bk.work = comm.reduce_scatter(row, data, async_op=True)  # straight into the shard gradient
-            bk.out = None
-        else:
-            bk.out = data[self._rank * lay.slice_numel:(self._rank + 1) * lay.slice_numel]
-            bk.work = comm.reduce_scatter(bk.out, data, async_op=True)  # in place, added in _finish
+        assert bk.data is not None
+        g = bk.group
+        bk.pending = shard_reduce.start(
+            bk.data, g.shard_grad[bk.b], written=g.grad_written[bk.b], rank=self._rank, world=self._world,
+            prescale=self._prescale, predivide=self._predivide,
+            scatter=self.partitioned and self._use_reduce_scatter, key=bk.order)
 
     def _finish(self, bk: Bucket) -> None:
-        if bk.work is None:
+        if bk.pending is None:
             return
-        bk.work.wait()
-        bk.work = None
         g = bk.group
-        if bk.out is not None:
-            row = g.shard_grad[bk.b]
-            if g.grad_written[bk.b]:
-                row.add_(bk.out)
-            else:
-                row.copy_(bk.out)
+        shard_reduce.finish(bk.pending, g.shard_grad[bk.b], written=g.grad_written[bk.b],
+                            what=f"gradient reduction of bucket {bk.order} (group {g.index}, bucket {bk.b})")
+        bk.pending = None
         g.grad_written[bk.b] = True
-        bk.out = None
         if bk.pooled:
             self.pool.release(bk.data)
             bk.data, bk.pooled = None, False

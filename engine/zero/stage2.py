@@ -77,7 +77,7 @@ class Stage2(PartitionedStage):
         if bk.data is not None:
             return bk.data
         while self.pool.in_use >= self._max_buffers:
-            in_flight = next((x for x in self.buckets[:self._next_launch] if x.work is not None), None)
+            in_flight = next((x for x in self.buckets[:self._next_launch] if x.pending is not None), None)
             if in_flight is None:
                 if not self._grew:
                     logger.debug("stage 2: gradients arrive out of bucket order; bucket pool grows beyond %d",

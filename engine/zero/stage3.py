@@ -43,6 +43,7 @@ from engine import comm
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
+from engine.zero import shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
@@ -64,8 +65,8 @@ class ShardedGroup:
     master (cast while gathering, as FSDP2 does: 4 instead of 2 + 4 bytes per element)."""
     opt_group: int | None
     """Index of the optimizer param group; None for frozen parameters (gathered, never updated)."""
-    dtype: torch.dtype = torch.float32
-    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype
+    device: torch.device
     master: torch.Tensor | None = None
     """fp32 optimizer parameter: the shard itself in fp32, a copy otherwise (None when frozen)."""
     shard_grad: torch.Tensor | None = None
@@ -74,8 +75,7 @@ class ShardedGroup:
     grad_bucket: torch.Tensor | None = None
     grad_written: bool = False
     arrived: set[int] = field(default_factory=set)
-    work: comm.Handle | None = None
-    out: torch.Tensor | None = None
+    pending: shard_reduce.PendingReduce | None = None
     unit_name: str = ""
 
 
@@ -292,9 +292,8 @@ class Stage3:
     def _end_of_micro_step(self) -> None:
         """After a backward: keep the recorded order, or adopt a changed one; start over."""
         self._drop_prefetched()
-        if self._recording:
-            if self._trace != self._recording:
-                self._trace = list(self._recording)
+        if self._recording and self._trace != self._recording:
+            self._trace = list(self._recording)
         self._recording = []
         self._pos = 0
         self._following = True
@@ -360,7 +359,7 @@ class Stage3:
         else:
             g.grad_bucket[span.offset:span.end].copy_(grad.reshape(-1))
             g.arrived.add(i)
-        if all(len(x.arrived) == len(x.params) for x in unit.trainable):
+        if self._complete(unit):
             self._reduce_in_order(complete_only=True)
 
     def _complete(self, unit: Unit) -> bool:
@@ -384,18 +383,9 @@ class Stage3:
                 for i, span in enumerate(g.layout.params):
                     if i not in g.arrived:
                         g.grad_bucket[span.offset:span.end].zero_()
-            data = g.grad_bucket
-            if self._prescale:
-                data.mul_(1.0 / self._world)
-            elif self._predivide != 1.0:
-                data.mul_(1.0 / self._predivide)
-            lo, hi = g.layout.slice_range(0, self._rank)
-            if data.dtype == torch.float32 and not g.grad_written:
-                g.out = None
-                g.work = comm.reduce_scatter(g.shard_grad, data, async_op=True, key=unit.index)
-            else:
-                g.out = data[lo:hi]
-                g.work = comm.reduce_scatter(g.out, data, async_op=True, key=unit.index)
+            g.pending = shard_reduce.start(g.grad_bucket, g.shard_grad, written=g.grad_written, rank=self._rank,
+                                           world=self._world, prescale=self._prescale, predivide=self._predivide,
+                                           key=unit.index)
             g.unit_name = unit.name
         unit.reduced = True
         self._release(unit)
@@ -404,16 +394,11 @@ class Stage3:
         return f"optimizer step {self.steps + 1}, backward {self.backwards + 1}"
 
     def _finish_reduce(self, g: ShardedGroup) -> None:
-        if g.work is None:
+        if g.pending is None:
             return
-        comm.wait(g.work, f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where_in_training()})")
-        g.work = None
-        if g.out is not None:
-            if g.grad_written:
-                g.shard_grad.add_(g.out)
-            else:
-                g.shard_grad.copy_(g.out)
-            g.out = None
+        shard_reduce.finish(g.pending, g.shard_grad, written=g.grad_written,
+                            what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where_in_training()})")
+        g.pending = None
         g.grad_written = True
         g.arrived.clear()
 
@@ -460,9 +445,9 @@ class Stage3:
     def zero_grad(self) -> None:
         for u in self.units:
             for g in u.trainable:
-                if g.work is not None:
-                    g.work.wait()
-                    g.work, g.out = None, None
+                if g.pending is not None:
+                    g.pending.work.wait()
+                    g.pending = None
                 g.grad_written = False
                 g.arrived.clear()
                 for p in g.params:
