@@ -14,29 +14,21 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import engine  # noqa: E402
-from engine import comm  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
+from gpt_workload import MICRO, MODELS
+from gpt_workload import batches as make_batches
 
-MODELS = {  # the sizes of ../shared/reference/deepspeed-compat.md's measurements
-    "S": GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layers=4, n_heads=4),
-    "M": GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8),
-}
-MICRO = 8
+import engine
+from engine import comm
+
 LR = 1e-4
-
-
-def _batches(cfg: GPTConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1000 + comm.get_rank())
-    return [(torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
-             torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g)) for _ in range(n)]
 
 
 def _time_steps(step: Callable[[torch.Tensor, torch.Tensor], None], batches: list, warmup: int) -> list[float]:
@@ -146,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     engine.init_distributed()  # explicit: the engines below must not tear the group down
     cfg = MODELS[args.model]
-    batches = _batches(cfg, args.steps + args.warmup)
+    batches = make_batches(cfg, args.steps + args.warmup)
     rows = [
         ("PyTorch DDP", run_ddp(cfg, batches, args.warmup)),
         ("engine stage 0, default bucket 5e8 (one bucket)", run_engine(cfg, batches, args.warmup, 500_000_000)),

@@ -44,15 +44,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from gpt import GPT, GPTConfig
+from gpt_workload import MICRO, MODELS
+from gpt_workload import batches as make_batches
 
 import engine
 from engine import comm
 
-MODELS = {  # the sizes of ../shared/reference/deepspeed-compat.md's measurements
-    "S": GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layers=4, n_heads=4),
-    "M": GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8),
-}
-MICRO = 8
 LR = 1e-4
 CLIP = 1.0
 MIB = 2**20
@@ -77,12 +74,6 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _batches(cfg: GPTConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1000 + comm.get_rank())
-    return [(torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
-             torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g)) for _ in range(n)]
-
-
 def _proc_status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -591,7 +582,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))  # the engines must not tear it down
     cfg = MODELS[args.model]
-    batches = _batches(cfg, args.steps + args.warmup)
+    batches = make_batches(cfg, args.steps + args.warmup)
     can_reset_hwm = _reset_peak_rss()
     notes: list[str] = []
     args.ds_version = ""
