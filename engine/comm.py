@@ -352,6 +352,10 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
         if t.numel():
             groups.setdefault((t.dtype, t.device), []).append(t)
     for group in groups.values():
+        if len(group) == 1 and group[0].is_contiguous():  # no flat copy needed
+            with torch.no_grad():
+                broadcast(group[0].detach(), src=src)
+            continue
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         broadcast(flat, src=src)
         offset = 0

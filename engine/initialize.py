@@ -12,9 +12,11 @@ from engine import comm
 from engine.config import ConfigError, EngineConfig, load_config
 from engine.data import build_dataloader
 from engine.engine import Engine
+from engine.monitor.log import get_logger
 from engine.optim import build_optimizer, build_scheduler
 from engine.param_groups import normalize_param_groups
 from engine.precision import Precision
+from engine.zero import init as zero_init
 from engine.zero.base import ZeroStage
 from engine.zero.stage0 import Stage0
 from engine.zero.stage1 import Stage1
@@ -32,6 +34,8 @@ def _stage0(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: E
         return Stage0(module, optimizer, config)
     return Stage1(module, optimizer, config, precision, partitioned=False)
 
+
+logger = get_logger()
 
 # The only place that maps a stage number to its implementation.
 _STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig, Precision], ZeroStage]] = {
@@ -137,6 +141,9 @@ def initialize(
     try:
         cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
         device = _device()
+        if cfg.zero.stage != 3 and (gathered := zero_init.materialize(model)):
+            logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
+                        "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)
         model.to(device)
         precision = Precision(cfg)
         precision.cast_module(model)

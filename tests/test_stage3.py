@@ -297,9 +297,14 @@ def _gpt_batches(global_batch: int) -> list[torch.Tensor]:
     return [torch.randint(0, 32, (global_batch, 9), generator=g) for _ in range(GPT_STEPS)]
 
 
-def _train_gpt() -> dict[str, Any]:
+def _train_gpt(built_partitioned: bool) -> dict[str, Any]:
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    eng, *_ = engine.initialize(model=_gpt(11 + rank), config={
+    # Under engine.zero.Init every module is partitioned as it is built (GPT's self.apply(init) runs
+    # after its children were partitioned); rank 0's initialisation wins either way.
+    with engine.zero.Init(enabled=built_partitioned):
+        model = _gpt(11 + rank)
+    assert all(p.numel() == 0 for p in model.parameters()) == built_partitioned
+    eng, *_ = engine.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": GPT_EPS}}, "zero_optimization": {"stage": 3}})
     units = [u.name for u in eng._stage.units]
@@ -312,8 +317,9 @@ def _train_gpt() -> dict[str, Any]:
     return {"units": units, "state": {k: v.detach().clone() for k, v in eng.module.state_dict().items()}}
 
 
-def test_stage3_gpt_of_the_main_job_matches_single_process() -> None:
-    results = run_distributed(_train_gpt, 2)
+@pytest.mark.parametrize("built_partitioned", [False, True], ids=["plain", "zero.Init"])
+def test_stage3_gpt_of_the_main_job_matches_single_process(built_partitioned: bool) -> None:
+    results = run_distributed(_train_gpt, 2, args=(built_partitioned,))
     model = _gpt(11)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=GPT_EPS, weight_decay=0.0)  # DeepSpeed's decay: 0
     for batch in _gpt_batches(8):

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from engine.zero import init as zero_init
+
 
 def owner_of(param: torch.Tensor) -> tuple[object, object] | None:
     """(stage, unit) of a stage-3 parameter, or None."""
@@ -37,6 +39,10 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
         owner = owner_of(p)
         if owner is not None:
             units.setdefault(id(owner[1]), owner)
+    # Built under engine.zero.Init and not yet given to an engine: partitioned one by one.
+    loose = [p for p in {id(p): p for p in params}.values() if zero_init.is_partitioned(p)]
+    for p in loose:
+        zero_init.unpartition(p)
     opened = []
     try:
         for stage, unit in units.values():
@@ -46,13 +52,15 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
         if modifier_rank is not None:
             for stage, unit in units.values():
                 stage.scatter_from(unit, modifier_rank)  # type: ignore[attr-defined]
-            whole = [p for p in params if owner_of(p) is None]
+            whole = [p for p in params if owner_of(p) is None and not any(p is q for q in loose)]
             if whole:
                 from engine import comm
 
                 comm.broadcast_coalesced([p.data for p in whole], src=modifier_rank)
                 for stage in {id(s): s for s in (getattr(p, "_zero_masters", None) for p in whole) if s}.values():
                     stage.refresh_masters()
+        zero_init.partition(loose, src=modifier_rank)
     finally:
+        zero_init.partition(loose, src=None)  # after an error: no collective, only this rank's slices
         for stage, unit in opened:
             stage.release_for_user(unit)  # type: ignore[attr-defined]

@@ -43,6 +43,7 @@ from engine import comm
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
+from engine.zero import init as zero_init
 from engine.zero import shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import check_elementwise
@@ -175,21 +176,28 @@ class Stage3:
     def _shard(self, params: list[torch.nn.Parameter], names: list[str], idx: list[int],
                opt_group: int | None) -> ShardedGroup:
         members = [params[i] for i in idx]
-        layout = build_layout([p.shape for p in members], world_size=self._world,
-                              bucket_size=max(1, sum(p.numel() for p in members)),
+        for p in members:
+            if not zero_init.is_partitioned(p):
+                p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()  # DeepSpeed's names for the full shape
+        layout = build_layout([p.ds_shape for p in members], world_size=self._world,
+                              bucket_size=max(1, sum(p.ds_numel for p in members)),
                               element_size=members[0].element_size())
         assert layout.num_buckets == 1
         dtype, device = members[0].dtype, members[0].device
         flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         for p, span in zip(members, layout.params):
-            flat[span.offset:span.end].copy_(p.data.reshape(-1))
+            # Built under engine.zero.Init: re-laid from its own partition (one parameter at a time).
+            value = zero_init.full_value(p, dtype).to(device) if zero_init.is_partitioned(p) else p.data
+            flat[span.offset:span.end].copy_(value.reshape(-1))
+            del value
         start, end = layout.slice_range(0, self._rank)
         shard = flat[start:end].clone()
         del flat
         group = ShardedGroup(members, [names[i] for i in idx], layout, shard, opt_group, dtype=dtype, device=device)
         for p in members:
-            p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()  # DeepSpeed's names for the full shape
             p.data = torch.empty(0, dtype=dtype, device=device)
+            if zero_init.is_partitioned(p):
+                del p._zero_init_shard
         if opt_group is not None:
             group.master = shard if dtype == torch.float32 else shard.to(torch.float32)
             if dtype != torch.float32:

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter, also when it is already partitioned (engine.zero.Init)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
 @dataclass
 class UnitPlan:
     name: str
@@ -44,7 +49,7 @@ def _repeated_blocks(model: torch.nn.Module, unit_classes: tuple[type, ...]) -> 
         children = list(module.named_children())
         if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(children) >= 2 \
                 and len({type(c) for _, c in children}) == 1 \
-                and any(p.numel() for _, c in children for p in c.parameters()):
+                and any(full_numel(p) for _, c in children for p in c.parameters()):
             for child_name, child in children:
                 found.append((f"{name}.{child_name}" if name else child_name, child))
                 taken.add(id(child))
