@@ -19,9 +19,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import engine  # noqa: E402
-from corpus import ByteWindows, stdlib_sources  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from corpus import ByteWindows, stdlib_sources
+from gpt import GPT, GPTConfig
+
+import engine
+from engine.config import zero_stage
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,7 +61,10 @@ def main() -> None:
         args.config = None
     torch.manual_seed(args.seed)
     train_bytes, val_bytes, files = stdlib_sources()
-    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers))
+    config_path = args.deepspeed_config or args.config
+    # Stage 3: every module is partitioned as soon as it is built (DeepSpeed's zero.Init idiom).
+    with engine.zero.Init(config_dict_or_path=config_path, enabled=zero_stage(config_path) == 3):
+        model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers))
 
     # One window per seq_len bytes of the training text: far more than a few hundred steps use.
     train_set = ByteWindows(train_bytes, args.seq_len, len(train_bytes) // args.seq_len, seed=args.seed)
@@ -68,7 +73,7 @@ def main() -> None:
                                                    training_data=train_set)
     global_batch = model_engine.train_batch_size()
     rank0 = model_engine.global_rank == 0
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: partitioned
     if rank0:
         print(f"corpus: {files} stdlib files, {len(train_bytes) / 1e6:.1f} MB train / "
               f"{len(val_bytes) / 1e6:.1f} MB validation; model {n_params / 1e6:.2f}M params; "

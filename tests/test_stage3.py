@@ -97,6 +97,8 @@ def reference(gas: int, ws: int, clip: float, options: dict[str, Any]) -> dict[s
 def _train(gas: int, clip: float, options: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = make_net(7 + rank)
+    if options.get("leaf_api"):
+        engine.zero.set_z3_leaf_modules(model, [torch.nn.Linear])  # DeepSpeed's way to name units
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "gradient_clipping": clip,
               "zero_optimization": {"stage": 3}, **top}
@@ -128,10 +130,14 @@ def _train(gas: int, clip: float, options: dict[str, Any], top: dict[str, Any]) 
             "evaluated": evaluated, "whole": whole, "gathered_after_eval": gathered_after_eval}
 
 
-def _check(results: list[dict[str, Any]], expected: dict[str, torch.Tensor], atol: float) -> None:
+DEFAULT_UNITS = ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+
+
+def _check(results: list[dict[str, Any]], expected: dict[str, torch.Tensor], atol: float,
+           units: list[str] = DEFAULT_UNITS) -> None:
     for rank, result in enumerate(results):
         assert all(result["empty"]), "outside forward/backward every parameter is released"
-        assert [name for name, _ in result["units"]] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+        assert [name for name, _ in result["units"]] == units
         assert result["memory"]["gathered"] == 0
         for name, want in expected.items():
             torch.testing.assert_close(result["state"][name], want, atol=atol, rtol=0, msg=f"rank {rank} {name}")
@@ -152,6 +158,17 @@ def test_stage3_matches_single_process(world_size: int, gas: int, twice: bool) -
 def test_stage3_input_without_grad_and_unit_unused_in_a_step(options: dict[str, Any]) -> None:
     results = run_distributed(_train, 2, args=(2, 0.05, options, {}))
     _check(results, reference(2, 2, 0.05, options), ATOL)
+
+
+@pytest.mark.parametrize("how", ["config", "api"])
+def test_stage3_units_named_by_the_user(how: str) -> None:
+    # Every Linear a unit: the tied inp/out weight moves to the root with the LayerNorms; "out" keeps
+    # no parameter of its own and is no unit.
+    options = {"leaf_api": how == "api", "twice": True}
+    top = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Linear"]}}} if how == "config" else {}
+    results = run_distributed(_train, 2, args=(2, 0.05, options, top))
+    _check(results, reference(2, 2, 0.05, options), ATOL,
+           units=["<root>", "inp", "blocks.0.lin", "blocks.1.lin", "blocks.2.lin"])
 
 
 def test_stage3_bf16_tracks_the_fp32_reference() -> None:
@@ -357,3 +374,12 @@ def test_diverging_ranks_fail_fast_naming_the_collective_instead_of_hanging() ->
     message = str(info.value)
     assert "did not complete within 3 s" in message and "stage-3 unit" in message, message
     assert "optimizer step 2" in message, message
+
+
+def test_a_leaf_module_config_that_matches_nothing_is_refused() -> None:
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"zero_optimization.leaf_module .*Conv2d.* matches no submodule of Net"):
+        engine.initialize(model=make_net(0), config={
+            "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Conv2d"]}}})

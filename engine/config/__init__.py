@@ -5,6 +5,7 @@ See engine/config/support.py for what the engine does with each key, and docs/co
 
 from engine.config.errors import ConfigError
 from engine.config.loader import load_config
+from engine.config.source import ConfigSource, read_source
 from engine.config.types import (
     BF16Config,
     EngineConfig,
@@ -16,6 +17,16 @@ from engine.config.types import (
     ZeroConfig,
 )
 from engine.config.warn import ConfigWarning
+
+
+def zero_stage(source: ConfigSource) -> int:
+    """The ZeRO stage a config asks for, read before the engine exists (e.g. to decide whether to
+    build the model under engine.zero.Init); the full validation happens in engine.initialize."""
+    zero = read_source(source)[0].get("zero_optimization", {})
+    if isinstance(zero, bool):  # DeepSpeed's legacy "zero_optimization": true means stage 1
+        return int(zero)
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
 
 __all__ = [
     "BF16Config",
@@ -29,4 +40,5 @@ __all__ = [
     "SchedulerConfig",
     "ZeroConfig",
     "load_config",
+    "zero_stage",
 ]

@@ -103,6 +103,9 @@ class ZeroConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
+    leaf_module: Mapping[str, tuple[str, ...]] | None = None
+    """Stage-3 gather units named by the user: {"classes": [...], "names": [...], "name_suffixes": [...]}
+    (class names, module names, module-name suffixes); like engine.zero.set_z3_leaf_modules."""
     ignore_unused_parameters: bool = True
     zero_hpz_partition_size: int = 1
     """ZeRO++ secondary (hierarchical) partition size; 1 = off. Values > 1 are refused for now."""

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine import comm
+from engine.config import zero_stage
 from engine.monitor.log import get_logger
 
 logger = get_logger()
@@ -166,14 +167,10 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         source = config_dict_or_path if config_dict_or_path is not None else config
-        if enabled and source is not None:
-            from engine.config import load_config
-
-            comm.init_distributed()
-            cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
-            if cfg.zero.stage != 3:
-                raise ValueError(f"engine.zero.Init partitions parameters for zero_optimization.stage 3, but the "
-                                 f"config has stage {cfg.zero.stage}; set it to 3 or build the model without Init")
+        if enabled and source is not None and (stage := zero_stage(source)) != 3:
+            raise ValueError(f"engine.zero.Init partitions parameters for zero_optimization.stage 3, but the "
+                             f"config has stage {stage}; set it to 3 or build the model without Init "
+                             "(enabled=False)")
         if enabled and module is not None:
             comm.init_distributed()
             for m in module.modules():

@@ -40,6 +40,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from engine import comm
+from engine.config import ConfigError
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
@@ -48,7 +49,7 @@ from engine.zero import shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
-from engine.zero.units import plan_units
+from engine.zero.units import leaf_test, plan_units
 
 logger = get_logger()
 
@@ -143,7 +144,12 @@ class Stage3:
 
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
         self.units: list[Unit] = []
-        for plan in plan_units(module):
+        is_leaf = leaf_test(config.zero.leaf_module)
+        if config.zero.leaf_module and not any(is_leaf(n, m) for n, m in module.named_modules() if m is not module):
+            raise ConfigError(f"zero_optimization.leaf_module {dict(config.zero.leaf_module)} matches no submodule "
+                              f"of {type(module).__name__}; name classes (type(m).__name__), module names or "
+                              "name suffixes as in model.named_modules()")
+        for plan in plan_units(module, is_leaf):
             keys: dict[tuple[int | None, torch.dtype], list[int]] = {}
             for i, p in enumerate(plan.params):
                 keys.setdefault((group_of.get(id(p)), p.dtype), []).append(i)

@@ -7,11 +7,16 @@ nn.Sequential of two or more modules of one class, e.g. transformer layers) is a
 parameter outside those blocks (embeddings, final norm, head) goes to one *root* unit that stays
 gathered from the start of forward to the end of backward. A parameter shared by two blocks, or by
 a block and the rest, is moved to the root unit, so tied weights always live in one unit.
-`unit_classes` names module classes to use as units instead of the detected blocks.
+The user can name the units instead, as DeepSpeed users do for MoE blocks: modules marked with
+`engine.zero.set_z3_leaf_modules(model, [Block])` (DeepSpeed's function and `_z3_leaf` flag), or
+matched by the config's `zero_optimization.leaf_module` (`classes`, `names`, `name_suffixes`). Each
+such module (outermost, when they nest) is one unit with all its descendants; every other
+parameter goes to the root unit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -31,37 +36,79 @@ class UnitPlan:
     param_names: list[str] = field(default_factory=list)
 
 
-def _repeated_blocks(model: torch.nn.Module, unit_classes: tuple[type, ...]) -> list[tuple[str, torch.nn.Module]]:
+LeafTest = Callable[[str, torch.nn.Module], bool]
+
+
+def set_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list[torch.nn.Module]:
+    """Make every submodule of `model` of one of `classes` a stage-3 gather unit (DeepSpeed's
+    `deepspeed.utils.set_z3_leaf_modules`); returns the modules marked. Call before engine.initialize."""
+    classes = tuple(classes)
+    marked = [m for m in model.modules() if isinstance(m, classes)]
+    if not marked:
+        raise ValueError(f"set_z3_leaf_modules: no submodule of {type(model).__name__} is an instance of "
+                         f"{[c.__name__ for c in classes]}")
+    for m in marked:
+        m._z3_leaf = True
+    return marked
+
+
+def unset_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list[torch.nn.Module]:
+    classes = tuple(classes)
+    unmarked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, "_z3_leaf", False)]
+    for m in unmarked:
+        m._z3_leaf = False
+    return unmarked
+
+
+def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, "_z3_leaf", False)]
+
+
+def leaf_test(leaf_module: Mapping[str, Iterable[str]] | None) -> LeafTest:
+    """Whether a module is a user-named unit: marked by set_z3_leaf_modules or matched by the config's
+    zero_optimization.leaf_module (class name, full module name, or module-name suffix)."""
+    spec = leaf_module or {}
+    classes, names = set(spec.get("classes", ())), set(spec.get("names", ()))
+    suffixes = tuple(spec.get("name_suffixes", ()))
+
+    def test(name: str, module: torch.nn.Module) -> bool:
+        cls = type(module)
+        return (getattr(module, "_z3_leaf", False) or cls.__name__ in classes
+                or f"{cls.__module__}.{cls.__qualname__}" in classes or name in names
+                or bool(suffixes) and name.endswith(suffixes))
+
+    return test
+
+
+def _blocks(model: torch.nn.Module, is_leaf: LeafTest) -> list[tuple[str, torch.nn.Module]]:
+    """User-named units if any module is named, else the elements of repeated block lists."""
+    named = _outermost([(n, m) for n, m in model.named_modules() if m is not model and is_leaf(n, m)])
+    if named:
+        return named
     found: list[tuple[str, torch.nn.Module]] = []
-    taken: set[int] = set()
-
-    def inside_taken(name: str) -> bool:
-        return any(name == t or name.startswith(t + ".") for t, _ in found)
-
     for name, module in model.named_modules():
-        if inside_taken(name) or module is model:
-            continue
-        if unit_classes:
-            if isinstance(module, unit_classes):
-                found.append((name, module))
-                taken.add(id(module))
-            continue
         children = list(module.named_children())
         if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(children) >= 2 \
                 and len({type(c) for _, c in children}) == 1 \
                 and any(full_numel(p) for _, c in children for p in c.parameters()):
-            for child_name, child in children:
-                found.append((f"{name}.{child_name}" if name else child_name, child))
-                taken.add(id(child))
-    return found
+            found += [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in children]
+    return _outermost(found)
 
 
-def plan_units(model: torch.nn.Module, unit_classes: tuple[type, ...] = ()) -> list[UnitPlan]:
+def _outermost(found: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
+    kept: list[tuple[str, torch.nn.Module]] = []
+    for name, module in found:  # named_modules order: a parent comes before its descendants
+        if not any(name.startswith(k + ".") for k, _ in kept):
+            kept.append((name, module))
+    return kept
+
+
+def plan_units(model: torch.nn.Module, is_leaf: LeafTest | None = None) -> list[UnitPlan]:
     """Units in registration order; the root unit (if it has parameters) comes first."""
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
-    blocks = _repeated_blocks(model, unit_classes)
+    blocks = _blocks(model, is_leaf or leaf_test(None))
     owners: dict[int, set[int]] = {}  # id(param) -> indices of blocks that use it
     for i, (_, block) in enumerate(blocks):
         for p in block.parameters():
