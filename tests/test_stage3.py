@@ -383,3 +383,40 @@ def test_a_leaf_module_config_that_matches_nothing_is_refused() -> None:
         engine.initialize(model=make_net(0), config={
             "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Conv2d"]}}})
+
+
+def _read_released_parameters() -> dict[str, Any]:
+    import warnings
+
+    from engine.zero.released import ReleasedParameterWarning
+
+    model = make_net(7)
+    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(2, MICRO):  # training, evaluation and metadata reads never warn
+            eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+            eng.step()
+        with torch.no_grad():
+            eng(x)
+        shapes = [(tuple(p.shape), p.ds_shape, p.numel(), p.requires_grad) for p in model.parameters()]
+        quiet = [str(w.message) for w in caught]
+        total = model.blocks[1].lin.weight.sum()  # user code reading a released parameter
+        model.blocks[2].lin.weight.mean()  # a second read: the warning was once per process
+        with engine.zero.GatheredParameters(model.blocks[1].lin.weight):
+            whole = model.blocks[1].lin.weight.sum()
+        warned = [(w.category is ReleasedParameterWarning, str(w.message)) for w in caught[len(quiet):]]
+    eng.destroy()
+    return {"quiet": quiet, "warned": warned, "shapes": shapes, "empty_sum": float(total), "whole": float(whole)}
+
+
+def test_reading_a_released_parameter_warns_once_naming_it() -> None:
+    result = run_distributed(_read_released_parameters, 2)[0]
+    assert result["quiet"] == []
+    assert all(shape == (0,) and numel == 0 and len(full) >= 1 for shape, full, numel, _ in result["shapes"])
+    assert len(result["warned"]) == 1, result["warned"]
+    is_ours, message = result["warned"][0]
+    assert is_ours and "'blocks.1.lin.weight'" in message and "GatheredParameters" in message
+    assert result["empty_sum"] == 0.0 and result["whole"] != 0.0

@@ -45,7 +45,7 @@ from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
 from engine.zero import init as zero_init
-from engine.zero import shard_reduce
+from engine.zero import released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
@@ -200,10 +200,11 @@ class Stage3:
         shard = flat[start:end].clone()
         del flat
         group = ShardedGroup(members, [names[i] for i in idx], layout, shard, opt_group, dtype=dtype, device=device)
-        for p in members:
+        for p, name in zip(members, group.names):
             p.data = torch.empty(0, dtype=dtype, device=device)
             if zero_init.is_partitioned(p):
                 del p._zero_init_shard
+            released.adopt(p, name)
         if opt_group is not None:
             group.master = shard if dtype == torch.float32 else shard.to(torch.float32)
             if dtype != torch.float32:
@@ -252,6 +253,7 @@ class Stage3:
         for g in unit.groups:
             for p, span in zip(g.params, g.layout.params):
                 p.data = g.full[span.offset:span.end].view(p.ds_shape)
+                p._zero_released = False
         unit.gathered = True
         self._follow_trace(unit)
 
@@ -318,6 +320,7 @@ class Stage3:
         for g in unit.groups:
             for p in g.params:
                 p.data = torch.empty(0, dtype=g.dtype, device=g.device)
+                p._zero_released = True
             self.gathered_bytes -= g.full.numel() * g.full.element_size()
             g.full = None
         unit.gathered = False
@@ -546,6 +549,7 @@ class Stage3:
                 for p in g.params:
                     p.data = p.data.clone()
                     del p._zero_owner
+                    released.give_back(p)
                 g.full = None
                 g.grad_bucket = None
                 if g.master is not None:
