@@ -164,9 +164,14 @@ def _engine_config(stage: int, precision: str, bucket: int, prefetch: int | None
 
 
 def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int,
-               prefetch: int | None = None) -> None:
+               prefetch: int | None = None, reuse: int | None = None) -> None:
+    """reuse: stage 3's stage3_max_reuse_distance (0: every block gathered again for its backward, as
+    FSDP2's reshard_after_forward; None: the default 1e9, each unit gathered once per step here)."""
     model = _model(cfg)
-    eng, _, _, _ = engine.initialize(model=model, config=_engine_config(stage, res.precision, bucket, prefetch))
+    conf = _engine_config(stage, res.precision, bucket, prefetch)
+    if reuse is not None:
+        conf["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+    eng, _, _, _ = engine.initialize(model=model, config=conf)
     try:
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             eng.backward(eng(x, y))
@@ -493,6 +498,9 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
         (f"- engine: zero_optimization {{stage s, reduce_bucket_size {args.bucket}, allgather_bucket_size "
          f"{args.bucket}, overlap_comm true}}; bf16 variants add \"bf16\": {{\"enabled\": true}}; stage 3 adds "
          f"stage3_prefetch_bucket_size {PREFETCH} (prefetch, the default) or 0 (\"no prefetch\"), "
+         "stage3_max_reuse_distance 0 (each block gathered again for its backward, as FSDP2's "
+         "reshard_after_forward) except \"kept\" (the default 1e9: each unit gathered once per step and kept "
+         "from its forward to its backward, as DeepSpeed does on models under 1e9 parameters), "
          "stage3_max_live_parameters left at its default (1e9)"),
         ("- DDP: torch.nn.parallel.DistributedDataParallel with the default bucket_cap_mb (25 MB), "
          "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_"),
@@ -605,9 +613,10 @@ def main() -> None:
         for stage in (0, 1, 2):
             plan.append((Result(f"engine stage {stage} {prec}", prec, "engine"),
                          lambda r, s=stage: run_engine(r, cfg, batches, args.warmup, s, args.bucket)))
-        for label, prefetch in (("", PREFETCH), ("no prefetch ", 0)):
+        for label, prefetch, reuse in (("", PREFETCH, 0), ("no prefetch ", 0, 0), ("kept ", PREFETCH, None)):
             plan.append((Result(f"engine stage 3 {label}{prec}", prec, "engine"),
-                         lambda r, pf=prefetch: run_engine(r, cfg, batches, args.warmup, 3, args.bucket, pf)))
+                         lambda r, pf=prefetch, ru=reuse: run_engine(r, cfg, batches, args.warmup, 3, args.bucket,
+                                                                    pf, ru)))
         plan.append((Result(f"PyTorch FSDP2 {prec}", prec, "fsdp"), lambda r: run_fsdp(r, cfg, batches, args.warmup)))
         if has_ds:
             for stage in (0, 1, 2, 3):

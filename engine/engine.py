@@ -7,6 +7,7 @@ backward and to take the optimizer step, and it owns the counters, the LR schedu
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from engine import comm
+from engine.atomic_file import atomic_save
 from engine.config.types import EngineConfig
 from engine.monitor.csv_monitor import CsvMonitor
 from engine.monitor.log import get_logger
@@ -258,6 +260,27 @@ class Engine:
         if self.global_rank != 0:
             return {}
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's save_16bit_model: the whole model's state dict in the training dtype, written by
+        rank 0 to save_dir/save_filename (torch.save, atomically: a temporary file fsynced and renamed).
+        Every rank must call it. At stage 3 it needs zero_optimization.
+        stage3_gather_16bit_weights_on_model_save (then gathered one unit at a time); without it
+        nothing is saved and False is returned, as in DeepSpeed."""
+        stage = self._require_alive()
+        if stage.stage == 3 and not self.engine_config.zero.stage3_gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model: nothing saved; at stage 3 it needs \"zero_optimization\": "
+                           "{\"stage3_gather_16bit_weights_on_model_save\": true} (or use "
+                           "engine.consolidated_state_dict())")
+            return False
+        state = self.consolidated_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            atomic_save(state, os.path.join(save_dir, save_filename))
+        return True
 
     def comm_stats(self) -> dict[str, Any]:
         """Bytes this rank sent and calls made per collective type: cumulative ("bytes_sent",

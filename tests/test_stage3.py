@@ -183,7 +183,8 @@ def test_stage3_bf16_tracks_the_fp32_reference() -> None:
 
 def test_stage3_memory_and_traffic() -> None:
     result = run_distributed(_train_measured, 2, args=({"stage3_prefetch_bucket_size": 0,
-                                                        "stage3_param_persistence_threshold": 0},))[0]
+                                                        "stage3_param_persistence_threshold": 0,
+                                                        "stage3_max_reuse_distance": 0},))[0]
     psi, padded, shard = result["psi"], result["padded"], result["shard"]
     assert result["memory"]["params"] == 4 * shard + result["frozen_shard_bytes"]
     assert result["memory"]["gradients"] == 4 * shard
@@ -200,6 +201,21 @@ def test_stage3_memory_and_traffic() -> None:
     gathered_twice = 2 * (result["all_padded"] - result["root_padded"]) + result["root_padded"] - result["last_padded"]
     assert step["all_gather"] == pytest.approx(0.5 * gathered_twice * 4, abs=16)
     assert padded - psi < 8 * 2 * 32
+
+
+def test_stage3_units_reused_within_max_reuse_distance_stay_gathered() -> None:
+    # DeepSpeed's default reuse distance (1e9 elements) spans this whole model: each unit is gathered
+    # once per step and kept from its forward to its backward (2 Psi per step, all of it gathered).
+    kept = run_distributed(_train_measured, 2, args=({"stage3_param_persistence_threshold": 0},))[0]
+    assert kept["comm"]["all_gather"] == pytest.approx(0.5 * kept["all_padded"] * 4, abs=16)
+    assert kept["memory"]["peak_gathered"] == 4 * kept["all_padded"]
+    assert kept["order_changes"] == 0 and kept["prefetched"] > 0
+    # A distance of one block: block i's next use (its backward) comes after the blocks above it, so
+    # only the last two blocks are kept; the first is gathered again for its backward.
+    one = run_distributed(_train_measured, 2, args=({"stage3_param_persistence_threshold": 0,
+                                                     "stage3_max_reuse_distance": kept["block_numel"]},))[0]
+    assert one["comm"]["all_gather"] == pytest.approx(0.5 * (one["all_padded"] + one["first_padded"]) * 4, abs=16)
+    assert one["order_changes"] == 0
 
 
 def _train_measured(zero: dict[str, Any], skip: bool = False) -> dict[str, Any]:
@@ -222,6 +238,7 @@ def _train_measured(zero: dict[str, Any], skip: bool = False) -> dict[str, Any]:
            "root_bytes": 4 * sum(g.layout.padded_numel for g in units[0].groups),
            "max_block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
            "last_padded": sum(g.layout.padded_numel for g in units[-1].groups),
+           "first_padded": sum(g.layout.padded_numel for g in units[1].groups),
            "block_numel": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
            "prefetched": eng._stage.prefetched_gathers, "order_changes": eng._stage.order_changes}
     eng.destroy()
@@ -420,3 +437,32 @@ def test_reading_a_released_parameter_warns_once_naming_it() -> None:
     is_ours, message = result["warned"][0]
     assert is_ours and "'blocks.1.lin.weight'" in message and "GatheredParameters" in message
     assert result["empty_sum"] == 0.0 and result["whole"] != 0.0
+
+
+def _save_16bit(stage: int, gather_on_save: bool, directory: str) -> dict[str, Any]:
+    model = make_net(7)
+    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": gather_on_save}})
+    x, y = batches(1, MICRO)[0]
+    eng.backward(torch.nn.functional.mse_loss(eng(x.bfloat16()).float(), y))
+    eng.step()
+    saved = eng.save_16bit_model(directory, "model.pt")
+    full = eng.consolidated_state_dict()
+    eng.destroy()
+    return {"saved": saved, "full": full}
+
+
+@pytest.mark.parametrize("stage,gather_on_save", [(3, True), (3, False), (2, False)])
+def test_save_16bit_model(stage: int, gather_on_save: bool, tmp_path: Any) -> None:
+    results = run_distributed(_save_16bit, 2, args=(stage, gather_on_save, str(tmp_path)))
+    expected = stage != 3 or gather_on_save  # DeepSpeed: stage 3 saves only with the gather flag
+    assert [r["saved"] for r in results] == [expected, expected]
+    if not expected:
+        assert not (tmp_path / "model.pt").exists()
+        return
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert list(state) == list(make_net(0).state_dict()) and list(tmp_path.iterdir()) == [tmp_path / "model.pt"]
+    for name, tensor in state.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, results[0]["full"][name]), name

@@ -144,9 +144,13 @@ TABLE: tuple[Entry, ...] = (
         "stages 0-2: reduce_bucket_size, allgather_bucket_size (elements of all-gathers in flight), "
         "overlap_comm (stage 2: two bucket buffers in flight), reduce_scatter (false: all-reduce), "
         "allgather_partitions (false: broadcasts), contiguous_gradients (always on), round_robin_gradients "
-        "(accepted, no effect without offload); stage 3: gather units of repeated blocks plus a root unit, "
-        "stage3_prefetch_bucket_size, stage3_max_live_parameters and stage3_param_persistence_threshold honoured; "
-        "stage3_max_reuse_distance, stage3_model_persistence_threshold and sub_group_size accepted without effect",
+        "(accepted, no effect without offload); stage 3: gather units of repeated blocks plus a root unit, or "
+        "the modules named by leaf_module {classes, names, name_suffixes} / engine.zero.set_z3_leaf_modules; "
+        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_param_persistence_threshold, "
+        "stage3_max_reuse_distance (elements of other units used before a unit's next use) and "
+        "stage3_gather_16bit_weights_on_model_save (save_16bit_model) honoured; "
+        "stage3_model_persistence_threshold, stage3_module_granularity_threshold and sub_group_size accepted "
+        "without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
     Entry("zero_force_ds_cpu_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),

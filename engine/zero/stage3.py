@@ -21,8 +21,11 @@ gathered when the model's forward starts and stays gathered until its gradients 
 # each gather that matches the recorded order starts the all-gathers of the following units
 # asynchronously, up to stage3_prefetch_bucket_size elements ahead and never beyond
 # stage3_max_live_parameters gathered at once, so communication overlaps compute. A unit whose
-# next recorded use is right after its forward (the last block, whose backward comes next) is not
-# released in between. When the order stops matching (dynamic control flow), the rest of the
+# next recorded use comes within stage3_max_reuse_distance elements of other units' gathers (the
+# last block always: its backward comes next) stays gathered after its forward, as in DeepSpeed;
+# with DeepSpeed's default (1e9) a model under a billion parameters is gathered once per step, and
+# 0 re-gathers every block for its backward (FSDP's reshard_after_forward). The trace records
+# every *use* of a unit (a kept unit's reuse too), so it is the same each step either way. When the order stops matching (dynamic control flow), the rest of the
 # micro-step gathers on demand and the new order is recorded (debug log); every rank follows its
 # own identical trace, so collectives stay in the same order on all ranks.
 
@@ -129,6 +132,7 @@ class Stage3:
         self._prefetch_numel = config.zero.stage3_prefetch_bucket_size
         self._max_live_numel = config.zero.stage3_max_live_parameters
         self._persist_below = config.zero.stage3_param_persistence_threshold
+        self._max_reuse_numel = config.zero.stage3_max_reuse_distance
         self.module = module
         # Prefetch (see [Note: prefetch]): the unit gather order of the last micro-step, where this
         # micro-step is in it, and the all-gathers already in flight.
@@ -243,7 +247,8 @@ class Stage3:
         return works
 
     def _gather(self, unit: Unit) -> None:
-        if unit.gathered:
+        if unit.gathered:  # kept since its last use: still a use in the recorded order
+            self._follow_trace(unit)
             return
         works = self._inflight.pop(unit.index, None)
         if works is None:
@@ -335,17 +340,31 @@ class Stage3:
         if not torch.is_grad_enabled():
             self._release(root)  # evaluation: nothing will come back for it
 
+    def _reused_soon(self, unit: Unit) -> bool:
+        """Whether the recorded order uses `unit` again before other units of more than
+        stage3_max_reuse_distance elements in all are used (the last block, whose backward comes
+        next: always), and keeping it stays within stage3_max_live_parameters."""
+        if not (self._trace and self._following):
+            return False
+        live = sum(self._unit_numel(u) for u in self.units if u.gathered or u.index in self._inflight)
+        if live > self._max_live_numel:
+            return False
+        between: set[int] = set()  # distinct units used before its next use
+        for index in self._trace[self._pos:]:
+            if index == unit.index:
+                return True
+            if index not in between:
+                between.add(index)
+                if sum(self._unit_numel(self.units[i]) for i in between) > self._max_reuse_numel:
+                    return False
+        return False
+
     def _after_forward(self, unit: Unit, output: Any) -> Any:
-        next_use = self._trace[self._pos] if self._trace and self._following and self._pos < len(self._trace) else None
-        if self._unit_numel(unit) < self._persist_below and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            self._release(unit)
+        elif self._unit_numel(unit) < self._persist_below:
             pass  # small: cheaper to keep whole until its gradients are reduced than to gather it again
-        elif next_use == unit.index and torch.is_grad_enabled():
-            # Its backward comes right after (the last block): keep it gathered and count the
-            # gather that is saved as done, so the recorded order stays the same every step.
-            self._recording.append(unit.index)
-            self._pos += 1
-            self._prefetch()
-        else:
+        elif not self._reused_soon(unit):
             self._release(unit)
         if not torch.is_grad_enabled() or not unit.trainable:
             return output
