@@ -171,6 +171,15 @@ def test_stage3_units_named_by_the_user(how: str) -> None:
            units=["<root>", "inp", "blocks.0.lin", "blocks.1.lin", "blocks.2.lin"])
 
 
+def test_stage3_small_consecutive_blocks_merged_into_one_unit() -> None:
+    # Blocks of ~300 elements under a 500-element threshold: blocks 0 and 1 share one unit (one
+    # all-gather, one reduce-scatter), block 2 starts the next; block 0 also runs again after block 2.
+    options = {"twice": True}
+    top = {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 500}}
+    results = run_distributed(_train, 2, args=(2, 0.05, options, top))
+    _check(results, reference(2, 2, 0.05, options), ATOL, units=["<root>", "blocks.0-1", "blocks.2"])
+
+
 def test_stage3_bf16_tracks_the_fp32_reference() -> None:
     results = run_distributed(_train, 2, args=(2, 0.05, {}, {"bf16": {"enabled": True}}))
     fp32 = run_distributed(_train, 2, args=(2, 0.05, {}, {}))

@@ -148,9 +148,9 @@ TABLE: tuple[Entry, ...] = (
         "the modules named by leaf_module {classes, names, name_suffixes} / engine.zero.set_z3_leaf_modules; "
         "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_param_persistence_threshold, "
         "stage3_max_reuse_distance (elements of other units used before a unit's next use) and "
-        "stage3_gather_16bit_weights_on_model_save (save_16bit_model) honoured; "
-        "stage3_model_persistence_threshold, stage3_module_granularity_threshold and sub_group_size accepted "
-        "without effect",
+        "stage3_gather_16bit_weights_on_model_save (save_16bit_model) and stage3_module_granularity_threshold "
+        "(consecutive sibling blocks under that many elements merged into one unit up to that size) honoured; "
+        "stage3_model_persistence_threshold and sub_group_size accepted without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
     Entry("zero_force_ds_cpu_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),

@@ -103,6 +103,9 @@ class ZeroConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_module_granularity_threshold: int = 0
+    """Stage-3 blocks under this many elements are merged with their following siblings into one unit
+    until it reaches this size (fewer, larger collectives); 0 (DeepSpeed's default) merges nothing."""
     leaf_module: Mapping[str, tuple[str, ...]] | None = None
     """Stage-3 gather units named by the user: {"classes": [...], "names": [...], "name_suffixes": [...]}
     (class names, module names, module-name suffixes); like engine.zero.set_z3_leaf_modules."""

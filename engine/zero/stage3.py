@@ -88,7 +88,8 @@ class ShardedGroup:
 class Unit:
     index: int
     name: str
-    module: torch.nn.Module | None
+    modules: list[torch.nn.Module]
+    """Whose forwards use it (see units.UnitPlan); empty for the root unit."""
     groups: list[ShardedGroup]
     gathered: bool = False
     reduced: bool = False
@@ -153,13 +154,13 @@ class Stage3:
             raise ConfigError(f"zero_optimization.leaf_module {dict(config.zero.leaf_module)} matches no submodule "
                               f"of {type(module).__name__}; name classes (type(m).__name__), module names or "
                               "name suffixes as in model.named_modules()")
-        for plan in plan_units(module, is_leaf):
+        for plan in plan_units(module, is_leaf, merge_below=config.zero.stage3_module_granularity_threshold):
             keys: dict[tuple[int | None, torch.dtype], list[int]] = {}
             for i, p in enumerate(plan.params):
                 keys.setdefault((group_of.get(id(p)), p.dtype), []).append(i)
             groups = [self._shard(plan.params, plan.param_names, idx, opt_group)
                       for (opt_group, _), idx in keys.items()]
-            unit = Unit(len(self.units), plan.name, plan.module, groups)
+            unit = Unit(len(self.units), plan.name, plan.modules, groups)
             self.units.append(unit)
             for p in plan.params:
                 p._zero_owner = (self, unit)  # for engine.zero.GatheredParameters
@@ -218,18 +219,16 @@ class Stage3:
         return group
 
     def _register_hooks(self, module: torch.nn.Module) -> None:
-        root = next((u for u in self.units if u.module is None), None)
+        root = next((u for u in self.units if not u.modules), None)
         self._handles.append(module.register_forward_pre_hook(lambda _m, _i: self._start_forward()))
         if root is not None:
             self._handles.append(module.register_forward_pre_hook(lambda _m, _i: self._gather(root)))
             self._handles.append(module.register_forward_hook(lambda _m, _i, _o: self._after_root_forward(root)))
         for unit in self.units:
-            if unit.module is None:
-                continue
-            self._handles.append(unit.module.register_forward_pre_hook(
-                lambda _m, _i, unit=unit: self._gather(unit)))
-            self._handles.append(unit.module.register_forward_hook(
-                lambda _m, _i, out, unit=unit: self._after_forward(unit, out)))
+            for member in unit.modules:
+                self._handles.append(member.register_forward_pre_hook(lambda _m, _i, unit=unit: self._gather(unit)))
+                self._handles.append(member.register_forward_hook(
+                    lambda m, _i, out, unit=unit: self._after_forward(unit, out, last=m is unit.modules[-1])))
         for unit in self.units:
             for g in unit.trainable:
                 for p in g.params:
@@ -359,8 +358,10 @@ class Stage3:
                     return False
         return False
 
-    def _after_forward(self, unit: Unit, output: Any) -> Any:
-        if not torch.is_grad_enabled():
+    def _after_forward(self, unit: Unit, output: Any, last: bool = True) -> Any:
+        if not last:
+            pass  # a merged unit: the next member's forward uses it too
+        elif not torch.is_grad_enabled():
             self._release(unit)
         elif self._unit_numel(unit) < self._persist_below:
             pass  # small: cheaper to keep whole until its gradients are reduced than to gather it again

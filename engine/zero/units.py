@@ -30,8 +30,10 @@ def full_numel(param: torch.Tensor) -> int:
 @dataclass
 class UnitPlan:
     name: str
-    module: torch.nn.Module | None
-    """The module whose forward gathers the unit (None: the root unit, gathered by the model's forward)."""
+    modules: list[torch.nn.Module]
+    """The modules whose forwards use the unit: one block, or consecutive small blocks merged (gathered
+    by the first one's forward, released after the last one's). Empty: the root unit, gathered by the
+    model's forward."""
     params: list[torch.nn.Parameter] = field(default_factory=list)
     param_names: list[str] = field(default_factory=list)
 
@@ -103,23 +105,53 @@ def _outermost(found: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torc
     return kept
 
 
-def plan_units(model: torch.nn.Module, is_leaf: LeafTest | None = None) -> list[UnitPlan]:
+def _merge_small(blocks: list[tuple[str, torch.nn.Module]], merge_below: int) -> list[list[tuple[str, torch.nn.Module]]]:
+    """Runs of consecutive sibling blocks (e.g. blocks.3, blocks.4) each under `merge_below` elements,
+    merged until a run reaches that size: one all-gather and one reduce-scatter for the run instead
+    of one per block, when each collective costs ~1 ms of latency whatever its size."""
+    runs: list[list[tuple[str, torch.nn.Module]]] = []
+
+    def numel(module: torch.nn.Module) -> int:
+        return sum(full_numel(p) for p in module.parameters())
+
+    def parent(name: str) -> str:
+        return name.rpartition(".")[0]
+
+    for name, module in blocks:
+        run = runs[-1] if runs else None
+        if run is not None and merge_below > 0 and numel(module) < merge_below and parent(run[0][0]) == parent(name) \
+                and all(numel(m) < merge_below for _, m in run) and sum(numel(m) for _, m in run) < merge_below:
+            run.append((name, module))
+        else:
+            runs.append([(name, module)])
+    return runs
+
+
+def _run_name(run: list[tuple[str, torch.nn.Module]]) -> str:
+    if len(run) == 1:
+        return run[0][0]
+    return f"{run[0][0]}-{run[-1][0].rpartition('.')[2]}"
+
+
+def plan_units(model: torch.nn.Module, is_leaf: LeafTest | None = None, merge_below: int = 0) -> list[UnitPlan]:
     """Units in registration order; the root unit (if it has parameters) comes first."""
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
-    blocks = _blocks(model, is_leaf or leaf_test(None))
+    runs = _merge_small(_blocks(model, is_leaf or leaf_test(None)), merge_below)
+    blocks = [(name, module) for run in runs for name, module in run]
+    run_of = [i for i, run in enumerate(runs) for _ in run]  # block index -> unit index
     owners: dict[int, set[int]] = {}  # id(param) -> indices of blocks that use it
     for i, (_, block) in enumerate(blocks):
         for p in block.parameters():
             owners.setdefault(id(p), set()).add(i)
     outside = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
                if not any(n == b or n.startswith(b + ".") for b, _ in blocks)}
-    root = UnitPlan("<root>", None)
-    units = [UnitPlan(name, block) for name, block in blocks]
+    root = UnitPlan("<root>", [])
+    units = [UnitPlan(_run_name(run), [m for _, m in run]) for run in runs]
     for p in model.parameters():  # each parameter once, in registration order
-        blocks_using = owners.get(id(p), set())
-        target = units[next(iter(blocks_using))] if len(blocks_using) == 1 and id(p) not in outside else root
+        using = {run_of[i] for i in owners.get(id(p), set())}
+        target = units[next(iter(using))] if len(using) == 1 and id(p) not in outside else root
         target.params.append(p)
         target.param_names.append(names[id(p)])
     return ([root] if root.params else []) + [u for u in units if u.params]
