@@ -475,3 +475,27 @@ def test_save_16bit_model(stage: int, gather_on_save: bool, tmp_path: Any) -> No
     assert list(state) == list(make_net(0).state_dict()) and list(tmp_path.iterdir()) == [tmp_path / "model.pt"]
     for name, tensor in state.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, results[0]["full"][name]), name
+
+
+def _deep_bucket_memory() -> dict[str, int]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(16)))  # 16 units
+    eng, *_ = engine.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    for x, y in batches(3, MICRO):
+        eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+        eng.step()
+    unit_bytes = max(4 * sum(g.layout.padded_numel for g in u.groups) for u in eng._stage.units)
+    out = {"buckets": eng.memory_report()["buckets"], "unit_bytes": unit_bytes,
+           "all_bytes": sum(4 * g.layout.padded_numel for u in eng._stage.units for g in u.groups)}
+    eng.destroy()
+    return out
+
+
+def test_stage3_gradient_buckets_are_recycled_not_one_per_unit() -> None:
+    from engine.zero.stage3 import MAX_REDUCES_IN_FLIGHT
+
+    result = run_distributed(_deep_bucket_memory, 2)[0]
+    # A few units' worth (reductions in flight + the unit collecting gradients), not the whole model.
+    assert result["buckets"] <= (MAX_REDUCES_IN_FLIGHT + 2) * result["unit_bytes"] < result["all_bytes"] / 2, result

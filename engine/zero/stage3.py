@@ -36,6 +36,7 @@ buffer would silently feed it another unit's numbers. Released storage is freed 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +53,14 @@ from engine.zero import released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
+from engine.zero.partitioned import BucketPool
 from engine.zero.units import leaf_test, plan_units
 
 logger = get_logger()
+
+MAX_REDUCES_IN_FLIGHT = 4
+"""Gradient reduce-scatters (one per unit, optimizer group and dtype) in flight before the oldest is
+waited for and its bucket recycled."""
 
 
 @dataclass
@@ -181,7 +187,11 @@ class Stage3:
         self._register_hooks(module)
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
-        self.grad_bucket_bytes = 0
+        # Gradient buckets are recycled (unlike gathered buffers, nothing else references them), all
+        # the size of the largest block so units of any size share them.
+        blocks = [u for u in self.units if u.modules] or self.units
+        self._buckets = BucketPool(max((self._unit_numel(u) for u in blocks), default=0))
+        self._reducing: deque[ShardedGroup] = deque()
 
     # ----------------------------------------------------------------------------- building
     def _shard(self, params: list[torch.nn.Parameter], names: list[str], idx: list[int],
@@ -387,9 +397,8 @@ class Stage3:
             return
         param.grad = None
         if g.grad_bucket is None:
-            g.grad_bucket = torch.zeros(g.layout.padded_numel, dtype=self.precision.wire_dtype(grad.dtype),
-                                        device=grad.device)
-            self.grad_bucket_bytes += g.grad_bucket.numel() * g.grad_bucket.element_size()
+            g.grad_bucket = self._buckets.acquire(g.layout.padded_numel, self.precision.wire_dtype(grad.dtype),
+                                                  grad.device)
         span = g.layout.params[i]
         if i in g.arrived:
             g.grad_bucket[span.offset:span.end].add_(grad.reshape(-1))
@@ -413,19 +422,24 @@ class Stage3:
     def _launch_reduce(self, unit: Unit) -> None:
         for g in unit.trainable:
             if g.grad_bucket is None:  # no gradient on this rank: contribute zeros
-                g.grad_bucket = torch.zeros(g.layout.padded_numel, dtype=self.precision.wire_dtype(g.dtype),
-                                            device=g.device)
-                self.grad_bucket_bytes += g.grad_bucket.numel() * g.grad_bucket.element_size()
-            else:
+                g.grad_bucket = self._buckets.acquire(g.layout.padded_numel, self.precision.wire_dtype(g.dtype),
+                                                      g.device).zero_()
+            else:  # a pooled buffer: whatever no gradient was written to must be zero (padding included)
                 for i, span in enumerate(g.layout.params):
                     if i not in g.arrived:
                         g.grad_bucket[span.offset:span.end].zero_()
+                g.grad_bucket[g.layout.numel:].zero_()
             g.pending = shard_reduce.start(g.grad_bucket, g.shard_grad, written=g.grad_written, rank=self._rank,
                                            world=self._world, prescale=self._prescale, predivide=self._predivide,
                                            key=unit.index)
             g.unit_name = unit.name
+            self._reducing.append(g)
         unit.reduced = True
         self._release(unit)
+        # At most MAX_REDUCES_IN_FLIGHT groups' buckets stay alive: the rest of the backward overlaps
+        # them, and the bucket memory is a few units', not the model's.
+        while len(self._reducing) > MAX_REDUCES_IN_FLIGHT:
+            self._finish_reduce(self._reducing.popleft())
 
     def _where_in_training(self) -> str:
         return f"optimizer step {self.steps + 1}, backward {self.backwards + 1}"
@@ -438,6 +452,8 @@ class Stage3:
         g.pending = None
         g.grad_written = True
         g.arrived.clear()
+        self._buckets.release(g.grad_bucket)
+        g.grad_bucket = None
 
     def _pending(self) -> bool:
         return any(g.arrived for u in self.units for g in u.trainable)
@@ -450,6 +466,7 @@ class Stage3:
             for g in unit.trainable:
                 self._finish_reduce(g)
             self._release(unit)
+        self._reducing.clear()
         self._next_reduce = 0
 
     # ------------------------------------------------------------------------ stage interface
@@ -485,10 +502,14 @@ class Stage3:
                 if g.pending is not None:
                     g.pending.work.wait()
                     g.pending = None
+                if g.grad_bucket is not None:
+                    self._buckets.release(g.grad_bucket)
+                    g.grad_bucket = None
                 g.grad_written = False
                 g.arrived.clear()
                 for p in g.params:
                     p.grad = None
+        self._reducing.clear()
         self._next_reduce = 0
 
     def memory_report(self) -> dict[str, int]:
@@ -503,7 +524,7 @@ class Stage3:
             "master": sum(nbytes(g.master) for g in groups if g.master is not None and g.shard is None),
             "gradients": sum(nbytes(g.shard_grad) for g in groups),
             "optimizer_state": state,
-            "buckets": self.grad_bucket_bytes,
+            "buckets": self._buckets.allocated_bytes,
             "gathered": self.gathered_bytes,
             "peak_gathered": self.peak_gathered_bytes,
         }
@@ -571,11 +592,11 @@ class Stage3:
                     del p._zero_owner
                     released.give_back(p)
                 g.full = None
-                g.grad_bucket = None
                 if g.master is not None:
                     g.master.grad = None
             unit.gathered = False
         self.units.clear()
         self._where.clear()
+        self._buckets.clear()
         self.gathered_bytes = 0
         comm.free_buffers()
