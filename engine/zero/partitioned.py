@@ -82,8 +82,9 @@ class BucketPool:
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free.setdefault((dtype, device), [])
-        if free:
-            buf = free.pop()
+        fitting = [i for i, b in enumerate(free) if b.numel() >= numel]  # larger requests get their own size
+        if fitting:
+            buf = free.pop(min(fitting, key=lambda i: free[i].numel()))
         else:
             buf = torch.empty(max(numel, self.capacity), dtype=dtype, device=device)
             self.allocated_bytes += buf.numel() * buf.element_size()
