@@ -6,7 +6,8 @@
 Every variant trains the same GPT (examples/gpt.py) on the same random batches with AdamW (lr 1e-4) and
 clipping 1.0, one after the other in the same processes, so the ratios compare like with like:
 PyTorch DDP fp32 and bf16, engine stages 0, 1, 2 in fp32 and bf16 (overlap_comm, buckets of --bucket
-elements), engine stage 3 with prefetch (stage3_prefetch_bucket_size 5e7, the default) and without (0),
+elements), engine stage 3 with prefetch (two blocks ahead) and without, both re-gathering each block for
+its backward as FSDP2 does, and "kept" (DeepSpeed's defaults: prefetch 5e7 elements, reuse distance 1e9),
 PyTorch FSDP2 (fully_shard on each block, then the root), and DeepSpeed's stages 0-3 when
 `import deepspeed` works (skipped with a note otherwise). A table compares engine stage 3 with FSDP2.
 A variant that raises is reported as failed in the table (traceback on stderr) and the run goes on;
@@ -147,6 +148,11 @@ def run_ddp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
     n = comm.get_world_size()
     res.comm_per_step = {"all_reduce": 2.0 * pbytes * (n - 1) / n}
     res.comm_note = "computed"
+
+
+def _block_numel(cfg: GPTConfig) -> int:
+    """Elements of one transformer block of the model (a stage-3 unit)."""
+    return sum(p.numel() for p in _model(cfg).blocks[0].parameters())
 
 
 def _engine_config(stage: int, precision: str, bucket: int, prefetch: int | None = None) -> dict[str, Any]:
@@ -497,10 +503,10 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
         f"- AdamW lr {LR}, weight_decay 0, gradient clipping {CLIP}, micro batch {MICRO}, gradient accumulation 1",
         (f"- engine: zero_optimization {{stage s, reduce_bucket_size {args.bucket}, allgather_bucket_size "
          f"{args.bucket}, overlap_comm true}}; bf16 variants add \"bf16\": {{\"enabled\": true}}; stage 3 adds "
-         f"stage3_prefetch_bucket_size {PREFETCH} (prefetch, the default) or 0 (\"no prefetch\"), "
+         "stage3_prefetch_bucket_size of two blocks (prefetch) or 0 (\"no prefetch\") and "
          "stage3_max_reuse_distance 0 (each block gathered again for its backward, as FSDP2's "
-         "reshard_after_forward) except \"kept\" (the default 1e9: each unit gathered once per step and kept "
-         "from its forward to its backward, as DeepSpeed does on models under 1e9 parameters), "
+         f"reshard_after_forward); \"kept\" leaves both at DeepSpeed's defaults ({PREFETCH} and 1e9: every unit "
+         "prefetched as far as it goes and kept from its forward to its backward, so gathered once per step), "
          "stage3_max_live_parameters left at its default (1e9)"),
         ("- DDP: torch.nn.parallel.DistributedDataParallel with the default bucket_cap_mb (25 MB), "
          "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_"),
@@ -613,7 +619,9 @@ def main() -> None:
         for stage in (0, 1, 2):
             plan.append((Result(f"engine stage {stage} {prec}", prec, "engine"),
                          lambda r, s=stage: run_engine(r, cfg, batches, args.warmup, s, args.bucket)))
-        for label, prefetch, reuse in (("", PREFETCH, 0), ("no prefetch ", 0, 0), ("kept ", PREFETCH, None)):
+        # FSDP2 prefetches the next block; "prefetch" here allows two blocks ahead, "kept" is DeepSpeed's defaults.
+        two_blocks = 2 * _block_numel(cfg)
+        for label, prefetch, reuse in (("", two_blocks, 0), ("no prefetch ", 0, 0), ("kept ", PREFETCH, None)):
             plan.append((Result(f"engine stage 3 {label}{prec}", prec, "engine"),
                          lambda r, pf=prefetch, ru=reuse: run_engine(r, cfg, batches, args.warmup, 3, args.bucket,
                                                                     pf, ru)))

@@ -58,7 +58,7 @@ from engine.zero.units import leaf_test, plan_units
 
 logger = get_logger()
 
-MAX_REDUCES_IN_FLIGHT = 4
+MAX_REDUCES_IN_FLIGHT = 2
 """Gradient reduce-scatters (one per unit, optimizer group and dtype) in flight before the oldest is
 waited for and its bucket recycled."""
 
