@@ -1,0 +1,298 @@
+"""Fused CPU Adam/AdamW: one pass over memory per step, with unscale/clip and the low-precision copy.
+
+    adam_step(params, grads, exp_avgs, exp_avg_sqs, lp_params, lr=..., step=..., grad_scale=...)
+    opt = CPUAdam(model.parameters(), lr=1e-3)   # DeepSpeedCPUAdam-like torch.optim.Optimizer
+
+torch.optim.AdamW(fused=True) on CPU already runs near the DRAM limit, but pays a few microseconds per
+tensor, and unscaling (loss scale), the clip coefficient and the cast to the bf16 model copy are
+separate passes over memory. `adam_step` does all of it in one pass of the compiled op in
+csrc/cpu/adam.cpp (one call for all tensors; 28 bytes per parameter with bf16 gradients and a bf16
+copy), and falls back to `adam_step_reference`, the same math as per-tensor torch ops, when the
+extension is not built (see engine/ops/builder.py) or the tensors are not on the CPU.
+
+[Note: Adam math we match]
+Per element, after g = float(grad) * grad_scale, exactly torch.optim.Adam's single-tensor path:
+    adamw_mode (AdamW):  p <- p * (1 - lr * weight_decay)        (decoupled decay)
+    otherwise (Adam):    g <- g + weight_decay * p                (L2, goes through the moments)
+    m <- lerp(m, g, 1 - beta1);   v <- v * beta2 + (1 - beta2) * g^2
+    p <- p - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps),  bc_i = 1 - beta_i^step (1 without bias_correction)
+The scalar coefficients are computed in double, the elements in float32. The compiled op and the
+fallback differ only by float rounding (the fallback is bitwise torch's AdamW when grad_scale is 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from engine.ops import builder
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    lp_params: Sequence[torch.Tensor] | None = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    step: int,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+) -> None:
+    """One Adam/AdamW update of every tensor in place (see [Note: Adam math we match]).
+
+    params, exp_avgs, exp_avg_sqs: float32, contiguous. grads: float32, bfloat16 or float16, multiplied
+    by `grad_scale` before use (e.g. clip_coef / loss_scale). lp_params: None/empty, or one bfloat16 or
+    float16 tensor per param that receives the updated parameter (round to nearest even, as `.to()`).
+    step: the step count including this update (1 on the first step).
+    """
+    lp_params = list(lp_params) if lp_params else []
+    _check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+    _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                 grad_scale=grad_scale)
+    ext = builder.load()
+    if ext is not None and all(p.is_cpu for p in params):
+        # The C++ op checks every tensor itself (dtype, device, contiguity, size), with the same
+        # messages as _check_tensors, so the fast path pays no per-tensor Python cost.
+        ext.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lp_params, float(lr),
+                      float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode), int(step),
+                      bool(bias_correction), float(grad_scale))
+        return
+    _check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+    adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, lp_params, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, adamw_mode=adamw_mode, step=step,
+                        bias_correction=bias_correction, grad_scale=grad_scale)
+
+
+@torch.no_grad()
+def adam_step_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    lp_params: Sequence[torch.Tensor] | None = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    step: int,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+) -> None:
+    """adam_step as per-tensor torch ops, in torch.optim.Adam's order; no argument checks (the naive path)."""
+    bias_correction1 = 1 - beta1**step if bias_correction else 1.0
+    bias_correction2 = 1 - beta2**step if bias_correction else 1.0
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        g = grad.float()  # the gradient itself when already fp32: never modified in place below
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        if weight_decay != 0:
+            if adamw_mode:
+                param.mul_(1 - lr * weight_decay)
+            else:
+                g = g.add(param, alpha=weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+        if lp_params:
+            lp_params[i].copy_(param)
+
+
+def _check_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor]) -> None:
+    n = len(params)
+    if not len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n:
+        raise ValueError(f"adam_step: one grad, exp_avg and exp_avg_sq per param expected; got {n} params, "
+                         f"{len(grads)} grads, {len(exp_avgs)} exp_avgs, {len(exp_avg_sqs)} exp_avg_sqs")
+    if lp_params and len(lp_params) != n:
+        raise ValueError(f"adam_step: lp_params must be empty or hold one tensor per param; got {len(lp_params)} "
+                         f"for {n} params")
+    for name, tensors in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                          ("exp_avg_sqs", exp_avg_sqs), ("lp_params", lp_params)):
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"adam_step: {name}[{i}] is {type(t).__name__}, not a tensor")
+
+
+def _check_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                 grad_scale: float) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"adam_step: step must be an int >= 1 (the count including this update), got {step!r}")
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"adam_step: betas must be in [0, 1), got ({beta1}, {beta2})")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"adam_step: {name} must be finite and >= 0, got {value!r}")
+    if not math.isfinite(grad_scale):
+        raise ValueError(f"adam_step: grad_scale must be finite, got {grad_scale!r}; skip the step when the "
+                         "gradients overflowed instead of stepping with a non-finite scale")
+
+
+def _check_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                   exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor]) -> None:
+    """The compiled op's TORCH_CHECKs, for the fallback path (any device, one device per param)."""
+    for i, param in enumerate(params):
+        lists = [("params", param, (torch.float32,)), ("grads", grads[i], _GRAD_DTYPES),
+                 ("exp_avgs", exp_avgs[i], (torch.float32,)), ("exp_avg_sqs", exp_avg_sqs[i], (torch.float32,))]
+        if lp_params:
+            lists.append(("lp_params", lp_params[i], _LP_DTYPES))
+        for name, t, dtypes in lists:
+            if t.dtype not in dtypes:
+                raise TypeError(f"adam_step: {name}[{i}] has dtype {t.dtype}; expected {_dtype_names(dtypes)}")
+            if not t.is_contiguous():
+                raise ValueError(f"adam_step: {name}[{i}] is not contiguous; pass .contiguous()")
+            if t.numel() != param.numel():
+                raise ValueError(f"adam_step: {name}[{i}] has {t.numel()} elements but params[{i}] has "
+                                 f"{param.numel()}")
+            if t.device != param.device:
+                raise ValueError(f"adam_step: {name}[{i}] is on {t.device} but params[{i}] is on {param.device}; "
+                                 "keep each param's tensors on one device")
+
+
+def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW on fp32 parameters through the fused `adam_step` (DeepSpeedCPUAdam's arguments).
+
+    State per parameter is torch.optim.AdamW's ("step" a float32 scalar tensor, "exp_avg",
+    "exp_avg_sq"), so state_dicts load into either optimizer. adamw_mode=True matches
+    torch.optim.AdamW, False torch.optim.Adam (L2 weight decay); bias_correction=False drops the
+    bias correction as DeepSpeed's optimizers allow. Hyper-parameters are read from each param
+    group at every step, so LR schedulers work as with torch's optimizers.
+
+    step(grad_scale=s) multiplies every gradient by s first (clip_coef / loss_scale); step(lp_params=[...])
+    writes each updated parameter into the matching low-precision tensor in the same pass (one entry
+    per parameter, flattened over param_groups in order; None entries get no copy).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise NotImplementedError("CPUAdam does not implement amsgrad (nor does DeepSpeedCPUAdam); use "
+                                      "torch.optim.AdamW(amsgrad=True) for it")
+        beta1, beta2 = betas
+        _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=1, grad_scale=1.0)
+        defaults = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay,
+                    "adamw_mode": adamw_mode, "bias_correction": bias_correction, "amsgrad": False}
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A torch.optim.Adam/AdamW state_dict has no adamw_mode/bias_correction: this optimizer's
+        # constructor arguments apply (as torch's AdamW forces decoupled decay on whatever it loads).
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("adamw_mode", self.defaults["adamw_mode"])
+            group.setdefault("bias_correction", self.defaults["bias_correction"])
+            group.setdefault("amsgrad", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, {})
+                if "step" in p_state and not torch.is_tensor(p_state["step"]):  # pre-1.12 torch saved an int
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        grad_scale: float = 1.0,
+        lp_params: Sequence[torch.Tensor | None] | None = None,
+    ) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lp_of = self._check_lp_params(lp_params)
+        index = 0
+        for group in self.param_groups:
+            # Phase 1: the params of this group that have a gradient, with state and copy target.
+            work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None]] = []
+            for p in group["params"]:
+                lp = lp_of[index] if lp_of is not None else None
+                index += 1
+                if p.grad is not None:
+                    work.append((p, self._grad_of(p), self._state_of(p), lp))
+            if work:
+                self._check_group(group)
+                self._update_group(group, work, grad_scale)
+        return loss
+
+    def _update_group(self, group: dict[str, Any], work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any],
+                      torch.Tensor | None]], grad_scale: float) -> None:
+        # Phase 2: count the step, one foreach call instead of one tensor op per parameter.
+        steps = [state["step"] for _, _, state, _ in work]
+        torch._foreach_add_(steps, 1.0)
+        counts = [int(c) for c in torch.stack(steps).tolist()]
+        # Phase 3: one fused call per (step count, copy-out or not); normally the whole group at once.
+        batches: dict[tuple[int, bool], list[int]] = {}
+        for i, count in enumerate(counts):
+            batches.setdefault((count, work[i][3] is not None), []).append(i)
+        beta1, beta2 = group["betas"]
+        for (count, has_lp), members in batches.items():
+            adam_step([work[i][0] for i in members], [work[i][1] for i in members],
+                      [work[i][2]["exp_avg"] for i in members], [work[i][2]["exp_avg_sq"] for i in members],
+                      [work[i][3] for i in members] if has_lp else None,  # type: ignore[misc]
+                      lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"], step=count,
+                      bias_correction=group["bias_correction"], grad_scale=grad_scale)
+
+    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:  # torch.optim.AdamW's layout, so state_dicts are interchangeable
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @staticmethod
+    def _grad_of(p: torch.Tensor) -> torch.Tensor:
+        grad = p.grad
+        assert grad is not None  # the caller skips params without a gradient
+        if grad.is_sparse:
+            raise RuntimeError("CPUAdam does not support sparse gradients; use torch.optim.SparseAdam")
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> None:
+        for key in ("amsgrad", "maximize"):
+            if group.get(key):
+                raise NotImplementedError(f"CPUAdam does not implement {key}=True (found in a param group, e.g. "
+                                          "from a loaded torch.optim.AdamW state_dict); use torch.optim.AdamW")
+
+    def _check_lp_params(self, lp_params: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+        if lp_params is None:
+            return None
+        total = sum(len(group["params"]) for group in self.param_groups)
+        if len(lp_params) != total:
+            raise ValueError(f"CPUAdam.step: lp_params has {len(lp_params)} entries but the optimizer has {total} "
+                             "params; pass one tensor (or None) per param, flattened over param_groups in order")
+        return list(lp_params)
