@@ -81,6 +81,17 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _check_offload(cfg: EngineConfig, device: torch.device) -> None:
+    if cfg.zero.offload_optimizer.device != "cpu":
+        return
+    if cfg.zero.stage == 0:
+        raise ConfigError('zero_optimization.offload_optimizer.device "cpu" needs zero_optimization.stage 1, 2 or 3 '
+                          "(ZeRO-Offload steps the partitioned optimizer); raise the stage or remove offload_optimizer")
+    if device.type != "cpu":
+        raise ConfigError(f'zero_optimization.offload_optimizer.device "cpu" while training on {device} is not '
+                          "implemented yet (only CPU training runs the fused offload step); remove offload_optimizer")
+
+
 def _build_optimizer(cfg: EngineConfig, module: torch.nn.Module, optimizer: Any,
                      model_parameters: Iterable[Any] | None) -> torch.optim.Optimizer | None:
     if optimizer is not None and cfg.optimizer is not None:
@@ -141,6 +152,7 @@ def initialize(
     try:
         cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
         device = _device()
+        _check_offload(cfg, device)
         if cfg.zero.stage != 3 and (gathered := zero_init.materialize(model)):
             logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
                         "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)

@@ -9,6 +9,7 @@ fp16 scales the loss (engine/loss_scaler.py); an overflow anywhere skips the ste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,10 +90,12 @@ class Precision:
         return GradNorm(total, overflow=not math.isfinite(total))
 
     def step_shards(self, shards: list[torch.Tensor], optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
-                    average: float, partitioned: bool) -> tuple[float, bool]:
+                    average: float, partitioned: bool,
+                    fused_step: Callable[[float], None] | None = None) -> tuple[float, bool]:
         """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
         vote), a skip on fp16 overflow, one multiply folding averaging, unscaling and clipping
         (like torch.nn.utils.clip_grad_norm_), the optimizer step and the loss-scale update.
+        `fused_step(coef)` (optimizer offload) replaces the multiply and the step with one pass.
         Returns (global norm before clipping, whether the step was applied)."""
         factor = average / self.loss_scale
         norm = self.global_norm(shards, factor=factor, partitioned=partitioned)
@@ -102,10 +105,13 @@ class Precision:
         coef = factor
         if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
             coef *= max_grad_norm / (norm.norm + 1e-6)
-        if coef != 1.0:
-            for shard in shards:
-                shard.mul_(coef)
-        optimizer.step()
+        if fused_step is not None:
+            fused_step(coef)
+        else:
+            if coef != 1.0:
+                for shard in shards:
+                    shard.mul_(coef)
+            optimizer.step()
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return norm.norm, True

@@ -206,10 +206,34 @@ TABLE: tuple[Entry, ...] = (
     # --- refused: ignoring these would change results or the memory / parallel plan ---------------
     Entry(
         "zero_optimization.offload_optimizer.device",
+        S.IMPLEMENTED,
+        one_of("cpu"),
+        "ZeRO-Offload at stages 1-3: the step runs as one fused CPU Adam pass over the fp32 master shards "
+        "(averaging, unscale and clip folded in, the bf16/fp16 shard written in the same pass; "
+        "engine/zero/offload.py); CPU training only for now (CUDA training with offload is refused at "
+        "initialize); pin_memory, fast_init and cpuadam_cores_perc accepted without effect",
+    ),
+    Entry(
+        "zero_optimization.offload_optimizer.device",
         S.REFUSED,
-        not_in("none"),
-        "optimizer offload is not implemented; the memory plan you asked for would silently not happen",
-        'set zero_optimization.offload_optimizer.device to "none" or remove offload_optimizer',
+        one_of("nvme"),
+        "NVMe optimizer offload (ZeRO-Infinity) is not implemented; the memory plan you asked for would "
+        "silently not happen",
+        'use "cpu" or "none"',
+    ),
+    Entry(
+        "zero_optimization.offload_optimizer.ratio",
+        S.REFUSED,
+        When("< 1", lambda v: isinstance(v, (int, float)) and v < 1),
+        "partial optimizer offload (part of the step on the accelerator) is not implemented",
+        "remove ratio (or set it to 1)",
+    ),
+    Entry(
+        "zero_optimization.offload_optimizer.super_offload",
+        S.REFUSED,
+        TRUE,
+        "SuperOffload (superchip CPU-GPU offload) is not implemented",
+        "remove super_offload or set it to false",
     ),
     Entry(
         "zero_optimization.offload_param.device",

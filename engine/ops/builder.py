@@ -150,7 +150,7 @@ def _load() -> ModuleType | None:
     return module
 
 
-def _fail(reason: str) -> None:
+def _fail(reason: str) -> None:  # noqa: RET501 (returns the fallback module: None)
     _status.state, _status.reason = "fallback", reason
     if _status.mode == "require":
         raise RuntimeError(f"{ENV_MODE}=require but the C++ extension is unavailable: {reason}")

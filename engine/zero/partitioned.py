@@ -32,6 +32,7 @@ from engine.precision import Precision
 from engine.zero import shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import FlatGroup, arrival_order, build_flat_groups, check_elementwise
+from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
 
 logger = get_logger()
 
@@ -147,6 +148,10 @@ class PartitionedStage:
         self.pool = BucketPool(max(g.layout.bucket_numel for g in self.groups) if self.groups else 0)
         self.launched_from_hooks = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
+        # Optimizer offload: one fused pass also writes the low-precision shard (no refresh_params).
+        self._offload = OptimizerOffload(optimizer, [
+            OffloadTarget(g.master, g.shard_view(g.flat) if g.owns_master else None) for g in self.groups
+        ]) if offload_enabled(config) else None
 
     # ------------------------------------------------------------------- subclass interface
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -272,12 +277,14 @@ class PartitionedStage:
         average = 1.0 if self._prescale else self._predivide / self._world  # what was not divided before
         norm, applied = self.precision.step_shards([g.shard_grad for g in self.groups], self.optimizer,
                                                    max_grad_norm=max_grad_norm, average=average,
-                                                   partitioned=self.partitioned)
+                                                   partitioned=self.partitioned,
+                                                   fused_step=self._offload.step if self._offload else None)
         if not applied:
             self.zero_grad()
             return StepOutcome(norm, applied=False)
-        for g in self.groups:
-            g.refresh_params()
+        if self._offload is None:
+            for g in self.groups:
+                g.refresh_params()
         self._gather_params()
         self.zero_grad()
         return StepOutcome(norm, applied=True)

@@ -53,6 +53,7 @@ from engine.zero import released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
+from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
 from engine.zero.partitioned import BucketPool
 from engine.zero.units import leaf_test, plan_units
 
@@ -179,6 +180,11 @@ class Stage3:
         optimizer.state.clear()
 
         self._where = {id(p): (u, g, i) for u in self.units for g in u.trainable for i, p in enumerate(g.params)}
+        # Optimizer offload: masters are the only persistent copy of trainable parameters (or the fp32
+        # shard itself), gathering casts, so the fused step has no low-precision copy to write.
+        self._offload = OptimizerOffload(optimizer, [
+            OffloadTarget(g.master, None) for u in self.units for g in u.trainable
+        ]) if offload_enabled(config) else None
         # Gradients are reduced unit by unit in one fixed order on every rank: the reverse of the
         # forward order, so the last block (whose backward ends first) goes first, the root last.
         self._reduce_order = list(reversed(self.units))
@@ -491,7 +497,8 @@ class Stage3:
                     g.shard_grad.zero_()
         average = 1.0 if self._prescale else self._predivide / self._world
         norm, applied = self.precision.step_shards(shards, self.optimizer, max_grad_norm=max_grad_norm,
-                                                   average=average, partitioned=True)
+                                                   average=average, partitioned=True,
+                                                   fused_step=self._offload.step if self._offload else None)
         self.zero_grad()
         self.steps += 1
         return StepOutcome(norm, applied)
