@@ -80,7 +80,7 @@ void convert(const void* in_ptr, void* out_ptr, int64_t n, bool scaled, float sc
   const In* in = static_cast<const In*>(in_ptr);
   Out* out = static_cast<Out*>(out_ptr);
   if constexpr (std::is_same_v<In, Out>) {
-    if (!scaled) {  // glibc memcpy beats torch's copy_ by ~1.6x on large buffers here
+    if (!scaled) {  // a plain copy: memcpy is as fast as it gets (on par with torch.cat here)
       std::memcpy(out, in, n * sizeof(In));
       return;
     }
