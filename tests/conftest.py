@@ -18,3 +18,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if any(path == GPU_TESTS or GPU_TESTS in path.parents for path in named):
         return None
     return True
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or load from the cache) the C++ extension once, in this process, before any test: the
+    first build takes a minute or two, which inside a rank of a distributed test would run into that
+    test's timeout. Spawned ranks then load the cached library."""
+    from engine.ops import builder
+
+    builder.load()

@@ -129,6 +129,7 @@ def _load() -> ModuleType | None:
     build_dir = cache_root() / f"{NAME}-{cache_key(files, compiler)}"
     _status.cache_dir = str(build_dir)
     cached = any(build_dir.glob(f"{NAME}*.so"))
+    _clear_stale_lock(build_dir)
     started = time.perf_counter()
     if not cached:
         print(f"[engine] compiling the C++ extension ({len(files)} sources, first use; cached in {build_dir}) ...",
@@ -150,13 +151,29 @@ def _load() -> ModuleType | None:
     return module
 
 
-def _fail(reason: str) -> None:  # noqa: RET501 (returns the fallback module: None)
+STALE_LOCK_SECONDS = 900
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's build lock waits forever for a lock file whose builder died (killed mid-compile): a lock
+    older than any real build here (~2 min) is removed, with a warning, instead of hanging every rank."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"engine: removing a stale build lock {lock} ({age / 60:.0f} min old; its build died)",
+                      RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
+
+
+def _fail(reason: str) -> None:
     _status.state, _status.reason = "fallback", reason
     if _status.mode == "require":
         raise RuntimeError(f"{ENV_MODE}=require but the C++ extension is unavailable: {reason}")
     warnings.warn(f"engine: C++ extension unavailable ({reason}); using the pure-torch fallbacks (same results, "
                   "slower)", RuntimeWarning, stacklevel=3)
-    return None
 
 
 def status() -> BuildStatus:
