@@ -17,6 +17,7 @@ import torch
 from engine import comm
 from engine.config.types import EngineConfig
 from engine.loss_scaler import LossScaler
+from engine.ops.overflow import sum_squares_and_overflow
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
@@ -79,11 +80,10 @@ class Precision:
         all-reduce (never a gather). An inf or nan anywhere makes the sum non-finite on every rank,
         so the same collective is the overflow check all ranks agree on.
         """
-        if shards:
-            sumsq = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float32) ** 2 for s in shards]).sum()
-        else:
-            sumsq = torch.zeros((), dtype=torch.float32)
-        sumsq = sumsq.reshape(1).to(torch.float32)
+        # One fused pass over every shard (engine/ops/overflow.py): the sum of squares in float64
+        # and whether any element is inf/nan, which becomes an inf sum so the all-reduce carries it.
+        local, overflow = sum_squares_and_overflow([s if s.is_contiguous() else s.contiguous() for s in shards])
+        sumsq = torch.tensor([math.inf if overflow else local], dtype=torch.float32)
         if partitioned and comm.get_world_size() > 1:
             comm.all_reduce(sumsq)
         total = float(sumsq) ** 0.5 * abs(factor)

@@ -140,7 +140,7 @@ def _load() -> ModuleType | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=CPU_FLAGS,
                                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-    except Exception as error:  # a compiler error must not take training down: the fallback is exact
+    except Exception as error:  # noqa: BLE001 (a compiler error must not take training down: the fallback is exact)
         return _fail(f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}")
     _status.seconds = time.perf_counter() - started
     _status.state = "cached" if cached else "compiled"

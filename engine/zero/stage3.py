@@ -47,6 +47,7 @@ from engine import comm
 from engine.config import ConfigError
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
+from engine.ops.flatten import copy_into
 from engine.precision import Precision
 from engine.zero import init as zero_init
 from engine.zero import released, shard_reduce
@@ -255,8 +256,12 @@ class Stage3:
         works = []
         for g in unit.groups:
             g.full = torch.empty(g.layout.padded_numel, dtype=g.dtype, device=g.device)
-            source = g.shard if g.shard is not None else g.master.to(g.dtype)
-            works.append(comm.all_gather(g.full, source, async_op=True, key=unit.index))
+            start, end = g.layout.slice_range(0, self._rank)
+            mine = g.full[start:end]
+            # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
+            # master in the same pass for bf16/fp16), and the all-gather runs in place around it.
+            copy_into(g.full, [g.shard if g.shard is not None else g.master], [start])
+            works.append(comm.all_gather(g.full, mine, async_op=True, key=unit.index))
             self.gathered_bytes += g.full.numel() * g.full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         return works
