@@ -31,12 +31,12 @@ def refusal(extra: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
          "zero_optimization.offload_optimizer.device"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device"),
         (
-            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-            "zero_optimization.offload_optimizer.device",
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
+            "zero_optimization.offload_optimizer.super_offload",
         ),
         (
             {"zero_optimization": {"offload_param": {"device": "nvme"}}},
@@ -74,9 +74,11 @@ def test_refused_keys_name_key_and_fix(extra: dict[str, Any], key: str) -> None:
 
 
 def test_offload_refusal_says_what_to_do() -> None:
-    assert refusal({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}).endswith(
-        'fix: set zero_optimization.offload_optimizer.device to "none" or remove offload_optimizer'
+    assert refusal({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}).endswith(
+        'fix: use "cpu" or "none"'
     )
+    assert load({"train_batch_size": 1, "zero_optimization": {"stage": 1, "offload_optimizer": {
+        "device": "cpu"}}}).zero.offload_optimizer.device == "cpu"
 
 
 @pytest.mark.parametrize(
@@ -242,7 +244,7 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ConfigError):
-            load({"wandb": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+            load({"wandb": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
         load({"wandb": {"enabled": True}})
     assert sum("wandb.enabled" in str(w.message) for w in caught) == 1
 

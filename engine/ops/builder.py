@@ -91,12 +91,24 @@ def cache_root() -> Path:
     return Path(base) / "ops"
 
 
+def _find_ninja() -> bool:
+    """ninja on PATH, or the one pip installed beside this Python (a venv's bin/ is often not on PATH
+    when it is used as .venv/bin/python); torch.utils.cpp_extension looks it up on PATH."""
+    if shutil.which("ninja") is not None:
+        return True
+    beside = Path(sys.executable).parent
+    if (beside / "ninja").exists():
+        os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ.get('PATH', '')}"
+        return True
+    return False
+
+
 def _why_not_buildable(files: list[Path], compiler: str) -> str:
     if not files:
         return f"no C++ sources under {CSRC / 'cpu'} (an installed copy without csrc/; use an editable install)"
     if not compiler:
         return f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH); install g++ or set CXX"
-    if shutil.which("ninja") is None:
+    if not _find_ninja():
         return "ninja is not on PATH; pip install ninja (or apt install ninja-build)"
     return ""
 
