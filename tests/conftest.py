@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+from engine.ops import builder
 
 # tests/gpu needs a CUDA GPU: the default run (`pytest -q`, the CPU CI) leaves it out; naming it runs it,
 # e.g. `python -m pytest tests/gpu -q` on a GPU machine.
@@ -24,6 +28,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load from the cache) the C++ extension once, in this process, before any test: the
     first build takes a minute or two, which inside a rank of a distributed test would run into that
     test's timeout. Spawned ranks then load the cached library."""
-    from engine.ops import builder
-
     builder.load()
+
+
+@pytest.fixture(scope="module")
+def ext() -> Iterator[ModuleType]:
+    """The compiled CPU extension, with ZERO_ENGINE_OPS=require: a broken build fails the test instead
+    of silently testing the fallback against itself."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(builder.ENV_MODE, "require")
+        builder.reset_for_tests()
+        try:
+            module = builder.load()
+            assert module is not None
+            yield module
+        finally:
+            builder.reset_for_tests()

@@ -9,7 +9,6 @@ in engine/ops/flatten.py); the data holds no NaN because NaN payloads are not pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -24,19 +23,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SCALES = [1.0, 1 / 3]
 GAP = 5  # elements left between the ranges: they must come out untouched
 SENTINEL = -7.0
-
-
-@pytest.fixture(scope="module")
-def ext() -> Iterator[ModuleType]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(builder.ENV_MODE, "require")
-        builder.reset_for_tests()
-        try:
-            module = builder.load()
-            assert module is not None
-            yield module
-        finally:
-            builder.reset_for_tests()
 
 
 def make(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -9,13 +9,11 @@ differ by float64 rounding only: at most ~n * 2^-53 relative for n terms, 1.2e-1
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
 
-from engine.ops import builder
 from engine.ops import overflow as overflow_ops
 from engine.ops.overflow import sum_squares_and_overflow, torch_sum_squares_and_overflow
 
@@ -24,19 +22,6 @@ SIZES = [0, 1, 3, K - 1, K, K + 1, 2 * K + 5, 1000003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REL = 2e-10  # see the module docstring
 INF, NAN = float("inf"), float("nan")
-
-
-@pytest.fixture(scope="module")
-def ext() -> Iterator[ModuleType]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(builder.ENV_MODE, "require")
-        builder.reset_for_tests()
-        try:
-            module = builder.load()
-            assert module is not None
-            yield module
-        finally:
-            builder.reset_for_tests()
 
 
 def tensors(dtype: torch.dtype) -> list[torch.Tensor]:

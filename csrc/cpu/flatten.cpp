@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "lanes.h"
 #include "ops.h"
 
 namespace zero_engine {
@@ -35,27 +36,9 @@ struct Job {
   Kernel kernel;
 };
 
-// Conversions to and from float32, a tile at a time: loops the compiler vectorises, over c10's own
-// scalar conversions (so the rounding is torch's), except float16 where the F16C instructions do 8 lanes
-// with the same round-to-nearest-even as the scalar _cvtss_sh that c10::Half uses on x86.
-void load_floats(const float* in, float* f, int64_t n) { std::memcpy(f, in, n * sizeof(float)); }
-
-void load_floats(const c10::BFloat16* in, float* __restrict f, int64_t n) {
-  const uint16_t* __restrict bits = reinterpret_cast<const uint16_t*>(in);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) f[i] = c10::detail::f32_from_bits(bits[i]);
-}
-
-void load_floats(const c10::Half* in, float* f, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
-  }
-#endif
-  for (; i < n; ++i) f[i] = static_cast<float>(in[i]);
-}
-
+// Conversions from float32, a tile at a time (to float32: load_floats in lanes.h): loops the compiler
+// vectorises, over c10's own scalar conversions (so the rounding is torch's), except float16 where the
+// F16C instructions do 8 lanes with the same round-to-nearest-even as the scalar _cvtss_sh of c10::Half.
 void store_floats(const float* f, float* out, int64_t n) { std::memcpy(out, f, n * sizeof(float)); }
 
 void store_floats(const float* __restrict f, c10::BFloat16* out, int64_t n) {

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "lanes.h"
 #include "ops.h"
 
 namespace zero_engine {
@@ -38,24 +39,6 @@ double sum_squares(const float* __restrict x, int64_t n, float scale) {
   return acc;
 }
 
-// bfloat16 / float16 are widened into a float32 tile in L1 first: a loop mixing 16-, 32- and 64-bit
-// lanes vectorises poorly (bfloat16 ran at half the speed). c10's own conversion for bfloat16; F16C for
-// float16, 8 lanes with the same rounding as the scalar _cvtsh_ss that c10::Half uses on x86.
-void widen(const c10::BFloat16* in, float* __restrict f, int64_t n) {
-  const uint16_t* __restrict bits = reinterpret_cast<const uint16_t*>(in);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) f[i] = c10::detail::f32_from_bits(bits[i]);
-}
-
-void widen(const c10::Half* in, float* f, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
-  }
-#endif
-  for (; i < n; ++i) f[i] = static_cast<float>(in[i]);
-}
 
 template <typename T>
 double sum_squares(const T* x, int64_t n, float scale) {
@@ -64,7 +47,7 @@ double sum_squares(const T* x, int64_t n, float scale) {
   double acc = 0.0;
   for (int64_t begin = 0; begin < n; begin += kTile) {
     const int64_t len = std::min(kTile, n - begin);
-    widen(x + begin, tile, len);
+    load_floats(x + begin, tile, len);
     acc += sum_squares(tile, len, scale);
   }
   return acc;
