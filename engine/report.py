@@ -13,7 +13,7 @@ import subprocess
 
 import torch
 
-from engine.ops import builder
+from engine.ops import builder, cuda_builder
 
 OPS = {
     "copy_into / copy_out": "fused multi-tensor flatten/unflatten with cast and scale (engine/ops/flatten.py)",
@@ -33,6 +33,7 @@ def _first_line(command: list[str]) -> str:
 
 def lines() -> list[str]:
     status = builder.status()
+    cuda_ext = cuda_builder.status()
     cuda = (f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)" if torch.cuda.is_available()
             else f"not available (torch built with CUDA {torch.version.cuda})" if torch.version.cuda
             else "not available (CPU build of torch)")
@@ -50,6 +51,7 @@ def lines() -> list[str]:
         + (f" in {status.seconds:.1f} s" if status.state == "compiled" else ""),
         f"SIMD level ............ {status.simd}",
         f"cache ................. {status.cache_dir or '-'}",
+        f"CUDA extension ........ {cuda_ext.state}" + (f" ({cuda_ext.reason})" if cuda_ext.reason else ""),
         "-" * 60,
     ]
     native = status.state in ("compiled", "cached")
