@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 NAME = "zero_engine_cpu_ops"
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fno-math-errno"]  # as torch builds: lets sqrtf vectorise
 ENV_MODE = "ZERO_ENGINE_OPS"
 
 
