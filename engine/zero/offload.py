@@ -56,9 +56,8 @@ def _adam_mode(optimizer: torch.optim.Optimizer, group: dict) -> tuple[bool, boo
 
 
 def _rows(t: torch.Tensor) -> list[torch.Tensor]:
-    """Contiguous pieces of a shard: itself, or its rows (stage 1/2 shards are (buckets, slice) views)."""
-    if t.is_contiguous():
-        return [t.reshape(-1)]
+    """A shard's rows, each contiguous (stage 1/2 shards are (buckets, slice) views, strided when they
+    view the parameter buffer); every tensor of one parameter is split the same way."""
     if t.dim() == 2 and t.stride(1) == 1:
         return list(t.unbind(0))
     raise ValueError(f"offload: a shard of shape {tuple(t.shape)} and strides {t.stride()} has no contiguous rows")
