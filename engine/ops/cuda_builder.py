@@ -31,7 +31,6 @@ import sysconfig
 import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -246,7 +245,7 @@ def _load() -> ModuleType | None:
         return _fail("the CUDA toolkit was not found (no nvcc); install it or set CUDA_HOME")
     if not compiler:
         return _fail(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH); install g++ or set CXX")
-    if shutil.which("ninja") is None:
+    if not builder.find_ninja():
         return _fail("ninja is not on PATH; pip install ninja (or apt install ninja-build)")
     key = _digest(CUDA_DIR, [torch.__version__, str(torch.version.cuda), _status.compiler, _arch_list(),
                              " ".join(CUDA_FLAGS + HOST_FLAGS), sys.version.split()[0]])
@@ -283,11 +282,7 @@ def _unavailable(reason: str) -> None:
 
 
 def _fail(reason: str) -> None:
-    _status.state, _status.reason = "fallback", reason
-    if _status.mode == "require":
-        raise RuntimeError(f"{ENV_MODE}=require but the CUDA extension is unavailable: {reason}")
-    warnings.warn(f"engine: CUDA extension unavailable ({reason}); using the pure-torch fallbacks on CUDA tensors "
-                  "(same results, slower)", RuntimeWarning, stacklevel=4)
+    builder.record_failure(_status, reason, "CUDA extension", on=" on CUDA tensors")
 
 
 def status() -> BuildStatus:

@@ -1,0 +1,30 @@
+"""The extension's loader on a machine that cannot build it: one warning naming what is missing and the
+fallbacks (auto), or a clear error (require); checked in fresh processes with no C++ compiler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+PROBE = "from engine.ops import builder; print('module:', builder.load()); print('state:', builder.status().state)"
+
+
+def _run(mode: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CXX": "/nonexistent/c++", "ZERO_ENGINE_OPS": mode}
+    return subprocess.run([sys.executable, "-W", "always", "-c", PROBE], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+
+
+def test_without_a_compiler_the_fallbacks_run_after_one_named_warning() -> None:
+    out = _run("auto")
+    assert out.returncode == 0, out.stderr
+    assert "module: None" in out.stdout and "state: fallback" in out.stdout
+    warnings = [line for line in out.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warnings) == 1 and "no C++ compiler (/nonexistent/c++ not on PATH)" in warnings[0], out.stderr
+
+
+def test_without_a_compiler_require_is_an_error_naming_the_cause() -> None:
+    out = _run("require")
+    assert out.returncode != 0
+    assert "ZERO_ENGINE_OPS=require but the C++ extension is unavailable: no C++ compiler" in out.stderr
