@@ -28,3 +28,23 @@ def test_without_a_compiler_require_is_an_error_naming_the_cause() -> None:
     out = _run("require")
     assert out.returncode != 0
     assert "ZERO_ENGINE_OPS=require but the C++ extension is unavailable: no C++ compiler" in out.stderr
+
+
+def test_cuda_loader_on_a_cuda_machine_without_nvcc_warns_or_fails_by_name(monkeypatch) -> None:
+    import pytest
+    import torch
+    from torch.utils import cpp_extension
+
+    from engine.ops import cuda_builder
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # reach the build checks on this CPU box
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setenv("ZERO_ENGINE_OPS", "auto")
+    cuda_builder.reset_for_tests()
+    with pytest.warns(RuntimeWarning, match=r"CUDA extension unavailable \(the CUDA toolkit was not found"):
+        assert cuda_builder.load() is None
+    monkeypatch.setenv("ZERO_ENGINE_OPS", "require")
+    cuda_builder.reset_for_tests()
+    with pytest.raises(RuntimeError, match="require but the CUDA extension is unavailable: the CUDA toolkit"):
+        cuda_builder.load()
+    cuda_builder.reset_for_tests()

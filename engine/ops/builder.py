@@ -91,7 +91,7 @@ def cache_root() -> Path:
     return Path(base) / "ops"
 
 
-def _find_ninja() -> bool:
+def find_ninja() -> bool:
     """ninja on PATH, or the one pip installed beside this Python (a venv's bin/ is often not on PATH
     when it is used as .venv/bin/python); torch.utils.cpp_extension looks it up on PATH."""
     if shutil.which("ninja") is not None:
@@ -108,7 +108,7 @@ def _why_not_buildable(files: list[Path], compiler: str) -> str:
         return f"no C++ sources under {CSRC / 'cpu'} (an installed copy without csrc/; use an editable install)"
     if not compiler:
         return f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH); install g++ or set CXX"
-    if not _find_ninja():
+    if not find_ninja():
         return "ninja is not on PATH; pip install ninja (or apt install ninja-build)"
     return ""
 
@@ -180,12 +180,18 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def record_failure(status: BuildStatus, reason: str, extension: str, on: str = "") -> None:
+    """An extension cannot be used: an error under ZERO_ENGINE_OPS=require, else one warning (the
+    fallbacks give the same results). Shared by the CPU and the CUDA loaders."""
+    status.state, status.reason = "fallback", reason
+    if status.mode == "require":
+        raise RuntimeError(f"{ENV_MODE}=require but the {extension} is unavailable: {reason}")
+    warnings.warn(f"engine: {extension} unavailable ({reason}); using the pure-torch fallbacks{on} (same results, "
+                  "slower)", RuntimeWarning, stacklevel=4)
+
+
 def _fail(reason: str) -> None:
-    _status.state, _status.reason = "fallback", reason
-    if _status.mode == "require":
-        raise RuntimeError(f"{ENV_MODE}=require but the C++ extension is unavailable: {reason}")
-    warnings.warn(f"engine: C++ extension unavailable ({reason}); using the pure-torch fallbacks (same results, "
-                  "slower)", RuntimeWarning, stacklevel=3)
+    record_failure(_status, reason, "C++ extension")
 
 
 def status() -> BuildStatus:
