@@ -82,6 +82,33 @@ def test_copy_out_matches_torch_bitwise(ext: ModuleType, src_dtype: torch.dtype,
         assert torch.equal(bits(g), bits(w))
 
 
+STREAM_BYTES = 16 << 20  # zero_engine::kStreamBytes (csrc/cpu/flatten.cpp): larger outputs use streaming stores
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+@pytest.mark.parametrize("src_dtype", DTYPES)
+def test_large_outputs_take_the_streaming_path_bitwise(ext: ModuleType, src_dtype: torch.dtype,
+                                                       dst_dtype: torch.dtype, scale: float) -> None:
+    """Over kStreamBytes of output the copy writes with non-temporal stores from each range's first
+    aligned address: odd offsets (unaligned heads), odd sizes (tails) and the gaps must come out exact."""
+    sizes = [STREAM_BYTES // 2 // dst_dtype.itemsize + 3, 1, 2 * K + 7, STREAM_BYTES // 2 // dst_dtype.itemsize + 1]
+    srcs = [make(n, src_dtype, seed) for seed, n in enumerate(sizes)]
+    offsets, size = layout(sizes)
+    assert (size - (len(sizes) + 1) * GAP) * dst_dtype.itemsize >= STREAM_BYTES
+    got = torch.full((size,), SENTINEL, dtype=dst_dtype)
+    want = got.clone()
+    copy_into(got, srcs, offsets, scale)
+    torch_copy_into(want, srcs, offsets, scale)
+    assert torch.equal(bits(got), bits(want))
+    flat = make(size, src_dtype, 11)
+    outs = [torch.full((n,), SENTINEL, dtype=dst_dtype) for n in sizes]
+    wants = [t.clone() for t in outs]
+    copy_out(flat, outs, offsets, scale)
+    torch_copy_out(flat, wants, offsets, scale)
+    assert all(torch.equal(bits(g), bits(w)) for g, w in zip(outs, wants))
+
+
 def test_compiled_op_is_the_one_used_on_cpu(ext: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     def torch_path(*args: object) -> None:
         raise AssertionError("the torch path ran although the extension is loaded")

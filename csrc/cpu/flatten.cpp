@@ -7,9 +7,7 @@
 // torch's own. scale == 1.0 skips the multiply (a pure copy or cast; memcpy when the dtypes match).
 // So the torch fallback gives bitwise the same results (NaN payloads aside).
 #include <ATen/Parallel.h>
-#if defined(__F16C__)
 #include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -24,7 +22,14 @@
 namespace zero_engine {
 namespace {
 
-using Kernel = void (*)(const void* in, void* out, int64_t n, bool scaled, float scale);
+using Kernel = void (*)(const void* in, void* out, int64_t n, bool scaled, float scale, bool stream);
+
+// Outputs at least this large are written with streaming (non-temporal) stores. Measured here
+// (bf16 -> fp32 x scale, 2 threads): at 16 MiB out the bucket stays in cache and both ways take the
+// same time; at 64 MiB ordinary stores ran 5.95 ms (each written line is first read in) and streaming
+// ones 3.28 ms; at 512 MiB 40.1 vs 25.2 ms. A bucket that large leaves the cache before anyone reads
+// it back anyway.
+constexpr int64_t kStreamBytes = 16 << 20;
 
 // One tensor's share of the work: its elements at `in` go to `out`.
 struct Job {
@@ -58,35 +63,94 @@ void store_floats(const float* f, c10::Half* out, int64_t n) {
   for (; i < n; ++i) out[i] = static_cast<c10::Half>(f[i]);
 }
 
+// Writes `bytes` from `src` (a tile in L1) to `dst` with streaming stores from the first 64-byte
+// boundary of `dst` on; the unaligned head and the tail go through memcpy. The caller fences.
+void stream_bytes(char* dst, const char* src, int64_t bytes) {
+#if defined(__AVX512F__)
+  constexpr int64_t kVec = 64;
+#elif defined(__AVX2__)
+  constexpr int64_t kVec = 32;
+#else
+  constexpr int64_t kVec = 0;
+#endif
+  if constexpr (kVec == 0) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const int64_t head = std::min<int64_t>(bytes, (kVec - reinterpret_cast<uintptr_t>(dst) % kVec) % kVec);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + kVec <= bytes; i += kVec) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+#elif defined(__AVX2__)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+#endif
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+}
+
 template <typename In, typename Out>
-void convert(const void* in_ptr, void* out_ptr, int64_t n, bool scaled, float scale) {
+void convert(const void* in_ptr, void* out_ptr, int64_t n, bool scaled, float scale, bool stream) {
   const In* in = static_cast<const In*>(in_ptr);
   Out* out = static_cast<Out*>(out_ptr);
   if constexpr (std::is_same_v<In, Out>) {
-    if (!scaled) {  // a plain copy: memcpy is as fast as it gets (on par with torch.cat here)
+    if (!scaled) {  // a plain copy: glibc's memcpy picks its own streaming threshold (on par with torch.cat)
       std::memcpy(out, in, n * sizeof(In));
       return;
     }
   }
-  if constexpr (std::is_same_v<In, float> && std::is_same_v<Out, float>) {  // no conversion: one pass
-    const float* __restrict src = in;
-    float* __restrict dst = out;
+  if constexpr (std::is_same_v<In, float> && std::is_same_v<Out, float>) {  // no conversion: one loop
+    if (!stream) {
+      const float* __restrict src = in;
+      float* __restrict dst = out;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
-    return;
+      for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+      return;
+    }
   }
-  // Through a float32 tile that stays in L1: convert in, scale, convert out.
+  // Through float32 tiles that stay in L1: convert in, scale, convert out, and (streaming) copy the
+  // output tile to memory with non-temporal stores. Streaming tiles start on the destination's cache
+  // lines (the few elements before the first line boundary are stored normally): tiles that straddle
+  // lines ran at half the speed (a 64-tensor bucket at odd offsets: 5.3 ms against 2.5 ms aligned).
   constexpr int64_t kTile = 256;
   alignas(64) float tile[kTile];
-  for (int64_t begin = 0; begin < n; begin += kTile) {
-    const int64_t len = std::min(kTile, n - begin);
-    load_floats(in + begin, tile, len);
-    if (scaled) {
+  alignas(64) Out out_tile[kTile];
+  auto tiles = [&](int64_t first, int64_t last, bool streaming) {
+    for (int64_t begin = first; begin < last; begin += kTile) {
+      const int64_t len = std::min(kTile, last - begin);
+      const float* floats = tile;
+      if constexpr (std::is_same_v<In, float>) {  // already float32: no widening copy
+        if (scaled) {
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) tile[i] *= scale;
+          for (int64_t i = 0; i < len; ++i) tile[i] = in[begin + i] * scale;
+        } else {
+          floats = in + begin;
+        }
+      } else {
+        load_floats(in + begin, tile, len);
+        if (scaled) {
+#pragma omp simd
+          for (int64_t i = 0; i < len; ++i) tile[i] *= scale;
+        }
+      }
+      if (streaming) {
+        store_floats(floats, out_tile, len);
+        stream_bytes(reinterpret_cast<char*>(out + begin), reinterpret_cast<const char*>(out_tile),
+                     len * static_cast<int64_t>(sizeof(Out)));
+      } else {
+        store_floats(floats, out + begin, len);
+      }
     }
-    store_floats(tile, out + begin, len);
+  };
+  int64_t head = 0;
+  if (stream) {
+    const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(out) % 64);
+    head = std::min<int64_t>(n, misaligned == 0 ? 0 : (64 - misaligned) / static_cast<int64_t>(sizeof(Out)));
   }
+  tiles(0, head, false);
+  tiles(head, n, stream);
 }
 
 template <typename In>
@@ -167,6 +231,9 @@ void run(const std::vector<Job>& jobs, double scale) {
   }
   const bool scaled = scale != 1.0;
   const float scale_f = static_cast<float>(scale);
+  int64_t out_bytes = 0;
+  for (const Job& job : jobs) out_bytes += job.numel * job.out_bytes;
+  const bool stream = out_bytes >= kStreamBytes;
   // Threads claim chunks from a shared counter instead of a fixed split, so a thread slowed by other
   // work on its core does not hold the others up. Below two chunks of work, one thread does it all.
   const int64_t workers = total < 2 * kChunk ? 1 : at::get_num_threads();
@@ -176,8 +243,9 @@ void run(const std::vector<Job>& jobs, double scale) {
       const Chunk& chunk = chunks[c];
       const Job& job = *chunk.job;
       job.kernel(job.in + chunk.begin * job.in_bytes, job.out + chunk.begin * job.out_bytes, chunk.len, scaled,
-                 scale_f);
+                 scale_f, stream);
     }
+    if (stream) _mm_sfence();  // this thread's streaming stores are visible before the op returns
   });
 }
 
