@@ -186,11 +186,11 @@ def main() -> None:
             + rows_adam(numel // 2, args.repeats) + rows_arena(args.mib * 2**20, args.repeats))
     lines = [
         f"# Extension ops vs plain torch, {args.mib} MiB buffers, {torch.get_num_threads()} thread(s)", "",
-        f"Extension: {status.state} ({status.simd}); torch {torch.__version__}; {platform.processor() or 'cpu'}, "
+        (f"Extension: {status.state} ({status.simd}); torch {torch.__version__}; {platform.processor() or 'cpu'}, "
         f"{os.cpu_count()} cores. glibc memcpy on {torch.get_num_threads()} thread(s), measured in this run: "
         f"**{limit:.1f} GB/s** (read + write). GB/s counts the bytes each op must read and write; the last "
         "column is a torch row's time over the engine row's time for the same task (above 1: the engine's "
-        "op is faster).", "",
+        "op is faster)."), "",
         "| task | implementation | median ms | GB/s | of memcpy | speed-up vs this row |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -200,8 +200,7 @@ def main() -> None:
         gbps = nbytes / seconds / 1e9 if nbytes else 0.0
         of_memcpy = f"{gbps / limit:.0%}" if nbytes else "-"
         lines.append(f"| {task} | {impl} | {seconds * 1e3:.2f} | {gbps:.1f} | {of_memcpy} | "
-                     f"{seconds / firsts[task]:.2f}x the engine's time |" if impl.startswith("torch")
-                     or impl.startswith("fresh") else
+                     f"{seconds / firsts[task]:.2f}x the engine's time |" if impl.startswith(("torch", "fresh")) else
                      f"| {task} | {impl} | {seconds * 1e3:.2f} | {gbps:.1f} | {of_memcpy} | - |")
     text = "\n".join(lines) + "\n"
     print(text)

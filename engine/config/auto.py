@@ -23,7 +23,7 @@ AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 # DeepSpeed's defaults (runtime/zero/config.py, offload_config.py), element counts.
-ZERO_AUTO_DEFAULTS: dict[str, int | bool] = {
+ZERO_AUTO_DEFAULTS: dict[str, int | bool | None] = {
     "reduce_bucket_size": 500_000_000,
     "allgather_bucket_size": 500_000_000,
     "sub_group_size": 1_000_000_000,
@@ -34,6 +34,7 @@ ZERO_AUTO_DEFAULTS: dict[str, int | bool] = {
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_module_granularity_threshold": 0,
     "stage3_gather_16bit_weights_on_model_save": False,
+    "stage3_arena_bytes": None,  # ours: "auto" (or absent) sizes the arena from the model
 }
 OFFLOAD_PARAM_AUTO_DEFAULTS: dict[str, int] = {"buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
 

@@ -150,6 +150,10 @@ TABLE: tuple[Entry, ...] = (
         "stage3_max_reuse_distance (elements of other units used before a unit's next use) and "
         "stage3_gather_16bit_weights_on_model_save (save_16bit_model) and stage3_module_granularity_threshold "
         "(consecutive sibling blocks under that many elements merged into one unit up to that size) honoured; "
+        "memory_efficient_linear (default true: F.linear saves stage-3 weights, not views of their gathered "
+        "unit, so a released unit's memory is freed before its backward); "
+        "our stage3_arena_bytes sizes the pre-touched arena that gathered units and gradient buckets come from "
+        "on CPU (absent/null/\"auto\": from the units and stage3_max_live_parameters; 0: off); "
         "stage3_model_persistence_threshold and sub_group_size accepted without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),

@@ -106,6 +106,13 @@ class ZeroConfig:
     stage3_module_granularity_threshold: int = 0
     """Stage-3 blocks under this many elements are merged with their following siblings into one unit
     until it reaches this size (fewer, larger collectives); 0 (DeepSpeed's default) merges nothing."""
+    memory_efficient_linear: bool = True
+    """Stage 3: F.linear saves stage-3 weights themselves for backward, not views that keep their
+    gathered unit alive (engine/zero/linear.py), as DeepSpeed's key of the same name."""
+    stage3_arena_bytes: int | None = None
+    """Our key (DeepSpeed has none): bytes of the pre-touched arena that stage 3 takes gathered units
+    and gradient buckets from on CPU (engine/zero/stage3_memory.py); None sizes it from the units and
+    stage3_max_live_parameters, 0 turns it off."""
     leaf_module: Mapping[str, tuple[str, ...]] | None = None
     """Stage-3 gather units named by the user: {"classes": [...], "names": [...], "name_suffixes": [...]}
     (class names, module names, module-name suffixes); like engine.zero.set_z3_leaf_modules."""

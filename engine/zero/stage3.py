@@ -50,12 +50,13 @@ from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.precision import Precision
 from engine.zero import init as zero_init
+from engine.zero import linear as memory_efficient_linear
 from engine.zero import released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
-from engine.zero.partitioned import BucketPool
+from engine.zero.stage3_memory import Stage3Memory, UnitBytes, auto_capacity
 from engine.zero.units import leaf_test, plan_units
 
 logger = get_logger()
@@ -194,13 +195,33 @@ class Stage3:
         self._register_hooks(module)
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
-        # Gradient buckets are recycled (unlike gathered buffers, nothing else references them), all
-        # the size of the largest block so units of any size share them.
-        blocks = [u for u in self.units if u.modules] or self.units
-        self._buckets = BucketPool(max((self._unit_numel(u) for u in blocks), default=0))
+        self._memory = self._build_memory(config)
+        self._linear_installed = config.zero.memory_efficient_linear
+        if self._linear_installed:
+            memory_efficient_linear.install()
         self._reducing: deque[ShardedGroup] = deque()
 
     # ----------------------------------------------------------------------------- building
+    def _build_memory(self, config: EngineConfig) -> Stage3Memory:
+        """Gathered buffers and gradient buckets: an arena sized by zero_optimization.stage3_arena_bytes
+        (automatically when absent), or the default allocator (0, or not a CPU model)."""
+        groups = [g for u in self.units for g in u.groups]
+        device = groups[0].device if groups else torch.device("cpu")
+        needs = [UnitBytes(gathered=sum(g.layout.padded_numel * g.dtype.itemsize for g in u.groups),
+                           buckets=sum(g.layout.padded_numel * self.precision.wire_dtype(g.dtype).itemsize
+                                       for g in u.trainable),
+                           persistent=self._unit_numel(u) < self._persist_below, root=not u.modules)
+                 for u in self.units]
+        widest = max((g.dtype.itemsize for g in groups), default=4)
+        requested = config.zero.stage3_arena_bytes
+        capacity = auto_capacity(needs, self._max_live_numel * widest, MAX_REDUCES_IN_FLIGHT) \
+            if requested is None else requested
+        # Without the arena, gradient buckets are recycled by a pool whose buffers all have the size
+        # of the largest block, so units of any size share them.
+        blocks = [u for u in self.units if u.modules] or self.units
+        return Stage3Memory(capacity, device, max((self._unit_numel(u) for u in blocks), default=0), self._rank,
+                            auto=requested is None)
+
     def _shard(self, params: list[torch.nn.Parameter], names: list[str], idx: list[int],
                opt_group: int | None) -> ShardedGroup:
         members = [params[i] for i in idx]
@@ -253,9 +274,12 @@ class Stage3:
 
     # ------------------------------------------------------------------------- gather/release
     def _start_gather(self, unit: Unit) -> list[Any]:
+        # Every buffer first: an allocation that fails (a full arena) then fails before any collective
+        # starts, on every rank alike, and leaves nothing allocated.
+        fulls = [self._memory.gathered(g.layout.padded_numel, g.dtype, g.device, unit.name) for g in unit.groups]
         works = []
-        for g in unit.groups:
-            g.full = torch.empty(g.layout.padded_numel, dtype=g.dtype, device=g.device)
+        for g, full in zip(unit.groups, fulls):
+            g.full = full
             start, end = g.layout.slice_range(0, self._rank)
             mine = g.full[start:end]
             # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
@@ -408,8 +432,8 @@ class Stage3:
             return
         param.grad = None
         if g.grad_bucket is None:
-            g.grad_bucket = self._buckets.acquire(g.layout.padded_numel, self.precision.wire_dtype(grad.dtype),
-                                                  grad.device)
+            g.grad_bucket = self._memory.bucket(g.layout.padded_numel, self.precision.wire_dtype(grad.dtype),
+                                                grad.device, unit.name)
         span = g.layout.params[i]
         if i in g.arrived:
             g.grad_bucket[span.offset:span.end].add_(grad.reshape(-1))
@@ -433,8 +457,8 @@ class Stage3:
     def _launch_reduce(self, unit: Unit) -> None:
         for g in unit.trainable:
             if g.grad_bucket is None:  # no gradient on this rank: contribute zeros
-                g.grad_bucket = self._buckets.acquire(g.layout.padded_numel, self.precision.wire_dtype(g.dtype),
-                                                      g.device).zero_()
+                g.grad_bucket = self._memory.bucket(g.layout.padded_numel, self.precision.wire_dtype(g.dtype),
+                                                    g.device, unit.name).zero_()
             else:  # a pooled buffer: whatever no gradient was written to must be zero (padding included)
                 for i, span in enumerate(g.layout.params):
                     if i not in g.arrived:
@@ -463,7 +487,7 @@ class Stage3:
         g.pending = None
         g.grad_written = True
         g.arrived.clear()
-        self._buckets.release(g.grad_bucket)
+        self._memory.release_bucket(g.grad_bucket)
         g.grad_bucket = None
 
     def _pending(self) -> bool:
@@ -515,7 +539,7 @@ class Stage3:
                     g.pending.work.wait()
                     g.pending = None
                 if g.grad_bucket is not None:
-                    self._buckets.release(g.grad_bucket)
+                    self._memory.release_bucket(g.grad_bucket)
                     g.grad_bucket = None
                 g.grad_written = False
                 g.arrived.clear()
@@ -536,7 +560,7 @@ class Stage3:
             "master": sum(nbytes(g.master) for g in groups if g.master is not None and g.shard is None),
             "gradients": sum(nbytes(g.shard_grad) for g in groups),
             "optimizer_state": state,
-            "buckets": self._buckets.allocated_bytes,
+            **self._memory.report(),
             "gathered": self.gathered_bytes,
             "peak_gathered": self.peak_gathered_bytes,
         }
@@ -596,6 +620,10 @@ class Stage3:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._linear_installed:
+            memory_efficient_linear.uninstall()
+            self._linear_installed = False
+        self._memory.close_arena()  # the module's own storage: plain allocations that outlive the stage
         for unit in self.units:
             self._gather(unit)
             for g in unit.groups:
@@ -609,6 +637,6 @@ class Stage3:
             unit.gathered = False
         self.units.clear()
         self._where.clear()
-        self._buckets.clear()
+        self._memory.clear()
         self.gathered_bytes = 0
         comm.free_buffers()
