@@ -6,7 +6,9 @@ Each variant runs in its own pair of freshly spawned ranks (gloo, CPU, one threa
 variant inherits another's heap: peak RSS is the process's VmHWM over the whole run (model build,
 engine set-up and every step) less the RSS once the model was built, and "steady RSS" is VmRSS after
 the last step less the same. Variants: the default
-allocator (`stage3_arena_bytes: 0`) against the arena sized automatically, for fp32 and bf16, with
+allocator (`stage3_arena_bytes: 0`) with torch's own linear (`memory_efficient_linear: false`: saved
+weight.t() views keep released units alive until backward) and with the engine's, against the arena
+sized automatically, for fp32 and bf16, with
 every block gathered again for backward (stage3_max_reuse_distance 0, prefetching two blocks ahead)
 and with DeepSpeed's defaults (units kept gathered from forward to backward).
 Writes benchmarks/results/arena_<model>.md and arena_<model>.png.
@@ -107,7 +109,10 @@ def main() -> None:
     rows = []
     for precision in ("fp32", "bf16"):
         for mode, zero in modes.items():
-            for label, arena in (("default allocator", {"stage3_arena_bytes": 0}), ("arena (auto size)", {})):
+            for label, arena in (("default allocator, linear saving views", {"stage3_arena_bytes": 0,
+                                                                              "memory_efficient_linear": False}),
+                                 ("default allocator", {"stage3_arena_bytes": 0}),
+                                 ("arena (auto size)", {"stage3_arena_bytes": "auto"})):
                 ranks = run_variant(args.model, {**zero, **arena}, precision, args.steps, args.warmup)
                 median = statistics.median(ranks[0]["times"])
                 rows.append((precision, mode, label, median, max(r["peak"] for r in ranks),
@@ -118,8 +123,8 @@ def main() -> None:
              (f"Median of {args.steps} steps after {args.warmup} warm-up steps; each variant in fresh processes. "
              "Peak RSS: the larger rank's VmHWM over the whole run less its VmRSS once the model was built (what "
              "the engine and training add); steady RSS: VmRSS after the last step, less the same. "
-             "Arena: capacity (auto-sized) and the most of it in use. Time ratio: the arena row's median over "
-             "the default allocator's in the same mode."), "",
+             "Arena: capacity (auto-sized) and the most of it in use. Time ratio: each row's median over the "
+             "first row's (default allocator, torch's linear) in the same mode."), "",
              ("| precision | mode | allocator | median s | time ratio | peak RSS added MiB | steady RSS added MiB | "
              "arena MiB | arena peak MiB | peak gathered MiB |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

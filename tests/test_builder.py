@@ -48,3 +48,23 @@ def test_cuda_loader_on_a_cuda_machine_without_nvcc_warns_or_fails_by_name(monke
     with pytest.raises(RuntimeError, match="require but the CUDA extension is unavailable: the CUDA toolkit"):
         cuda_builder.load()
     cuda_builder.reset_for_tests()
+
+
+def _pip_wheel(tmp_path, extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "ZERO_ENGINE_BUILD_OPS": "1", **extra_env}
+    return subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
+                           "-w", str(tmp_path), root], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+
+
+def test_install_option_builds_the_extension_ahead_of_time(tmp_path) -> None:
+    """ZERO_ENGINE_BUILD_OPS=1 at install (setup.py's build_py) fills the same cache a training run
+    uses (here already built by the test session, so it reports the cached build), and a build that
+    cannot happen fails the install by name instead of installing a package that warns later."""
+    ok = _pip_wheel(tmp_path / "ok", {})
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert "engine.ops.build: extension cached" in ok.stdout + ok.stderr
+    failed = _pip_wheel(tmp_path / "failed", {"CXX": "/nonexistent/c++", "ZERO_ENGINE_CACHE": str(tmp_path / "cache")})
+    assert failed.returncode != 0
+    assert "ZERO_ENGINE_BUILD_OPS=1: the C++ extension did not build" in failed.stdout + failed.stderr

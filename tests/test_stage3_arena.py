@@ -64,8 +64,8 @@ def _train(zero: dict[str, Any], dtype: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_arena_trains_bitwise_like_the_default_allocator(dtype: str) -> None:
-    with_arena = run_distributed(_train, 2, args=({}, dtype))
-    without = run_distributed(_train, 2, args=({"stage3_arena_bytes": 0}, dtype))
+    with_arena = run_distributed(_train, 2, args=({"stage3_arena_bytes": "auto"}, dtype))
+    without = run_distributed(_train, 2, args=({}, dtype))  # the default: no arena
     for a, b in zip(with_arena, without):
         assert a["losses"] == b["losses"]
         assert a["memory"]["arena"] > 0 and 0 < a["memory"]["arena_peak"] <= a["memory"]["arena"]
@@ -93,8 +93,9 @@ def test_auto_size_is_bounded_by_max_live_parameters_and_suffices() -> None:
     sizes = run_distributed(_block_sizes, 1)[0]
     limits = {"stage3_max_live_parameters": sizes["root"] + 2 * sizes["block"],
               "stage3_param_persistence_threshold": 0}
-    whole = run_distributed(_train, 2, args=({"stage3_param_persistence_threshold": 0}, "fp32"))
-    bounded = run_distributed(_train, 2, args=(limits, "fp32"))
+    whole = run_distributed(_train, 2, args=({"stage3_param_persistence_threshold": 0, "stage3_arena_bytes": "auto"},
+                                             "fp32"))
+    bounded = run_distributed(_train, 2, args=({**limits, "stage3_arena_bytes": "auto"}, "fp32"))
     reference = run_distributed(_train, 2, args=({**limits, "stage3_arena_bytes": 0}, "fp32"))
     assert bounded[0]["memory"]["arena"] < whole[0]["memory"]["arena"]
     assert bounded[0]["memory"]["arena_peak"] < whole[0]["memory"]["arena_peak"]
@@ -102,8 +103,9 @@ def test_auto_size_is_bounded_by_max_live_parameters_and_suffices() -> None:
 
 
 def test_torch_fallback_arena_trains_the_same() -> None:
-    compiled = run_distributed(_train, 2, args=({}, "fp32"), env={"ZERO_ENGINE_OPS": "require"})
-    fallback = run_distributed(_train, 2, args=({}, "fp32"), env={"ZERO_ENGINE_OPS": "fallback"})
+    auto = {"stage3_arena_bytes": "auto"}
+    compiled = run_distributed(_train, 2, args=(auto, "fp32"), env={"ZERO_ENGINE_OPS": "require"})
+    fallback = run_distributed(_train, 2, args=(auto, "fp32"), env={"ZERO_ENGINE_OPS": "fallback"})
     assert compiled[0]["compiled"] is True and fallback[0]["compiled"] is False
     assert compiled[0]["losses"] == fallback[0]["losses"]
     assert compiled[0]["memory"]["arena_peak"] == fallback[0]["memory"]["arena_peak"]
@@ -135,7 +137,8 @@ def _in_use_after_forward(linear: bool) -> dict[str, Any]:
     model = make_net(7)
     eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "memory_efficient_linear": linear, "stage3_max_reuse_distance": 0,
+        "zero_optimization": {"stage": 3, "memory_efficient_linear": linear, "stage3_arena_bytes": "auto",
+                              "stage3_max_reuse_distance": 0,
                               "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}})
     units = eng._stage.units
     out: dict[str, Any] = {"root": 4 * sum(g.layout.padded_numel for g in units[0].groups),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config.paths import dotted
+from engine.config.types import ARENA_AUTO
 
 logger = logging.getLogger("engine.config")
 
@@ -23,7 +24,7 @@ AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 # DeepSpeed's defaults (runtime/zero/config.py, offload_config.py), element counts.
-ZERO_AUTO_DEFAULTS: dict[str, int | bool | None] = {
+ZERO_AUTO_DEFAULTS: dict[str, int | bool] = {
     "reduce_bucket_size": 500_000_000,
     "allgather_bucket_size": 500_000_000,
     "sub_group_size": 1_000_000_000,
@@ -34,7 +35,7 @@ ZERO_AUTO_DEFAULTS: dict[str, int | bool | None] = {
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_module_granularity_threshold": 0,
     "stage3_gather_16bit_weights_on_model_save": False,
-    "stage3_arena_bytes": None,  # ours: "auto" (or absent) sizes the arena from the model
+    "stage3_arena_bytes": ARENA_AUTO,  # ours: "auto" sizes the arena from the model; absent: off
 }
 OFFLOAD_PARAM_AUTO_DEFAULTS: dict[str, int] = {"buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
 
@@ -91,7 +92,10 @@ def _fill_defaults(section: dict[str, Any], defaults: dict[str, Any], prefix: st
     for key, default in defaults.items():
         if section.get(key) == AUTO:
             section[key] = default
-            logger.info('%s.%s: "auto" -> DeepSpeed default %s', prefix, key, default)
+            if key == "stage3_arena_bytes":  # ours, not DeepSpeed's: the engine sizes it from the model
+                logger.info('%s.%s: "auto" -> sized from the model at initialize', prefix, key)
+            else:
+                logger.info('%s.%s: "auto" -> DeepSpeed default %s', prefix, key, default)
 
 
 def _auto_leaves(node: Any, path: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:

@@ -153,7 +153,7 @@ TABLE: tuple[Entry, ...] = (
         "memory_efficient_linear (default true: F.linear saves stage-3 weights, not views of their gathered "
         "unit, so a released unit's memory is freed before its backward); "
         "our stage3_arena_bytes sizes the pre-touched arena that gathered units and gradient buckets come from "
-        "on CPU (absent/null/\"auto\": from the units and stage3_max_live_parameters; 0: off); "
+        "on CPU (\"auto\": from the units and stage3_max_live_parameters; absent or 0: off); "
         "stage3_model_persistence_threshold and sub_group_size accepted without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),

@@ -78,6 +78,10 @@ class OffloadConfig:
     """offload_optimizer only: fraction of optimizer state offloaded (stage 3 only below 1.0)."""
 
 
+ARENA_AUTO = -1
+"""ZeroConfig.stage3_arena_bytes for "auto": size the arena from the model."""
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """`zero_optimization` section. Element counts, not bytes, as in DeepSpeed."""
@@ -109,10 +113,11 @@ class ZeroConfig:
     memory_efficient_linear: bool = True
     """Stage 3: F.linear saves stage-3 weights themselves for backward, not views that keep their
     gathered unit alive (engine/zero/linear.py), as DeepSpeed's key of the same name."""
-    stage3_arena_bytes: int | None = None
+    stage3_arena_bytes: int = 0
     """Our key (DeepSpeed has none): bytes of the pre-touched arena that stage 3 takes gathered units
-    and gradient buckets from on CPU (engine/zero/stage3_memory.py); None sizes it from the units and
-    stage3_max_live_parameters, 0 turns it off."""
+    and gradient buckets from on CPU (engine/zero/stage3_memory.py); ARENA_AUTO ("auto" in the JSON)
+    sizes it from the units and stage3_max_live_parameters; 0 (the default) turns it off: on GPT-M it
+    saved no time and its worst-case size added 60-90 MiB of peak RSS (benchmarks/results/arena_M.md)."""
     leaf_module: Mapping[str, tuple[str, ...]] | None = None
     """Stage-3 gather units named by the user: {"classes": [...], "names": [...], "name_suffixes": [...]}
     (class names, module names, module-name suffixes); like engine.zero.set_z3_leaf_modules."""

@@ -7,8 +7,9 @@ torch.optim.AdamW(fused=True) on CPU already runs near the DRAM limit, but pays 
 tensor, and unscaling (loss scale), the clip coefficient and the cast to the bf16 model copy are
 separate passes over memory. `adam_step` does all of it in one pass of the compiled op in
 csrc/cpu/adam.cpp (one call for all tensors; 28 bytes per parameter with bf16 gradients and a bf16
-copy), and falls back to `adam_step_reference`, the same math as per-tensor torch ops, when the
-extension is not built (see engine/ops/builder.py) or the tensors are not on the CPU.
+copy; csrc/cuda for CUDA tensors), and falls back to `adam_step_reference`, the same math as
+per-tensor torch ops, when the extension is not built (see engine/ops/builder.py) or the tensors are
+on mixed devices.
 
 [Note: Adam math we match]
 Per element, after g = float(grad) * grad_scale, exactly torch.optim.Adam's single-tensor path:
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engine.ops import builder
+from engine.ops.select import compiled_module
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LP_DTYPES = (torch.bfloat16, torch.float16)
@@ -62,8 +63,8 @@ def adam_step(
     _check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
     _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                  grad_scale=grad_scale)
-    ext = builder.load()
-    if ext is not None and all(p.is_cpu for p in params):
+    ext = compiled_module(params)
+    if ext is not None and all(g.device == params[0].device for g in grads):
         # The C++ op checks every tensor itself (dtype, device, contiguity, size), with the same
         # messages as _check_tensors, so the fast path pays no per-tensor Python cost.
         ext.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lp_params, float(lr),

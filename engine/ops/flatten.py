@@ -3,8 +3,9 @@
     copy_into(flat, grads, offsets, scale=1 / loss_scale)   # flat[off_i : off_i + n_i] = grads[i] * scale
     copy_out(flat, params_lp, offsets)                      # params_lp[i] = flat[off_i : off_i + n_i]
 
-The compiled op (csrc/cpu/flatten.cpp) does all tensors in one parallel pass on CPU; the pure-torch path
-here is its fallback (no extension, or tensors not on CPU) and its reference in the tests.
+The compiled op (csrc/cpu/flatten.cpp on CPU, one multi-tensor launch from csrc/cuda on a GPU) does all
+tensors in one pass; the pure-torch path here is its fallback (no extension, mixed devices) and its
+reference in the tests.
 
 # [Note: copy semantics]
 # Every element becomes cast_to_out_dtype(float32(in) * float32(scale)): the multiply is float32 math
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.ops import builder
+from engine.ops.select import compiled_module
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,8 +32,8 @@ def copy_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence
     bfloat16, float16 in any combination.
     """
     _check("copy_into", dst, "dst", srcs, "srcs", offsets)
-    ext = builder.load()
-    if ext is not None and _all_on_cpu(dst, srcs):
+    ext = compiled_module([dst, *srcs])
+    if ext is not None:
         ext.copy_into(dst, list(srcs), [int(o) for o in offsets], float(scale))
     else:
         torch_copy_into(dst, srcs, offsets, scale)
@@ -44,8 +45,8 @@ def copy_out(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[
     See [Note: copy semantics]. src is 1-D and contiguous, every destination contiguous.
     """
     _check("copy_out", src, "src", dsts, "dsts", offsets)
-    ext = builder.load()
-    if ext is not None and _all_on_cpu(src, dsts):
+    ext = compiled_module([src, *dsts])
+    if ext is not None:
         ext.copy_out(src, list(dsts), [int(o) for o in offsets], float(scale))
     else:
         torch_copy_out(src, dsts, offsets, scale)
@@ -75,10 +76,6 @@ def _copy(out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         out.copy_(inp).mul_(scale)
     else:
         out.copy_(inp.float() * scale)  # out of place: inp.float() is inp itself for a float32 input
-
-
-def _all_on_cpu(flat: torch.Tensor, many: Sequence[torch.Tensor]) -> bool:
-    return flat.device.type == "cpu" and all(t.device.type == "cpu" for t in many)
 
 
 def _check(op: str, flat: torch.Tensor, flat_name: str, many: Sequence[torch.Tensor], many_name: str,

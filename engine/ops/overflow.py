@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.ops import builder
 from engine.ops.flatten import SUPPORTED_DTYPES
+from engine.ops.select import compiled_module
 
 _PIECE = 1 << 22
 """Elements the torch path converts to float64 at a time, to bound its temporary memory (32 MiB)."""
@@ -28,8 +28,8 @@ def sum_squares_and_overflow(tensors: Sequence[torch.Tensor], scale: float = 1.0
     """(sum over all elements of (float(x) * scale)^2 in float64, whether any element is inf/nan)."""
     for i, t in enumerate(tensors):
         _check_tensor(t, i)
-    ext = builder.load()
-    if ext is not None and all(t.device.type == "cpu" for t in tensors):
+    ext = compiled_module(tensors)
+    if ext is not None:
         total, overflow = ext.sum_squares_and_overflow(list(tensors), float(scale))
         return float(total), bool(overflow)
     return torch_sum_squares_and_overflow(tensors, scale)

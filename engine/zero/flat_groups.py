@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
 
 # Optimizers whose update is elementwise, so running them on a flat shard equals running them per
@@ -63,9 +64,12 @@ class FlatGroup:
         return buffer[start:end]
 
     def refresh_params(self) -> None:
-        """Write the updated master shard into this rank's slices of the parameter buffer."""
+        """Write the updated master shard into this rank's slices of the parameter buffer: every
+        bucket's row cast to the parameter dtype in one parallel pass (engine/ops/flatten.py)."""
         if self.owns_master:
-            self.shard_view(self.flat).copy_(self.master)
+            lay = self.layout
+            copy_into(self.flat, list(self.master.unbind(0)),
+                      [lay.bucket_range(b)[0] + self.rank * lay.slice_numel for b in range(lay.num_buckets)])
 
 
 def arrival_order(module: torch.nn.Module) -> dict[int, int]:

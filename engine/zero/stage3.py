@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from engine import comm
 from engine.config import ConfigError
-from engine.config.types import EngineConfig
+from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.precision import Precision
@@ -204,7 +204,7 @@ class Stage3:
     # ----------------------------------------------------------------------------- building
     def _build_memory(self, config: EngineConfig) -> Stage3Memory:
         """Gathered buffers and gradient buckets: an arena sized by zero_optimization.stage3_arena_bytes
-        (automatically when absent), or the default allocator (0, or not a CPU model)."""
+        ("auto": from the units), or the default allocator (0, the default, or not a CPU model)."""
         groups = [g for u in self.units for g in u.groups]
         device = groups[0].device if groups else torch.device("cpu")
         needs = [UnitBytes(gathered=sum(g.layout.padded_numel * g.dtype.itemsize for g in u.groups),
@@ -214,13 +214,13 @@ class Stage3:
                  for u in self.units]
         widest = max((g.dtype.itemsize for g in groups), default=4)
         requested = config.zero.stage3_arena_bytes
-        capacity = auto_capacity(needs, self._max_live_numel * widest, MAX_REDUCES_IN_FLIGHT) \
-            if requested is None else requested
+        auto = requested == ARENA_AUTO
+        capacity = auto_capacity(needs, self._max_live_numel * widest, MAX_REDUCES_IN_FLIGHT) if auto else requested
         # Without the arena, gradient buckets are recycled by a pool whose buffers all have the size
         # of the largest block, so units of any size share them.
         blocks = [u for u in self.units if u.modules] or self.units
         return Stage3Memory(capacity, device, max((self._unit_numel(u) for u in blocks), default=0), self._rank,
-                            auto=requested is None)
+                            auto=auto)
 
     def _shard(self, params: list[torch.nn.Parameter], names: list[str], idx: list[int],
                opt_group: int | None) -> ShardedGroup:

@@ -8,9 +8,12 @@ GB/s here, against 10+ GB/s into touched memory), and mixed sizes fragment the h
 the first step: it neither fragments nor grows with the number of steps, and a request that cannot
 fit is a named error instead of a slow swap.
 
-`zero_optimization.stage3_arena_bytes` sizes it: absent, null or "auto" computes the capacity from
-the units and the limits the config already sets (see `auto_capacity`); a number of bytes sets it;
-0 turns the arena off (gathered buffers come from torch.empty, gradient buckets from a BucketPool).
+`zero_optimization.stage3_arena_bytes` sizes it: "auto" computes the capacity from the units
+and the limits the config already sets (see `auto_capacity`); a number of bytes sets it; absent or 0
+leaves the arena off (gathered buffers come from torch.empty, gradient buckets from a BucketPool).
+Off is the default because measurement says so: on GPT-M (benchmarks/results/arena_M.md) the arena
+saved no step time on this machine, and its auto size (the worst case the bounds allow) raised peak
+RSS by 60-90 MiB per rank over glibc, which reuses freed memory well enough at these sizes.
 The arena is a CPU buffer, so it serves CPU training only; on CUDA the caching allocator already
 recycles blocks.
 """

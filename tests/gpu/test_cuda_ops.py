@@ -304,3 +304,28 @@ def test_adam_checks_its_arguments(ext) -> None:
         ext.adam_step([p.half()], [g], [m], [v], [], *args, 1, True, 1.0)
     with pytest.raises(RuntimeError, match="elements but params"):
         ext.adam_step([p], [g[:4]], [m], [v], [], *args, 1, True, 1.0)
+
+
+# ---------------------------------------------------------------- the engine's ops dispatch here
+def test_engine_ops_send_cuda_tensors_to_the_cuda_module(ext, monkeypatch) -> None:
+    """engine/ops/select.py: copy_into, sum_squares_and_overflow and adam_step on CUDA tensors run the
+    CUDA module, never the torch fallback (made to fail here)."""
+    from engine.ops import adam, flatten, overflow
+
+    def no_fallback(*_args, **_kwargs):
+        raise AssertionError("the torch fallback ran for CUDA tensors")
+
+    monkeypatch.setattr(flatten, "torch_copy_into", no_fallback)
+    monkeypatch.setattr(overflow, "torch_sum_squares_and_overflow", no_fallback)
+    monkeypatch.setattr(adam, "adam_step_reference", no_fallback)
+    src = values(1000, 1).cuda()
+    dst = torch.zeros(1000, device="cuda")
+    flatten.copy_into(dst, [src], [0], 0.5)
+    assert torch.equal(dst, src * 0.5)
+    total, overflowed = overflow.sum_squares_and_overflow([src])
+    assert not overflowed and math.isclose(total, float((src.double() ** 2).sum()), rel_tol=1e-9)
+    p, g = src.clone(), values(1000, 2).cuda()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    adam.adam_step([p], [g], [m], [v], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                   adamw_mode=True, step=1)
+    assert not torch.equal(p, src)
