@@ -294,12 +294,24 @@ class Engine:
                                        if n - before[kind].get(op, 0)} for kind in ("bytes_sent", "calls")}
         self._comm_at_step = now
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("save_checkpoint is not available in this version of the engine; "
-                                  "save engine.module.state_dict() with torch.save meanwhile")
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> str:
+        """DeepSpeed's save_checkpoint: every rank writes its own shard files into save_dir/tag
+        (default tag global_step<N>), the tag appears complete or not at all, then `latest` names it.
+        Every rank must call it. Returns the tag directory. See engine/checkpoint/."""
+        from engine.checkpoint import store
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("load_checkpoint is not available in this version of the engine")
+        return store.save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+        """DeepSpeed's load_checkpoint -> (checkpoint path, client_state). tag None reads `latest`.
+        Loads at any world size and ZeRO stage: every piece is found by parameter name and offset."""
+        from engine.checkpoint import store
+
+        return store.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                          load_lr_scheduler_states, load_module_only)
 
     # ------------------------------------------------------------------------------ teardown
     def _require_alive(self) -> ZeroStage:

@@ -36,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n_layers", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--eval_windows", type=int, default=128, help="validation windows (default 128)")
+    parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end (engine.save_checkpoint)")
+    parser.add_argument("--load_dir", default=None, help="resume from this checkpoint directory's latest tag "
+                        "(any world size or ZeRO stage)")
     engine.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -80,6 +83,12 @@ def main() -> None:
               f"{model_engine.world_size} rank(s), global batch {global_batch} x {args.seq_len} bytes, "
               f"ZeRO stage {model_engine.zero_optimization_stage()}", flush=True)
 
+    if args.load_dir:
+        loaded_at = time.perf_counter()
+        path, _ = model_engine.load_checkpoint(args.load_dir)
+        if rank0:
+            print(f"resumed from {path} at step {model_engine.global_steps} in {time.perf_counter() - loaded_at:.2f} s",
+                  flush=True)
     micro_eval = model_engine.train_micro_batch_size_per_gpu()
     val_before = evaluate(model_engine.module, val_set, micro_eval, model_engine.device)
     if rank0:
@@ -109,6 +118,12 @@ def main() -> None:
               f"{model_engine.global_samples * args.seq_len / wall:.0f} bytes/s)")
         print(f"final train loss {model_engine.get_loss():.4f}; validation loss {val_before:.4f} -> "
               f"{val_after:.4f} nats/byte ({val_after / math.log(2):.3f} bits/byte)", flush=True)
+    if args.save_dir:
+        saved_at = time.perf_counter()
+        path = model_engine.save_checkpoint(args.save_dir)
+        if rank0:
+            size = sum(f.stat().st_size for f in os.scandir(path))
+            print(f"checkpoint {path}: {size / 2**20:.1f} MiB in {time.perf_counter() - saved_at:.2f} s", flush=True)
     model_engine.destroy()
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import comm
+from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
@@ -288,6 +289,12 @@ class PartitionedStage:
         self._gather_params()
         self.zero_grad()
         return StepOutcome(norm, applied=True)
+
+    def checkpoint_shards(self) -> list[ShardRecord]:
+        """Each flat group's fp32 master shard; unpartitioned (stage 0 in bf16/fp16): rank 0 writes."""
+        write = self.partitioned or comm.get_rank() == 0
+        return [ShardRecord(g.master, layout_pieces(g.layout, g.rank, g.names), g.opt_group, write)
+                for g in self.groups]
 
     def refresh_masters(self) -> None:
         """Parameters were changed by the user (the same on every rank): copy them into the fp32 masters."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import comm
+from engine.checkpoint.records import NamedPiece, ShardRecord
 from engine.config.types import EngineConfig
 from engine.zero.base import StepOutcome
 
@@ -72,6 +73,7 @@ class Stage0:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig) -> None:
         self.optimizer = optimizer
+        self._names = {id(p): n for n, p in module.named_parameters()}
         self._world_size = comm.get_world_size()
         self._prescale = config.prescale_gradients
         self._predivide = config.gradient_predivide_factor
@@ -236,6 +238,12 @@ class Stage0:
             "optimizer_state": state,
             "buckets": 0,  # buckets are slices of the gradient buffer: no extra memory
         }
+
+    def checkpoint_shards(self) -> list[ShardRecord]:
+        """fp32 replicated training: each trainable parameter is its own master; rank 0 writes."""
+        write = comm.get_rank() == 0
+        return [ShardRecord(p, [NamedPiece(self._names[id(p)], 0, 0, p.numel())], gi, write)
+                for gi, group in enumerate(self.optimizer.param_groups) for p in group["params"] if p.requires_grad]
 
     def state_dict(self) -> dict[str, object]:
         return {}

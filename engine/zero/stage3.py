@@ -44,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from engine import comm
+from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config import ConfigError
 from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.monitor.log import get_logger
@@ -607,6 +608,15 @@ class Stage3:
             if name not in out:  # buffers and parameters the stage does not manage
                 out[name] = tensor.detach().clone()
         return {name: out[name] for name in keys}
+
+    def checkpoint_shards(self) -> list[ShardRecord]:
+        """Every group's shard on this rank: fp32 masters of trainable groups, frozen shards as they are."""
+        records = []
+        for u in self.units:
+            for g in u.groups:
+                tensor = g.master if g.opt_group is not None else g.shard
+                records.append(ShardRecord(tensor, layout_pieces(g.layout, self._rank, g.names), g.opt_group, True))
+        return records
 
     def state_dict(self) -> dict[str, object]:
         return {}

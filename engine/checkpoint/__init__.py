@@ -1,0 +1,7 @@
+"""Sharded checkpoints: engine.save_checkpoint / engine.load_checkpoint (store.py), the directory
+layout and manifest (files.py), the name-and-offset description of every rank's shards (records.py),
+and `python -m engine.checkpoint.consolidate` (one state dict from a checkpoint)."""
+
+from engine.checkpoint.files import CheckpointError
+
+__all__ = ["CheckpointError"]

@@ -1,0 +1,284 @@
+"""Checkpoints on real processes and real files: exact resume at stages 0-3, loading at another world
+size and stage, a save killed mid-way, damaged files, and consolidation into one state dict."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import free_port, run_distributed
+
+import engine
+from engine.checkpoint import CheckpointError
+
+WIDTH = 16
+GLOBAL_BATCH = 8
+STEPS = 6  # resume tests: 3 steps, save, load into a fresh engine, 3 more
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.lin(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.inp = torch.nn.Linear(WIDTH, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+        self.blocks[1].norm.requires_grad_(False)  # frozen parameters
+        self.out = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.out.weight = self.inp.weight  # tied
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.out(torch.nn.functional.dropout(h, self.dropout))  # the RNG state must resume too
+
+
+def config(stage: int, world: int, precision: str = "fp32") -> dict[str, Any]:
+    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+            "bf16": {"enabled": precision == "bf16"},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200}}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(GLOBAL_BATCH, WIDTH, generator=g)
+
+
+def make_engine(stage: int, precision: str = "fp32", dropout: float = 0.1) -> Any:
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=Net(dropout), config=config(stage, torch.distributed.get_world_size(),
+                                                                   precision))
+    return eng
+
+
+def train(eng: Any, steps: range) -> list[float]:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    micro = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        dtype = next(p.dtype for p in eng.module.parameters())
+        loss = torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y)
+        eng.backward(loss)
+        eng.step()
+        mean = loss.detach().clone()  # the global batch's loss, whatever the rank count
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def _resume(stage: int, precision: str, save_dir: str) -> dict[str, Any]:
+    straight = make_engine(stage, precision)
+    losses = train(straight, range(STEPS))
+    reference = straight.consolidated_state_dict()
+    straight.destroy()
+
+    first = make_engine(stage, precision)
+    resumed = train(first, range(STEPS // 2))
+    first.save_checkpoint(save_dir, client_state={"epoch": 7})
+    first.destroy()
+    torch.manual_seed(12345)  # the load must restore every RNG, whatever happened since
+    second = make_engine(stage, precision)
+    path, client = second.load_checkpoint(save_dir)
+    resumed += train(second, range(STEPS // 2, STEPS))
+    out = {"losses": losses, "resumed": resumed, "client": client, "path": path, "steps": second.global_steps,
+           "lr": second.get_lr(), "reference": reference, "state": second.consolidated_state_dict()}
+    second.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"),
+                                             (3, "bf16")])
+def test_resume_equals_training_straight_through(tmp_path: Path, stage: int, precision: str) -> None:
+    results = run_distributed(_resume, 2, args=(stage, precision, str(tmp_path)))
+    for r in results:
+        assert r["resumed"] == r["losses"]  # bitwise: every state (masters, Adam, LR, RNG) came back
+        assert r["client"] == {"epoch": 7} and r["steps"] == STEPS
+        assert r["path"] == str(tmp_path / f"global_step{STEPS // 2}")
+    for name, value in results[0]["reference"].items():
+        assert torch.equal(value, results[0]["state"][name]), name
+    assert (tmp_path / "latest").read_text() == f"global_step{STEPS // 2}"
+    manifest = json.loads((tmp_path / f"global_step{STEPS // 2}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["stage"] == stage and manifest["format_version"] == 1
+    assert sorted(os.listdir(tmp_path / f"global_step{STEPS // 2}")) == [
+        "manifest.json", "rank_0_model_states.pt", "rank_0_optim_states.pt", "rank_1_model_states.pt",
+        "rank_1_optim_states.pt"]
+
+
+# ------------------------------------------------------------------------------------ resharding
+def _save_then_continue(stage: int, save_dir: str) -> dict[str, Any]:
+    eng = make_engine(stage, dropout=0.0)  # dropout masks depend on the rank count
+    train(eng, range(3))
+    eng.save_checkpoint(save_dir, tag="ckpt")
+    losses = train(eng, range(3, STEPS))
+    out = {"losses": losses, "state": eng.consolidated_state_dict()}
+    eng.destroy()
+    return out
+
+
+def _load_then_continue(stage: int, save_dir: str) -> dict[str, Any]:
+    eng = make_engine(stage, dropout=0.0)
+    eng.load_checkpoint(save_dir, tag="ckpt")
+    losses = train(eng, range(3, STEPS))
+    out = {"losses": losses, "state": eng.consolidated_state_dict()}
+    eng.destroy()
+    return out
+
+
+def _close(a: dict[str, Any], b: dict[str, Any]) -> None:
+    torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-5, atol=1e-6)
+    assert a["state"].keys() == b["state"].keys()
+    for name in a["state"]:
+        torch.testing.assert_close(a["state"][name], b["state"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("saved,loaded", [((4, 3), (2, 3)), ((2, 2), (4, 2)), ((4, 3), (1, 3)), ((2, 3), (2, 2))])
+def test_checkpoint_loads_at_another_world_size_and_stage(tmp_path: Path, saved: tuple[int, int],
+                                                           loaded: tuple[int, int]) -> None:
+    """Continuing from a checkpoint on another number of ranks (or stage) equals continuing where it
+    was saved; only the summation order differs."""
+    original = run_distributed(_save_then_continue, saved[0], args=(saved[1], str(tmp_path)))[0]
+    moved = run_distributed(_load_then_continue, loaded[0], args=(loaded[1], str(tmp_path)))[0]
+    _close(original, moved)
+
+
+# ---------------------------------------------------------------------------------- crash safety
+def _save_and_die(save_dir: str, port: int, rank: int) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import datetime
+
+    engine.init_distributed(timeout=datetime.timedelta(seconds=60))
+    eng = make_engine(2)
+    train(eng, range(2))
+    eng.save_checkpoint(save_dir, tag="good")
+    train(eng, range(2, 3))
+    if rank == 1:
+        from engine.checkpoint import store
+
+        real = store.atomic_save
+
+        def die_midway(obj: Any, path: str) -> None:
+            if path.endswith("optim_states.pt"):
+                with open(path + ".tmp.partial", "wb") as f:
+                    f.write(b"half a file")
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(obj, path)
+
+        store.atomic_save = die_midway
+    eng.save_checkpoint(save_dir, tag="bad")
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_save_and_die, args=(str(tmp_path), port, r)) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[1].join(120)
+    assert procs[1].exitcode == -signal.SIGKILL
+    procs[0].kill()  # waiting for its dead peer
+    procs[0].join(30)
+    assert (tmp_path / "latest").read_text() == "good"
+    assert not (tmp_path / "bad").exists()
+    results = run_distributed(_load_then_continue_tag, 2, args=(str(tmp_path),))
+    assert results[0]["path"].endswith("good") and results[0]["steps"] == 2
+
+
+def _load_then_continue_tag(save_dir: str) -> dict[str, Any]:
+    eng = make_engine(2)
+    path, _ = eng.load_checkpoint(save_dir)
+    train(eng, range(2, 3))
+    out = {"path": path, "steps": eng.global_steps - 1}
+    eng.destroy()
+    return out
+
+
+# ------------------------------------------------------------------------------- damaged files
+def _save_single(save_dir: str) -> None:
+    eng = make_engine(3)
+    train(eng, range(1))
+    eng.save_checkpoint(save_dir, tag="t")
+    eng.destroy()
+
+
+def _load_single(save_dir: str) -> str:
+    eng = make_engine(3)
+    try:
+        eng.load_checkpoint(save_dir, tag="t")
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        eng.destroy()
+    return "loaded"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted", "missing", "newer"])
+def test_damaged_checkpoints_give_named_errors(tmp_path: Path, damage: str) -> None:
+    run_distributed(_save_single, 1, args=(str(tmp_path),))
+    tag = tmp_path / "t"
+    target = tag / "rank_0_optim_states.pt"
+    if damage == "truncated":
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        expected = f"{target} cannot be read"
+    elif damage == "corrupted":
+        data = bytearray(target.read_bytes())
+        data[: len(data) // 2] = bytes(len(data) // 2)
+        target.write_bytes(bytes(data))
+        expected = f"{target} cannot be read"
+    elif damage == "missing":
+        target.unlink()
+        expected = f"{target} is missing"
+    else:
+        manifest = json.loads((tag / "manifest.json").read_text())
+        manifest["format_version"] = 99
+        (tag / "manifest.json").write_text(json.dumps(manifest))
+        expected = "format_version 99, newer than this engine reads (1)"
+    assert expected in run_distributed(_load_single, 1, args=(str(tmp_path),))[0]
+
+
+# -------------------------------------------------------------------------------- consolidation
+def _train_and_save(save_dir: str) -> dict[str, torch.Tensor]:
+    eng = make_engine(3)
+    train(eng, range(2))
+    eng.save_checkpoint(save_dir)
+    state = eng.consolidated_state_dict()
+    eng.destroy()
+    return state
+
+
+def test_consolidate_writes_the_models_state_dict(tmp_path: Path) -> None:
+    live = run_distributed(_train_and_save, 2, args=(str(tmp_path / "ckpt"),))[0]
+    out = tmp_path / "model.pt"
+    done = subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(tmp_path / "ckpt"), str(out)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    state = torch.load(out, weights_only=True)
+    assert state.keys() == live.keys()
+    for name, value in live.items():
+        assert torch.equal(state[name], value), name
+    fresh = Net()
+    fresh.load_state_dict(state)  # strict: every key, tied weights included
