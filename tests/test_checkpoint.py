@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,13 +156,23 @@ def _close(a: dict[str, Any], b: dict[str, Any]) -> None:
         torch.testing.assert_close(a["state"][name], b["state"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], tuple[str, dict[str, Any]]]:
+    """(world size, stage) -> (checkpoint directory, how training continued there): each saved once."""
+    out = {}
+    for world, stage in ((4, 3), (2, 3), (2, 2)):
+        path = str(tmp_path_factory.mktemp(f"w{world}s{stage}"))
+        out[(world, stage)] = (path, run_distributed(_save_then_continue, world, args=(stage, path))[0])
+    return out
+
+
 @pytest.mark.parametrize("saved,loaded", [((4, 3), (2, 3)), ((2, 2), (4, 2)), ((4, 3), (1, 3)), ((2, 3), (2, 2))])
-def test_checkpoint_loads_at_another_world_size_and_stage(tmp_path: Path, saved: tuple[int, int],
-                                                           loaded: tuple[int, int]) -> None:
+def test_checkpoint_loads_at_another_world_size_and_stage(saved_checkpoints: dict[tuple[int, int], Any],
+                                                           saved: tuple[int, int], loaded: tuple[int, int]) -> None:
     """Continuing from a checkpoint on another number of ranks (or stage) equals continuing where it
     was saved; only the summation order differs."""
-    original = run_distributed(_save_then_continue, saved[0], args=(saved[1], str(tmp_path)))[0]
-    moved = run_distributed(_load_then_continue, loaded[0], args=(loaded[1], str(tmp_path)))[0]
+    path, original = saved_checkpoints[saved]
+    moved = run_distributed(_load_then_continue, loaded[0], args=(loaded[1], path))[0]
     _close(original, moved)
 
 
@@ -225,39 +236,49 @@ def _save_single(save_dir: str) -> None:
     eng.destroy()
 
 
-def _load_single(save_dir: str) -> str:
-    eng = make_engine(3)
-    try:
-        eng.load_checkpoint(save_dir, tag="t")
-    except CheckpointError as err:
-        return str(err)
-    finally:
-        eng.destroy()
-    return "loaded"
+def _load_each(save_dirs: list[str]) -> list[str]:
+    """Load each directory's tag "t" in turn; the error message of each (one process for all)."""
+    out = []
+    for save_dir in save_dirs:
+        eng = make_engine(3)
+        try:
+            eng.load_checkpoint(save_dir, tag="t")
+            out.append("loaded")
+        except CheckpointError as err:
+            out.append(str(err))
+        finally:
+            eng.destroy()
+    return out
 
 
-@pytest.mark.parametrize("damage", ["truncated", "corrupted", "missing", "newer"])
-def test_damaged_checkpoints_give_named_errors(tmp_path: Path, damage: str) -> None:
-    run_distributed(_save_single, 1, args=(str(tmp_path),))
-    tag = tmp_path / "t"
-    target = tag / "rank_0_optim_states.pt"
-    if damage == "truncated":
-        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-        expected = f"{target} cannot be read"
-    elif damage == "corrupted":
-        data = bytearray(target.read_bytes())
-        data[: len(data) // 2] = bytes(len(data) // 2)
-        target.write_bytes(bytes(data))
-        expected = f"{target} cannot be read"
-    elif damage == "missing":
-        target.unlink()
-        expected = f"{target} is missing"
-    else:
-        manifest = json.loads((tag / "manifest.json").read_text())
-        manifest["format_version"] = 99
-        (tag / "manifest.json").write_text(json.dumps(manifest))
-        expected = "format_version 99, newer than this engine reads (1)"
-    assert expected in run_distributed(_load_single, 1, args=(str(tmp_path),))[0]
+def test_damaged_checkpoints_give_named_errors(tmp_path: Path) -> None:
+    run_distributed(_save_single, 1, args=(str(tmp_path / "good"),))
+    expected: dict[str, str] = {}
+    for damage in ("intact", "truncated", "corrupted", "missing", "newer"):
+        shutil.copytree(tmp_path / "good", tmp_path / damage)
+        tag = tmp_path / damage / "t"
+        target = tag / "rank_0_optim_states.pt"
+        if damage == "intact":
+            expected[damage] = "loaded"
+        elif damage == "truncated":
+            target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+            expected[damage] = f"{target} cannot be read"
+        elif damage == "corrupted":
+            data = bytearray(target.read_bytes())
+            data[: len(data) // 2] = bytes(len(data) // 2)
+            target.write_bytes(bytes(data))
+            expected[damage] = f"{target} cannot be read"
+        elif damage == "missing":
+            target.unlink()
+            expected[damage] = f"{target} is missing"
+        else:
+            manifest = json.loads((tag / "manifest.json").read_text())
+            manifest["format_version"] = 99
+            (tag / "manifest.json").write_text(json.dumps(manifest))
+            expected[damage] = "format_version 99, newer than this engine reads (1)"
+    got = run_distributed(_load_each, 1, args=([str(tmp_path / d) for d in expected],))[0]
+    for (damage, want), message in zip(expected.items(), got):
+        assert want in message, (damage, message)
 
 
 # -------------------------------------------------------------------------------- consolidation
