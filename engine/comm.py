@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -301,6 +302,13 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work | None:
     _count("broadcast", tensor, 1.0)
     return dist.broadcast(tensor, src=src, async_op=async_op)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (small metadata only: it is pickled)."""
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

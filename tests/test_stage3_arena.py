@@ -84,7 +84,8 @@ def _block_sizes() -> dict[str, int]:
         "zero_optimization": {"stage": 3}})
     units = eng._stage.units
     out = {"root": sum(g.layout.padded_numel for g in units[0].groups),
-           "block": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:])}
+           "block": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+           "all_bytes": 2 * 4 * sum(g.layout.padded_numel for u in units for g in u.groups)}  # gathered + buckets
     eng.destroy()
     return out
 
@@ -93,12 +94,11 @@ def test_auto_size_is_bounded_by_max_live_parameters_and_suffices() -> None:
     sizes = run_distributed(_block_sizes, 1)[0]
     limits = {"stage3_max_live_parameters": sizes["root"] + 2 * sizes["block"],
               "stage3_param_persistence_threshold": 0}
-    whole = run_distributed(_train, 2, args=({"stage3_param_persistence_threshold": 0, "stage3_arena_bytes": "auto"},
-                                             "fp32"))
     bounded = run_distributed(_train, 2, args=({**limits, "stage3_arena_bytes": "auto"}, "fp32"))
     reference = run_distributed(_train, 2, args=({**limits, "stage3_arena_bytes": 0}, "fp32"))
-    assert bounded[0]["memory"]["arena"] < whole[0]["memory"]["arena"]
-    assert bounded[0]["memory"]["arena_peak"] < whole[0]["memory"]["arena_peak"]
+    # Below every unit gathered plus every gradient bucket (what an unbounded model would get), and it
+    # sufficed: the run trained exactly as without an arena.
+    assert 0 < bounded[0]["memory"]["arena_peak"] <= bounded[0]["memory"]["arena"] < sizes["all_bytes"]
     assert bounded[0]["losses"] == reference[0]["losses"]
 
 

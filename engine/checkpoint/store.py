@@ -144,8 +144,7 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
     atomic_save(model_state, os.path.join(partial, model_file(rank)))
     atomic_save({"pieces": optim_pieces, "scalars": scalars}, os.path.join(partial, optim_file(rank)))
 
-    everyone: list[Any] = [None] * world
-    torch.distributed.all_gather_object(everyone, index)
+    everyone = comm.all_gather_object(index)
     if rank == 0:
         params = {n: {"shape": list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape),
                       "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad}
