@@ -94,8 +94,10 @@ def main() -> None:
     if rank0:
         print(f"validation loss before training: {val_before:.4f} nats/byte", flush=True)
 
-    bar = tqdm(total=args.steps, desc="train", unit="step", disable=not rank0, dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=model_engine.global_steps, desc="train", unit="step", disable=not rank0,
+               dynamic_ncols=True)
     started = time.perf_counter()
+    samples_before = model_engine.global_samples  # a resumed run counts its samples from here
     model_engine.train()
     for x, y in loader:
         loss = model_engine(x.to(model_engine.device), y.to(model_engine.device))
@@ -104,7 +106,7 @@ def main() -> None:
         if model_engine.was_step_applied():
             elapsed = time.perf_counter() - started
             bar.set_postfix(loss=f"{model_engine.get_loss():.3f}",
-                            samples_s=f"{model_engine.global_samples / elapsed:.0f}")
+                            samples_s=f"{(model_engine.global_samples - samples_before) / elapsed:.0f}")
             bar.update(1)
         if model_engine.global_steps >= args.steps:
             break
@@ -113,9 +115,9 @@ def main() -> None:
 
     val_after = evaluate(model_engine.module, val_set, micro_eval, model_engine.device)
     if rank0:
-        print(f"done: {model_engine.global_steps} steps, {model_engine.global_samples} samples in {wall:.1f} s "
-              f"({model_engine.global_samples / wall:.1f} samples/s, "
-              f"{model_engine.global_samples * args.seq_len / wall:.0f} bytes/s)")
+        done = model_engine.global_samples - samples_before
+        print(f"done: step {model_engine.global_steps}, {done} samples in {wall:.1f} s "
+              f"({done / wall:.1f} samples/s, {done * args.seq_len / wall:.0f} bytes/s)")
         print(f"final train loss {model_engine.get_loss():.4f}; validation loss {val_before:.4f} -> "
               f"{val_after:.4f} nats/byte ({val_after / math.log(2):.3f} bits/byte)", flush=True)
     if args.save_dir:
