@@ -16,23 +16,13 @@ from typing import Any
 import pytest
 import torch
 from distributed import free_port, run_distributed
+from test_stage3 import WIDTH, Block
 
 import engine
 from engine.checkpoint import CheckpointError
 
-WIDTH = 16
 GLOBAL_BATCH = 8
 STEPS = 6  # resume tests: 3 steps, save, load into a fresh engine, 3 more
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(WIDTH, WIDTH)
-        self.norm = torch.nn.LayerNorm(WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.norm(self.lin(x)))
 
 
 class Net(torch.nn.Module):
@@ -124,6 +114,11 @@ def test_resume_equals_training_straight_through(tmp_path: Path, stage: int, pre
     assert (tmp_path / "latest").read_text() == f"global_step{STEPS // 2}"
     manifest = json.loads((tmp_path / f"global_step{STEPS // 2}" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["stage"] == stage and manifest["format_version"] == 1
+    # Trainable parameters travel only as fp32 master pieces; whole tensors are buffers and frozen
+    # parameters (at stage 3 those are shards too).
+    head = torch.load(tmp_path / f"global_step{STEPS // 2}" / "rank_0_model_states.pt", weights_only=True)
+    frozen = {"blocks.1.norm.weight", "blocks.1.norm.bias"}
+    assert set(head["whole"]) == ({"calls"} if stage == 3 else {"calls"} | frozen)
     assert sorted(os.listdir(tmp_path / f"global_step{STEPS // 2}")) == [
         "manifest.json", "rank_0_model_states.pt", "rank_0_optim_states.pt", "rank_1_model_states.pt",
         "rank_1_optim_states.pt"]

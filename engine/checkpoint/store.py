@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -80,10 +79,11 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _managed_ids(records: Iterable[ShardRecord], module: torch.nn.Module) -> set[int]:
-    """Parameters whose values the records carry (trainable masters, stage-3 frozen shards)."""
-    names = {p.name for r in records for p in r.pieces}
-    return {id(t) for n, t in module.named_parameters(remove_duplicate=False) if n in names}
+def _managed_ids(module: torch.nn.Module) -> set[int]:
+    """Trainable parameters: their values travel as fp32 master pieces (on whichever rank owns each
+    piece), never as whole tensors. Stage-3 frozen parameters are released here (numel 0) and travel
+    as their shards' pieces."""
+    return {id(p) for p in module.parameters() if p.requires_grad}
 
 
 def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, Any] | None,
@@ -127,7 +127,7 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
                 index.append(("optim", piece.name, piece.param_offset, piece.numel))
     model_state: dict[str, Any] = {"pieces": model_pieces, "rng": _rng_state()}
     if rank == 0:
-        managed = _managed_ids(records, eng.module)
+        managed = _managed_ids(eng.module)
         whole = {n: t.detach().clone() for n, t in eng.module.state_dict(keep_vars=True).items()
                  if id(t) not in managed and t.numel() > 0}
         model_state.update({
@@ -318,7 +318,7 @@ def load(eng: Engine, load_dir: str, tag: str | None, load_module_strict: bool, 
 
     # Whole tensors this rank holds outside the records: buffers, frozen parameters at stages 0-2, and
     # the model-dtype copies of trainable parameters (cast from the loaded fp32 masters' values).
-    managed = _managed_ids(records, eng.module)
+    managed = _managed_ids(eng.module)
     for name, tensor in eng.module.state_dict(keep_vars=True).items():
         if tensor.numel() == 0:
             continue
