@@ -249,11 +249,14 @@ def _load_each(save_dirs: list[str]) -> list[str]:
 def test_damaged_checkpoints_give_named_errors(tmp_path: Path) -> None:
     run_distributed(_save_single, 1, args=(str(tmp_path / "good"),))
     expected: dict[str, str] = {}
-    for damage in ("intact", "truncated", "corrupted", "missing", "newer"):
+    for damage in ("intact", "replaced", "truncated", "corrupted", "missing", "newer"):
         shutil.copytree(tmp_path / "good", tmp_path / damage)
         tag = tmp_path / damage / "t"
         target = tag / "rank_0_optim_states.pt"
         if damage == "intact":
+            expected[damage] = "loaded"
+        elif damage == "replaced":  # killed between the two renames of a save over the same tag
+            tag.rename(tmp_path / damage / ".t.old")
             expected[damage] = "loaded"
         elif damage == "truncated":
             target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])

@@ -278,6 +278,13 @@ def load(eng: Engine, load_dir: str, tag: str | None, load_module_strict: bool, 
     started = time.perf_counter()
     tag = str(tag) if tag is not None else read_latest(load_dir)
     tag_dir = os.path.join(load_dir, tag)
+    aside = os.path.join(load_dir, f".{tag}.old")
+    if not os.path.isdir(tag_dir) and os.path.isdir(aside):
+        # A save over an existing tag moves the old directory aside, renames the new one in, then
+        # deletes the old: a crash between the two renames leaves only this complete copy.
+        logger.warning("checkpoint %s is missing but %s is complete (a save replacing it was interrupted); "
+                       "loading that", tag_dir, aside)
+        tag_dir = aside
     manifest = read_manifest(tag_dir)
     reader = PieceReader(tag_dir, manifest)
     records = stage.checkpoint_shards()
