@@ -301,3 +301,14 @@ def test_consolidate_writes_the_models_state_dict(tmp_path: Path) -> None:
         assert torch.equal(state[name], value), name
     fresh = Net()
     fresh.load_state_dict(state)  # strict: every key, tied weights included
+    # Streamed .safetensors (one tensor in memory at a time), read back by the safetensors library.
+    from safetensors.torch import load_file
+
+    streamed = tmp_path / "model.safetensors"
+    done = subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(tmp_path / "ckpt"),
+                           str(streamed), "--dtype", "bf16"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    read = load_file(str(streamed))
+    assert read.keys() == live.keys()
+    for name, value in live.items():
+        assert torch.equal(read[name], value.to(torch.bfloat16) if value.is_floating_point() else value), name

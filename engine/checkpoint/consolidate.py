@@ -4,9 +4,10 @@
 
 CKPT_DIR is a save_checkpoint directory (its `latest` tag unless --tag). Trainable parameters come
 from the fp32 masters, frozen ones and buffers as saved. Every rank file is memory-mapped and each
-parameter assembled from its pieces in turn, so reading holds one parameter beyond the output. OUT is
-written with safetensors when it is installed and OUT ends in .safetensors, else with torch.save
-(atomically either way).
+parameter assembled from its pieces in turn. OUT ending in .safetensors is streamed (the header from
+the manifest, then one tensor at a time: memory holds one parameter, not the model; written here, no
+library needed to write it); any other name is written with torch.save, which needs the whole dict in
+memory. Atomically either way.
 """
 
 from __future__ import annotations
@@ -48,6 +49,70 @@ def consolidate(ckpt_dir: str, tag: str | None = None, dtype: torch.dtype = torc
     return out
 
 
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _plan(reader: PieceReader, manifest: dict, dtype: torch.dtype) -> list[tuple[str, str, str, torch.dtype,
+                                                                                  list[int], int]]:
+    """(output name, source name, kind, output dtype, shape, numel) for every tensor, without reading data."""
+    params = manifest["params"]
+    plan = []
+    for name, kinds in reader.where.items():
+        kind = "optim" if "optim" in kinds else "model"
+        numel = sum(n for _, n, _ in kinds[kind])
+        saved = torch.float32 if kind == "optim" else _saved_dtype(reader, name, kinds[kind][0])
+        shape = list(params[name]["shape"]) if name in params else list(
+            reader.file(f"rank_{kinds[kind][0][2]}_model_states.pt")["whole"][name].shape)
+        plan.append((name, name, kind, dtype if saved.is_floating_point else saved, shape, numel))
+    by_name = {p[0]: p for p in plan}
+    plan += [(alias, *by_name[target][1:]) for alias, target in manifest.get("aliases", {}).items()]
+    return plan
+
+
+def write_safetensors(ckpt_dir: str, out: str, tag: str | None = None, dtype: torch.dtype = torch.float32,
+                      progress: bool = False) -> int:
+    """Stream the consolidated state dict into a .safetensors file: the header comes from the manifest,
+    then each tensor is assembled from its pieces and written, so memory holds one tensor at a time.
+    Returns the bytes of tensor data written."""
+    import json
+    import struct
+
+    tag = tag or read_latest(ckpt_dir)
+    tag_dir = os.path.join(ckpt_dir, tag)
+    manifest = read_manifest(tag_dir)
+    reader = PieceReader(tag_dir, manifest)
+    plan = _plan(reader, manifest, dtype)
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "source": f"{tag_dir}"}}
+    offset = 0
+    for name, _, _, out_dtype, shape, numel in plan:
+        size = numel * out_dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[out_dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    tmp = f"{out}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for name, source, kind, out_dtype, _, numel in tqdm(plan, desc="consolidating", unit="tensor",
+                                                                disable=not progress):
+                saved = torch.float32 if kind == "optim" else _saved_dtype(reader, source, reader.where[source][kind][0])
+                flat = torch.empty(numel, dtype=saved)
+                reader.read(source, kind, "master" if kind == "optim" else "model", 0, numel, flat)
+                f.write(flat.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return offset
+
+
 def _saved_dtype(reader: PieceReader, name: str, where: tuple[int, int, int]) -> torch.dtype:
     data = reader.file(f"rank_{where[2]}_model_states.pt")
     if name in data.get("whole", {}):
@@ -70,24 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args(argv)
     try:
-        state = consolidate(args.ckpt_dir, args.tag, DTYPES[args.dtype], progress=True)
+        if args.out.endswith(".safetensors"):  # streamed: one tensor in memory at a time
+            total = write_safetensors(args.ckpt_dir, args.out, args.tag, DTYPES[args.dtype], progress=True)
+        else:  # torch.save needs the whole dict
+            state = consolidate(args.ckpt_dir, args.tag, DTYPES[args.dtype], progress=True)
+            atomic_save(state, args.out)
+            total = sum(v.numel() * v.element_size() for v in state.values())
     except CheckpointError as err:
         print(f"consolidate: {err}", file=sys.stderr)
         return 1
-    if args.out.endswith(".safetensors"):
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            print("consolidate: OUT ends in .safetensors but safetensors is not installed (pip install "
-                  "safetensors), or name OUT .pt for torch.save", file=sys.stderr)
-            return 1
-        tmp = f"{args.out}.tmp.{os.getpid()}"
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
-        os.replace(tmp, args.out)
-    else:
-        atomic_save(state, args.out)
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    print(f"consolidate: {len(state)} tensors, {total / 2**20:.1f} MiB ({args.dtype}) -> {args.out}")
+    print(f"consolidate: {total / 2**20:.1f} MiB ({args.dtype}) -> {args.out}")
     return 0
 
 
