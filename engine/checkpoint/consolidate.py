@@ -19,7 +19,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from engine.atomic_file import atomic_save
+from engine.atomic_file import atomic_open, atomic_save
 from engine.checkpoint.files import CheckpointError, read_latest, read_manifest
 from engine.checkpoint.store import PieceReader
 
@@ -92,24 +92,15 @@ def write_safetensors(ckpt_dir: str, out: str, tag: str | None = None, dtype: to
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    tmp = f"{out}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(encoded)))
-            f.write(encoded)
-            for name, source, kind, out_dtype, _, numel in tqdm(plan, desc="consolidating", unit="tensor",
-                                                                disable=not progress):
-                saved = torch.float32 if kind == "optim" else _saved_dtype(reader, source, reader.where[source][kind][0])
-                flat = torch.empty(numel, dtype=saved)
-                reader.read(source, kind, "master" if kind == "optim" else "model", 0, numel, flat)
-                f.write(flat.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(out) as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for _name, source, kind, out_dtype, _, numel in tqdm(plan, desc="consolidating", unit="tensor",
+                                                             disable=not progress):
+            saved = torch.float32 if kind == "optim" else _saved_dtype(reader, source, reader.where[source][kind][0])
+            flat = torch.empty(numel, dtype=saved)
+            reader.read(source, kind, "master" if kind == "optim" else "model", 0, numel, flat)
+            f.write(flat.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes())
     return offset
 
 

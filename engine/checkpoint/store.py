@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine import comm
-from engine.atomic_file import atomic_save
+from engine.atomic_file import atomic_open, atomic_save, fsync_dir
 from engine.checkpoint.files import (
     FORMAT_VERSION,
     LATEST,
@@ -164,7 +164,7 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(partial, final)
-        _fsync_dir(save_dir)
+        fsync_dir(save_dir)
         shutil.rmtree(old, ignore_errors=True)
         if save_latest:
             _write_text(os.path.join(save_dir, LATEST), tag)
@@ -196,21 +196,8 @@ def _engine_version() -> str:
 
 
 def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_open(path, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------- load
