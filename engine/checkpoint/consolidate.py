@@ -28,25 +28,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def consolidate(ckpt_dir: str, tag: str | None = None, dtype: torch.dtype = torch.float32,
                 progress: bool = False) -> dict[str, torch.Tensor]:
-    tag = tag or read_latest(ckpt_dir)
-    tag_dir = os.path.join(ckpt_dir, tag)
-    manifest = read_manifest(tag_dir)
-    reader = PieceReader(tag_dir, manifest)
-    params = manifest["params"]
+    """The whole state dict in memory (for torch.save); tied names share one tensor."""
+    reader, manifest, _ = _open(ckpt_dir, tag)
     out: dict[str, torch.Tensor] = {}
-    for name in tqdm(list(reader.where), desc="consolidating", unit="tensor", disable=not progress):
-        kinds = reader.where[name]
-        kind = "optim" if "optim" in kinds else "model"
-        numel = sum(n for _, n, _ in kinds[kind])
-        shape = params[name]["shape"] if name in params else None
-        first = kinds[kind][0]
-        flat = torch.empty(numel, dtype=torch.float32 if kind == "optim" else _saved_dtype(reader, name, first))
-        reader.read(name, kind, "master" if kind == "optim" else "model", 0, numel, flat)
-        value = flat.view(shape) if shape is not None else _whole_shape(reader, name, first, flat)
-        out[name] = value.to(dtype) if value.is_floating_point() else value
-    for alias, target in manifest.get("aliases", {}).items():  # tied parameters: the same tensor
-        out[alias] = out[target]
+    for name, source, kind, out_dtype, shape, numel in tqdm(_plan(reader, manifest, dtype), desc="consolidating",
+                                                            unit="tensor", disable=not progress):
+        out[name] = out[source] if source in out else _assemble(reader, source, kind, numel).view(shape).to(out_dtype)
     return out
+
+
+def _open(ckpt_dir: str, tag: str | None) -> tuple[PieceReader, dict, str]:
+    tag_dir = os.path.join(ckpt_dir, tag or read_latest(ckpt_dir))
+    manifest = read_manifest(tag_dir)
+    return PieceReader(tag_dir, manifest), manifest, tag_dir
+
+
+def _assemble(reader: PieceReader, name: str, kind: str, numel: int) -> torch.Tensor:
+    """One tensor's saved values, flat, in its saved dtype (fp32 for masters)."""
+    saved = torch.float32 if kind == "optim" else _saved_dtype(reader, name, reader.where[name][kind][0])
+    flat = torch.empty(numel, dtype=saved)
+    reader.read(name, kind, "master" if kind == "optim" else "model", 0, numel, flat)
+    return flat
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -79,10 +81,7 @@ def write_safetensors(ckpt_dir: str, out: str, tag: str | None = None, dtype: to
     import json
     import struct
 
-    tag = tag or read_latest(ckpt_dir)
-    tag_dir = os.path.join(ckpt_dir, tag)
-    manifest = read_manifest(tag_dir)
-    reader = PieceReader(tag_dir, manifest)
+    reader, manifest, tag_dir = _open(ckpt_dir, tag)
     plan = _plan(reader, manifest, dtype)
     header: dict[str, object] = {"__metadata__": {"format": "pt", "source": f"{tag_dir}"}}
     offset = 0
@@ -97,9 +96,7 @@ def write_safetensors(ckpt_dir: str, out: str, tag: str | None = None, dtype: to
         f.write(encoded)
         for _name, source, kind, out_dtype, _, numel in tqdm(plan, desc="consolidating", unit="tensor",
                                                              disable=not progress):
-            saved = torch.float32 if kind == "optim" else _saved_dtype(reader, source, reader.where[source][kind][0])
-            flat = torch.empty(numel, dtype=saved)
-            reader.read(source, kind, "master" if kind == "optim" else "model", 0, numel, flat)
+            flat = _assemble(reader, source, kind, numel)
             f.write(flat.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes())
     return offset
 
@@ -109,12 +106,6 @@ def _saved_dtype(reader: PieceReader, name: str, where: tuple[int, int, int]) ->
     if name in data.get("whole", {}):
         return data["whole"][name].dtype
     return next(e for e in data["pieces"][name] if e["offset"] == where[0])["model"].dtype
-
-
-def _whole_shape(reader: PieceReader, name: str, where: tuple[int, int, int], flat: torch.Tensor) -> torch.Tensor:
-    """A buffer (not in the manifest's parameter list) keeps its saved shape."""
-    data = reader.file(f"rank_{where[2]}_model_states.pt")
-    return flat.view(data["whole"][name].shape) if name in data.get("whole", {}) else flat
 
 
 def main(argv: list[str] | None = None) -> int:
