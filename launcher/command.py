@@ -10,8 +10,8 @@ import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from launcher.mirror import tee_spec
 from launcher.config import LaunchConfig
+from launcher.mirror import tee_spec
 from launcher.threads import ThreadPlan, plan_threads
 
 # The agent polls its workers this often: a failed rank is noticed within this many seconds.

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from collections import OrderedDict
+from collections.abc import Sequence
 
+from launcher.config import Host
 from launcher.errors import LaunchError
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# Host names reach ssh's argv and remote shells: letters, digits, '.', '_' and '-' only, and never a
+# leading '-' (ssh would read `-oProxyCommand=...` as an option).
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def check_host_name(name: str, where: str) -> None:
+    if not _HOST_NAME.fullmatch(name):
+        raise LaunchError(
+            f"{where}: {name!r} is not a host name; hint: use a DNS name or an IPv4 address "
+            f"(letters, digits, '.', '_', '-'; not starting with '-')"
+        )
 
 
 def is_local_host(name: str) -> bool:
@@ -25,10 +39,11 @@ def parse_hostfile(text: str, path: str) -> OrderedDict[str, int]:
             raise LaunchError(
                 f"{path}:{lineno}: bad hostfile line {raw.strip()!r}; hint: each line is 'hostname slots=N'"
             )
+        check_host_name(parts[0], f"{path}:{lineno}")
+        if int(parts[1][6:]) < 1:
+            raise LaunchError(f"{path}:{lineno}: host {parts[0]!r} has slots=0; hint: slots must be >= 1")
         if parts[0] in hosts:
-            raise LaunchError(
-                f"{path}:{lineno}: host {parts[0]!r} is listed twice; hint: list each host once"
-            )
+            raise LaunchError(f"{path}:{lineno}: host {parts[0]!r} is listed twice; hint: list each host once")
         hosts[parts[0]] = int(parts[1][6:])
     if not hosts:
         raise LaunchError(f"{path}: the hostfile lists no hosts; hint: add a line 'localhost slots=N'")
@@ -49,9 +64,7 @@ def _parse_spec(spec: str, flag: str) -> OrderedDict[str, list[int] | None]:
     return out
 
 
-def select_slots(
-    hosts: OrderedDict[str, int], include: str | None, exclude: str | None
-) -> OrderedDict[str, list[int]]:
+def select_slots(hosts: OrderedDict[str, int], include: str | None, exclude: str | None) -> OrderedDict[str, list[int]]:
     """Apply --include or --exclude to the hostfile's hosts, keeping hostfile order."""
     if include and exclude:
         raise LaunchError("--include and --exclude are mutually exclusive; hint: use one of them")
@@ -77,3 +90,18 @@ def select_slots(
     if not selected:
         raise LaunchError("--include/--exclude left no slots to run on")
     return selected
+
+
+def format_world(hosts: Sequence[Host]) -> str:
+    """The world in --include syntax with explicit slots (`h1:0,1@h2:0,1`): one argv word, no spaces."""
+    return "@".join(f"{h.name}:{','.join(str(s) for s in h.slots)}" for h in hosts)
+
+
+def parse_world(spec: str) -> tuple[Host, ...]:
+    hosts = []
+    for name, ids in _parse_spec(spec, "--world").items():
+        check_host_name(name, "--world")
+        if not ids:
+            raise LaunchError(f"--world {spec!r}: host {name!r} has no slots; hint: use 'host:0,1'")
+        hosts.append(Host(name, tuple(ids)))
+    return tuple(hosts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import shutil
@@ -19,28 +20,35 @@ from launcher.command import SHUTDOWN_TIMEOUT_S, build_agent_command
 from launcher.config import LaunchConfig
 from launcher.errors import LaunchError
 from launcher.mirror import Rank0Mirror
+from launcher.netif import interface_towards
 from launcher.ports import DEFAULT_PORT, free_port, port_is_free
 from launcher.procs import become_subreaper, descendants, kill_pids, reap_children
 from launcher.report import FailureParser, RankFailure, last_write, pick_root_cause, rank_log_files, tail
 from launcher.threads import available_cores
 
 TAIL_LINES = 20
+# A node started by a controlling zrun ends its stderr with this line when a rank failed, so the
+# controller can pick the first failure across nodes (JSON: rank, local_rank, code, t, tail).
+NODE_FAILURE_TAG = "ZRUN_NODE_FAILURE "
+_prefix = "zrun"
 
 
 def say(msg: str) -> None:
-    print(f"zrun: {msg}", file=sys.stderr, flush=True)
+    print(f"{_prefix}: {msg}", file=sys.stderr, flush=True)
 
 
 def resolve_port(cfg: LaunchConfig) -> LaunchConfig:
+    multi = len(cfg.hosts) > 1
     if cfg.master_port is not None:
-        if not cfg.dry_run and not port_is_free(cfg.master_port):
+        if not cfg.dry_run and cfg.node_rank == 0 and not port_is_free(cfg.master_port):
             raise LaunchError(
-                f"[localhost] --master_port {cfg.master_port} is already in use; "
-                f"hint: pick another port, or omit --master_port to get a free one"
+                f"[{cfg.node.name}] --master_port {cfg.master_port} is already in use; "
+                f"hint: pick another port" + ("" if multi else ", or omit --master_port to get a free one")
             )
         return cfg
     port = DEFAULT_PORT
-    if not cfg.dry_run and not port_is_free(port):
+    # Only a lone node may move to a free port: other nodes could not know which one it took.
+    if not multi and not cfg.dry_run and not port_is_free(port):
         port = free_port()
         say(f"port {DEFAULT_PORT} is busy, using free port {port} (pass --master_port to choose)")
     return dataclasses.replace(cfg, master_port=port)
@@ -54,6 +62,24 @@ def _relay(stream: IO[bytes], parser: FailureParser) -> None:
         sys.stderr.write(line)
         sys.stderr.flush()
         parser.feed(line.rstrip("\n"))
+
+
+def _stop_at_end_of_stdin(stopper: _Stopper) -> None:
+    """The controlling zrun holds our stdin open; its end means "stop" (or the ssh link is gone)."""
+
+    def watch() -> None:
+        # The raw descriptor, not sys.stdin: a daemon thread blocked inside the buffered reader
+        # holds its lock, and the interpreter aborts at exit when it cannot take it.
+        try:
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        if stopper.signum is None:
+            say("the controlling zrun stopped this node (its stdin closed); stopping every rank here")
+            stopper(signal.SIGTERM, None)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 class _Stopper:
@@ -89,32 +115,62 @@ class _Stopper:
 
 
 def _report_failure(failure: RankFailure, cfg: LaunchConfig, log_dir: str, kept: bool) -> None:
+    failure = dataclasses.replace(failure, host=cfg.node.name) if len(cfg.hosts) > 1 else failure
     say(f"{failure.describe()}; the agent stopped the other ranks")
     if not failure.agent_root:
         say("(torch's summary above names another rank as root cause; it could not tell which failed first)")
+    shown: list[str] = []
     for path in rank_log_files(log_dir, cfg.run_id, failure.local_rank):
         lines = tail(path, TAIL_LINES)
         if lines:
-            say(f"last {len(lines)} lines of rank {failure.rank}'s {os.path.basename(path)[:-4]}:")
-            for line in lines:
-                print(f"zrun:   | {line}", file=sys.stderr)
-    say(f"hint: per-rank logs are in {log_dir}" + ("" if kept else " (a temporary directory, kept)"))
+            shown.append(f"last {len(lines)} lines of rank {failure.rank}'s {os.path.basename(path)[:-4]}:")
+            shown.extend(f"  | {line}" for line in lines)
+    where = f"per-rank logs are in {log_dir}" + ("" if kept else " (a temporary directory, kept)")
+    if cfg.exit_with_stdin:
+        # The controlling zrun prints the report once, for the failure that came first on any node.
+        t = last_write(log_dir, cfg.run_id, failure.local_rank)
+        record = {**dataclasses.asdict(failure), "t": t, "tail": [*shown, f"hint: {where} on {cfg.node.name}"]}
+        print(NODE_FAILURE_TAG + json.dumps(record), file=sys.stderr, flush=True)
+        return
+    for line in shown:
+        print(f"{_prefix}: {line}", file=sys.stderr)
+    say(f"hint: {where}")
+
+
+def _gloo_interface(cfg: LaunchConfig, env: dict[str, str]) -> None:
+    if len(cfg.hosts) == 1 or "GLOO_SOCKET_IFNAME" in os.environ or "GLOO_SOCKET_IFNAME" in env:
+        return
+    assert cfg.master_port is not None
+    name = interface_towards(cfg.master_addr, cfg.master_port)
+    if name is not None:
+        env["GLOO_SOCKET_IFNAME"] = name
 
 
 def run(cfg: LaunchConfig) -> int:
+    """Run this node's agent (node cfg.node_rank of cfg.hosts) until its ranks end."""
+    global _prefix
+    multi = len(cfg.hosts) > 1
+    if multi:
+        _prefix = f"zrun[{cfg.node.name}]"
     cfg = resolve_port(cfg)
+    node_rank = cfg.node_rank or 0
     own_log_dir = cfg.log_dir is None
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="zrun_logs_")
-    cmd = build_agent_command(cfg, 0, log_dir, os.environ, available_cores())
+    if multi and cfg.log_dir:
+        log_dir = os.path.join(cfg.log_dir, f"node{node_rank}")  # a shared filesystem: one folder per node
+    cmd = build_agent_command(cfg, node_rank, log_dir, os.environ, available_cores())
+    _gloo_interface(cfg, cmd.env)
     if cfg.dry_run:
         print("zrun: environment added:", " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items()))
         print("zrun: command:", shlex.join(cmd.argv))
         if own_log_dir:
             os.rmdir(log_dir)
         return 0
+    world = f"node {node_rank} of {len(cfg.hosts)}, world size {cfg.world_size}, " if multi else ""
+    gloo = f"; gloo on {cmd.env['GLOO_SOCKET_IFNAME']}" if multi and "GLOO_SOCKET_IFNAME" in cmd.env else ""
     say(
-        f"{cfg.nproc_per_node} rank(s) on this node, master {cfg.master_addr}:{cfg.master_port}; "
-        f"{cmd.threads.message}"
+        f"{cfg.nproc_per_node} rank(s) on this node ({world}master {cfg.master_addr}:{cfg.master_port}); "
+        f"{cmd.threads.message}{gloo}"
     )
     if cmd.threads.warning:
         say(f"WARNING: {cmd.threads.warning}")
@@ -132,10 +188,14 @@ def run(cfg: LaunchConfig) -> int:
     parser = FailureParser()
     relay = threading.Thread(target=_relay, args=(proc.stderr, parser), daemon=True)
     relay.start()
-    mirror = Rank0Mirror(log_dir, cfg.run_id)
-    mirror.start()
+    # Global rank 0's output is mirrored raw (progress bars); it lives on node 0.
+    mirror = Rank0Mirror(log_dir, cfg.run_id) if node_rank == 0 else None
+    if mirror:
+        mirror.start()
     stopper = _Stopper(proc)
     old = {s: signal.signal(s, stopper) for s in (signal.SIGINT, signal.SIGTERM)}
+    if cfg.exit_with_stdin:
+        _stop_at_end_of_stdin(stopper)
     ranks_killed = False
     try:
         while True:
@@ -154,9 +214,7 @@ def run(cfg: LaunchConfig) -> int:
                     ranks_killed = True
                     stuck = kill_pids(descendants(proc.pid))
                     if stuck:
-                        say(
-                            f"rank process(es) {stuck} ignored SIGTERM for {SHUTDOWN_TIMEOUT_S} s; sent SIGKILL"
-                        )
+                        say(f"rank process(es) {stuck} ignored SIGTERM for {SHUTDOWN_TIMEOUT_S} s; sent SIGKILL")
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -166,7 +224,8 @@ def run(cfg: LaunchConfig) -> int:
         say(f"killed {len(leftovers)} leftover process(es): {leftovers}")
     reap_children()
     relay.join(timeout=5)
-    mirror.stop()
+    if mirror:
+        mirror.stop()
 
     if stopper.signum is not None:
         say(f"stopped by {signal.Signals(stopper.signum).name}; all ranks were stopped")

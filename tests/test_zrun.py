@@ -69,17 +69,6 @@ def test_unknown_zrun_flag_before_script_errors_clearly() -> None:
     assert "unrecognized arguments: --nproc_per_nod" in r.stderr and "hint" in r.stderr
 
 
-def test_multi_node_is_refused_with_a_clear_message(tmp_path: Path) -> None:
-    hf = tmp_path / "hostfile"
-    hf.write_text("# two nodes\nworker-1 slots=2\n\nworker-2 slots=2\n")
-    with pytest.raises(LaunchError, match="multi-node launch is not implemented yet.*worker-1, worker-2"):
-        config_from_args(["--hostfile", str(hf), "train.py"])
-    with pytest.raises(LaunchError, match="not implemented yet"):
-        config_from_args(["--num_nodes", "2", "--nproc_per_node", "1", "train.py"])
-    r = zrun("--hostfile", str(hf), "train.py")
-    assert r.returncode == 1 and r.stderr.startswith("zrun: error: multi-node")
-
-
 def test_single_localhost_hostfile_and_multi_node_flags_are_parsed(tmp_path: Path) -> None:
     hf = tmp_path / "hostfile"
     hf.write_text("localhost slots=4\n")
@@ -100,7 +89,8 @@ def test_single_localhost_hostfile_and_multi_node_flags_are_parsed(tmp_path: Pat
         ]
     )
     assert cfg.hosts == (Host("localhost", (1, 3)),)
-    assert (cfg.launcher, cfg.launcher_args, cfg.ssh_port, cfg.node_rank) == ("ssh", "-q", 2222, 0)
+    # --node_rank 0: this node only (manual mode), whatever --launcher says.
+    assert (cfg.launcher, cfg.launcher_args, cfg.ssh_port, cfg.node_rank) == ("local", "-q", 2222, 0)
     hf.write_text("localhost slots=2\nlocalhost slots=2\n")
     with pytest.raises(LaunchError, match="listed twice"):
         config_from_args(["--hostfile", str(hf), "train.py"])
