@@ -111,6 +111,8 @@ def plan_openmpi(cfg: LaunchConfig, exports: dict[str, str], cwd: str, python: s
         str(n),
         "--map-by",
         "ppr:1:node",  # one agent per node, in --host order, so MPI rank = node rank
+        "--bind-to",
+        "none",  # the agent's ranks share the node's cores; mpirun would pin the agent to one
         "--host",
         ",".join(f"{h.name}:1" for h in cfg.hosts),
         "--wdir",

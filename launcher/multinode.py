@@ -125,11 +125,12 @@ def _print_dry_run(plans: list[NodeLaunch]) -> None:
 def _report(nodes: list[_Node]) -> int:
     """Name the failure that came first on any node, with the end of its log; return the exit code."""
     failed = [n for n in nodes if n.proc.returncode not in (0, None)]
-    reports = [(f, n) for n in nodes for f in n.failures]
-    # A rank killed by its own agent (-15/-9) is a victim of another failure, not its cause.
-    causes = [(f, n) for f, n in reports if f.get("exitcode") not in (-15, -9)] or reports
-    if causes:
-        f, _ = min(causes, key=lambda fn: float(fn[0].get("t") or 0.0))
+    # Each node reports its own root cause (launcher/report.py). Across nodes the clocks are what
+    # tells: the cause stopped writing first, while the ranks it broke wrote their errors later.
+    # A node's SIGTERMed rank is a victim unless nothing else failed.
+    reports = [f for n in nodes for f in n.failures]
+    if reports:
+        f = min(reports, key=lambda r: (r.get("exitcode") == -15, float(r.get("t") or 0.0)))  # type: ignore[arg-type]
         code = int(f["exitcode"])  # type: ignore[call-overload]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         say(

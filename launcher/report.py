@@ -103,13 +103,20 @@ def pick_root_cause(
 
     The agent's own pick is unreliable when several ranks fail within one second (its timestamps
     are whole seconds and ties go to the lowest rank): a rank whose collective broke *because* a
-    peer died looks just like the cause. Ranks the agent killed itself are never the cause; among
-    the rest, the earliest second wins, then the one whose log files stopped changing first.
+    peer died looks just like the cause. Ranks the agent killed itself are not the cause: a rank
+    that exited on its own comes first, then one SIGKILLed (the agent only escalates to SIGKILL
+    after a failure, so a lone SIGKILL came from outside: the OOM killer, a user), then SIGTERMed
+    ones (the agent's first signal to the survivors). Within a kind, the earliest second wins, then
+    the one whose log files stopped changing first.
     """
     if not failures:
         return None
-    causes = [f for f in failures if f.exitcode not in _AGENT_KILLS] or failures
-    return min(causes, key=lambda f: (f.time, last_write(f), not f.agent_root))
+    return min(failures, key=lambda f: (kill_rank(f.exitcode), f.time, last_write(f), not f.agent_root))
+
+
+def kill_rank(exitcode: int) -> int:
+    """0: exited on its own, 1: SIGKILL, 2: SIGTERM; lower is more likely the root cause."""
+    return _AGENT_KILLS[::-1].index(exitcode) + 1 if exitcode in _AGENT_KILLS else 0
 
 
 def rank_log_files(log_dir: str, run_id: str, local_rank: int) -> list[str]:
