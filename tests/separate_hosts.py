@@ -407,6 +407,20 @@ class Hosts:
             proc.wait()
 
 
+def _name_service(netns: str, addrs: list[str], undo: Callable[..., Any]) -> None:
+    """Files `ip netns exec` binds over /etc/hosts and /etc/resolv.conf for everything on the host.
+
+    The machine's name server is not reachable from the hosts' subnet: every reverse lookup (torch's
+    TCPStore does one per client) would wait for its 10 s timeout. The hosts know each other by
+    /etc/hosts, and the resolver asks the host's own loopback, where nothing listens: an instant no.
+    """
+    d = Path("/etc/netns") / netns
+    d.mkdir(parents=True, exist_ok=True)
+    undo(shutil.rmtree, d, True)
+    (d / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{a} host{k}\n" for k, a in enumerate(addrs)))
+    (d / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
+
 def _keygen(path: Path) -> None:
     _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "separate-hosts", "-f", str(path)], "ssh-keygen")
 
@@ -514,6 +528,7 @@ def separate_hosts(n: int, tmp_path: Path, ssh_port: int = 22) -> Iterator[Hosts
         sshds: list[tuple[subprocess.Popen[bytes], Path]] = []
         for i in range(n):
             _add_host(i, names, addrs[i], gateway, subnet.prefixlen, undo)
+            _name_service(names.netns[i], addrs, undo)
             proc, log = _start_sshd(i, names.netns[i], addrs[i], ssh_port, work / f"host{i}", host_key, authorized)
             undo(_stop, proc)
             sshds.append((proc, log))
