@@ -9,6 +9,7 @@ argument or environment value can never become a second command.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,12 +75,15 @@ def plan_ssh(cfg: LaunchConfig, exports: dict[str, str], cwd: str, python: str) 
     return plans
 
 
-def plan_pdsh(cfg: LaunchConfig, exports: dict[str, str], cwd: str, python: str) -> list[NodeLaunch]:
+def plan_pdsh(
+    cfg: LaunchConfig, exports: dict[str, str], cwd: str, python: str, environ: Mapping[str, str] = os.environ
+) -> list[NodeLaunch]:
     # pdsh substitutes %h (the target host) in the command: each node finds itself in --world by
     # name. Every literal % must be doubled or pdsh would substitute it too.
     argv = node_zrun_argv(cfg, python, ["--node_name", "__HOST__"])
     command = remote_shell_command(cwd, exports, argv).replace("%", "%%").replace("__HOST__", "%h")
-    ssh_args = " ".join([*SSH_OPTIONS, *(["-p", str(cfg.ssh_port)] if cfg.ssh_port else [])])
+    ours = shlex.join([*SSH_OPTIONS, *(["-p", str(cfg.ssh_port)] if cfg.ssh_port else [])])
+    ssh_args = f"{environ['PDSH_SSH_ARGS_APPEND']} {ours}" if environ.get("PDSH_SSH_ARGS_APPEND") else ours
     pdsh = ["pdsh", "-S", "-f", "1024", "-w", ",".join(h.name for h in cfg.hosts)]
     env = {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": ssh_args}
     label = f"pdsh ({len(cfg.hosts)} nodes)"

@@ -193,7 +193,9 @@ def run(cfg: LaunchConfig) -> int:
     if mirror:
         mirror.start()
     stopper = _Stopper(proc)
-    old = {s: signal.signal(s, stopper) for s in (signal.SIGINT, signal.SIGTERM)}
+    # A node started over a terminal (ssh -t, a pdsh/mpirun variant) gets SIGHUP when the link dies.
+    stop_on = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if multi else (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, stopper) for s in stop_on}
     if cfg.exit_with_stdin:
         _stop_at_end_of_stdin(stopper)
     ranks_killed = False

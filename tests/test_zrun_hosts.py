@@ -257,13 +257,15 @@ def test_openmpi_and_pdsh_argv(tmp_path: Path) -> None:
     )
     (mpi,) = plan_openmpi(cfg, {"OMP_NUM_THREADS": "2", "NCCL_X": "a b"}, "/w", "py")
     a = mpi.argv
-    assert a[:9] == ["mpirun", "-n", "2", "--map-by", "ppr:1:node", "--host", "n1:1,n2:1", "--wdir", "/w"]
-    assert a[9:13] == ["-x", "OMP_NUM_THREADS", "-x", "NCCL_X"] and mpi.env["NCCL_X"] == "a b"
-    assert a[13:16] == ["--mca", "plm_rsh_args", "-p 2200"]
-    assert a[16:22] == ["py", "-u", "-m", "launcher.zrun", "--node_rank_from", "OMPI_COMM_WORLD_RANK"]
-    (pdsh,) = plan_pdsh(dataclasses.replace(cfg, launcher="pdsh"), {"A": "50%"}, "/w", "py")
-    assert pdsh.argv[:6] == ["pdsh", "-S", "-f", "1024", "-w", "n1,n2"]
-    assert pdsh.env["PDSH_RCMD_TYPE"] == "ssh" and "-p 2200" in pdsh.env["PDSH_SSH_ARGS_APPEND"]
+    assert a[:7] == ["mpirun", "-n", "2", "--map-by", "ppr:1:node", "--bind-to", "none"]
+    assert a[7:11] == ["--host", "n1:1,n2:1", "--wdir", "/w"]
+    assert a[11:15] == ["-x", "OMP_NUM_THREADS", "-x", "NCCL_X"] and mpi.env["NCCL_X"] == "a b"
+    assert a[15:18] == ["--mca", "plm_rsh_args", "-p 2200"]
+    assert a[18:24] == ["py", "-u", "-m", "launcher.zrun", "--node_rank_from", "OMPI_COMM_WORLD_RANK"]
+    pdsh_cfg = dataclasses.replace(cfg, launcher="pdsh")
+    (pdsh,) = plan_pdsh(pdsh_cfg, {"A": "50%"}, "/w", "py", {"PDSH_SSH_ARGS_APPEND": "-F /my/cfg"})
+    assert pdsh.argv[:6] == ["pdsh", "-S", "-f", "1024", "-w", "n1,n2"] and pdsh.env["PDSH_RCMD_TYPE"] == "ssh"
+    assert pdsh.env["PDSH_SSH_ARGS_APPEND"] == "-F /my/cfg -o BatchMode=yes -o ConnectTimeout=10 -p 2200"
     remote = pdsh.argv[-1]
     # pdsh substitutes %h with each host's name and %% with %: do that, then run it through a shell.
     for host in ("n1", "n2"):

@@ -113,6 +113,20 @@ def test_two_hosts_train_like_one_node(hosts: Hosts, tmp_path: Path) -> None:
     _assert_hosts_idle(hosts)
 
 
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="no pdsh (Debian: pdsh)")
+def test_pdsh_backend_trains_across_hosts(hosts: Hosts, tmp_path: Path) -> None:
+    """pdsh runs one command on every host; each node finds its rank from pdsh's %h in --world."""
+    hf = _hostfile(tmp_path, hosts)
+    env = {"PDSH_SSH_ARGS_APPEND": " ".join(hosts.ssh_args)}  # the user's own ssh options are kept
+    r = zrun("--hostfile", hf, "--launcher", "pdsh", "--master_port", "29538", str(SCRIPTS / "train_losses.py"), str(tmp_path / "pdsh.json"), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for k, addr in enumerate(hosts.addrs):
+        assert f"{addr}: zrun[{addr}]: 2 rank(s) on this node (node {k} of 2, world size 4" in r.stderr
+    got = json.loads((tmp_path / "pdsh.json").read_text())
+    assert got["world"] == 4 and len(got["losses"]) == 6 and got["losses"][-1] < got["losses"][0]
+    _assert_hosts_idle(hosts)
+
+
 def test_ranks_get_the_arguments_and_environment_exactly(hosts: Hosts, tmp_path: Path) -> None:
     """Script arguments and exported values full of quotes and `;` arrive verbatim; nothing runs."""
     out = tmp_path / "out"
