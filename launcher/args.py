@@ -159,6 +159,12 @@ def _hosts(ns: argparse.Namespace) -> tuple[Host, ...]:
     if ns.world is not None:
         return parse_world(ns.world)
     if ns.hostfile is not None:
+        if ns.launcher == "slurm":
+            # srun numbers nodes (SLURM_NODEID) by the allocation, not by a hostfile's order.
+            raise LaunchError(
+                "--launcher slurm takes its nodes from the SLURM allocation, not from --hostfile; "
+                "hint: drop --hostfile (use --num_nodes to run on the first N nodes)"
+            )
         return _hostfile_hosts(ns)
     if ns.include or ns.exclude:
         raise LaunchError("--include/--exclude need a --hostfile; hint: pass --hostfile or drop them")

@@ -163,6 +163,7 @@ MODE_ERRORS = [
     ("n1 slots=1\nn2 slots=1\n", ["--launcher", "mvapich"], "--launcher mvapich is not supported"),
     ("n1 slots=1\nn2 slots=1\n", ["--num_nodes", "3"], "--num_nodes 3: the hostfile .* has only 2 host"),
     ("n1 slots=1\n", ["--rdzv_endpoint", "nohost"], "expected HOST:PORT"),
+    ("n1 slots=1\n", ["--launcher", "slurm"], "takes its nodes from the SLURM allocation, not from --hostfile"),
 ]
 
 

@@ -96,14 +96,19 @@ def test_two_hosts_train_like_one_node(hosts: Hosts, tmp_path: Path) -> None:
     """2 nodes x 2 ranks over ssh: the same losses as 1 node x 4 ranks, bit for bit."""
     hf = _hostfile(tmp_path, hosts)
     t0 = time.time()
-    r = zrun("--hostfile", hf, "--launcher_args", " ".join(hosts.ssh_args), str(SCRIPTS / "train_losses.py"), str(tmp_path / "two.json"))
+    logs = tmp_path / "logs"
+    r = zrun("--hostfile", hf, "--log_dir", str(logs), "--launcher_args", " ".join(hosts.ssh_args), str(SCRIPTS / "train_losses.py"), str(tmp_path / "two.json"))
     wall = time.time() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     print(f"2 hosts x 2 ranks, stage-2 training over ssh: {wall:.1f} s wall")
     assert f"zrun: 2 node(s), world size 4, via ssh; master {hosts.addrs[0]}:29500" in r.stderr
     for addr in hosts.addrs:  # each node's zrun chose the interface on the hosts' subnet for gloo
         assert f"zrun[{addr}]: 2 rank(s) on this node (node" in r.stderr
-    assert "gloo on shv" in r.stderr or "gloo on " in r.stderr
+    assert "gloo on eth0" in r.stderr  # the hosts' interface towards the master, not loopback
+    for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):  # per-rank logs, one folder per node
+        for local, rank in enumerate(ranks):
+            (log,) = logs.glob(f"{node}/zrun-*/attempt_0/{local}/stdout.log")
+            assert f"rank {rank} of 4" in log.read_text()
     one = zrun("--nproc_per_node", "4", "--master_port", "29531", str(SCRIPTS / "train_losses.py"), str(tmp_path / "one.json"))
     assert one.returncode == 0, one.stderr
     two_nodes = json.loads((tmp_path / "two.json").read_text())
