@@ -32,16 +32,17 @@ def free_port() -> int:
 
 
 def zrun(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess[str]:
+    """`python -m launcher.zrun ARGS` from `cwd`; the project stays importable from any directory."""
     return subprocess.run(
         [sys.executable, "-m", "launcher.zrun", *args],
         check=False,
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from separate_hosts import Hosts, separate_hosts, why_no_separate_hosts
+from test_zrun import zrun as _zrun
 
 from launcher.args import config_from_args
 from launcher.errors import LaunchError
@@ -25,16 +26,25 @@ SCRIPTS = ROOT / "tests" / "zrun_scripts"
 NASTY = ["a b", "it's", 'say "hi"', "x; touch /tmp/zrun_pwned", "$(touch /tmp/zrun_pwned)", "`id`", ""]
 
 
-def zrun(*args: str, cwd: Path = ROOT, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "launcher.zrun", *args],
-        check=False,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-    )
+def zrun(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return _zrun(*args, timeout=180, env=env, cwd=cwd)
+
+
+def _start_forever(hosts: Hosts, tmp_path: Path, port: int, **popen: object) -> tuple[subprocess.Popen[str], dict[int, int]]:
+    """zrun over both hosts running allreduce_forever.py; returns it and {rank: pid} once all run."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    argv = ["--hostfile", _hostfile(tmp_path, hosts), "--master_port", str(port), "--launcher_args", " ".join(hosts.ssh_args)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher.zrun", *argv, str(SCRIPTS / "allreduce_forever.py"), str(pids_dir)],
+        cwd=ROOT, text=True, **popen,  # type: ignore[call-overload]
+    )  # fmt: skip
+    try:
+        files = _wait_for_files(pids_dir, "rank*.pid", 4, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, {int(f.stem[4:]): int(f.read_text()) for f in files}
 
 
 @pytest.fixture(scope="module")
@@ -170,17 +180,8 @@ def test_dry_run_prints_every_node_command(hosts: Hosts, tmp_path: Path) -> None
 
 
 def test_a_rank_killed_on_host_2_stops_the_job_everywhere(hosts: Hosts, tmp_path: Path) -> None:
-    hf = _hostfile(tmp_path, hosts)
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.zrun", "--hostfile", hf, "--master_port", "29533", "--launcher_args", " ".join(hosts.ssh_args),
-         str(SCRIPTS / "allreduce_forever.py"), str(pids_dir)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc, pids = _start_forever(hosts, tmp_path, 29533, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        files = _wait_for_files(pids_dir, "rank*.pid", 4, proc)
-        pids = {int(f.stem[4:]): int(f.read_text()) for f in files}
         assert pids[3] in hosts.pids(1) and pids[0] in hosts.pids(0)  # rank 3 really runs on host 2
         killed_at = time.time()
         os.kill(pids[3], signal.SIGKILL)
@@ -199,17 +200,8 @@ def test_a_rank_killed_on_host_2_stops_the_job_everywhere(hosts: Hosts, tmp_path
 
 
 def test_sigterm_to_zrun_stops_every_rank_on_every_host(hosts: Hosts, tmp_path: Path) -> None:
-    hf = _hostfile(tmp_path, hosts)
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.zrun", "--hostfile", hf, "--master_port", "29534", "--launcher_args", " ".join(hosts.ssh_args),
-         str(SCRIPTS / "allreduce_forever.py"), str(pids_dir)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc, pids = _start_forever(hosts, tmp_path, 29534, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        files = _wait_for_files(pids_dir, "rank*.pid", 4, proc)
-        pids = [int(f.read_text()) for f in files]
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -217,32 +209,21 @@ def test_sigterm_to_zrun_stops_every_rank_on_every_host(hosts: Hosts, tmp_path: 
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "zrun: stopped by SIGTERM; every node was stopped" in out
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids.values() if _alive(p)] == []
     _assert_hosts_idle(hosts)
 
 
 def test_killed_ssh_link_stops_the_remote_ranks(hosts: Hosts, tmp_path: Path) -> None:
     """SIGKILL to zrun itself: nothing can clean up but the nodes, which see their stdin end."""
-    hf = _hostfile(tmp_path, hosts)
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.zrun", "--hostfile", hf, "--master_port", "29535", "--launcher_args", " ".join(hosts.ssh_args),
-         str(SCRIPTS / "allreduce_forever.py"), str(pids_dir)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
-        files = _wait_for_files(pids_dir, "rank*.pid", 4, proc)  # type: ignore[arg-type]
-        pids = [int(f.read_text()) for f in files]
-        os.killpg(proc.pid, signal.SIGKILL)  # zrun and its ssh clients, as a lost login session would
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, pids = _start_forever(
+        hosts, tmp_path, 29535, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    os.killpg(proc.pid, signal.SIGKILL)  # zrun and its ssh clients, as a lost login session would
+    proc.wait()
     deadline = time.time() + 20
-    while any(_alive(p) for p in pids) and time.time() < deadline:
+    while any(_alive(p) for p in pids.values()) and time.time() < deadline:
         time.sleep(0.1)
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids.values() if _alive(p)] == []
     _assert_hosts_idle(hosts)
 
 
