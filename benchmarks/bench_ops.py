@@ -8,7 +8,8 @@ physical limit here; memcpy moves 2 x size bytes). Rows: flatten many tensors in
 (copy_into vs torch.cat(out=), torch._utils._flatten_dense_tensors, torch.cat), the fused cast+scale
 copy (bf16 gradients -> fp32 bucket x 1/N vs copy_ then mul_), the fused Adam step with bf16
 gradients, unscale/clip and the bf16 copy-out (adam_step vs torch.optim.AdamW(fused=True) plus the
-passes it needs), and the arena (allocate+free, and filling a fresh allocation vs an arena block).
+passes it needs), adding a bf16 segment into an fp32 accumulator (accumulate vs a mixed-dtype add_ and
+an add_ of src.float()), and the arena (allocate+free, and filling a fresh allocation vs an arena block).
 Writes benchmarks/results/ops.md (table, settings) and ops.png (bar chart, if matplotlib is there).
 """
 
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.ops import builder
+from engine.ops.accumulate import accumulate
 from engine.ops.adam import adam_step
 from engine.ops.arena import Arena
 from engine.ops.flatten import copy_into
@@ -146,6 +148,18 @@ def rows_adam(numel: int, repeats: int) -> list[tuple[str, str, float, int]]:
     ]
 
 
+def rows_accumulate(numel: int, repeats: int) -> list[tuple[str, str, float, int]]:
+    src = torch.randn(numel).bfloat16()  # `numel` bf16 elements: the arriving segment
+    dst = torch.randn(numel)
+    task = f"bf16 segment ({numel * 2 >> 20} MiB) += into fp32"
+    nbytes = (2 + 4 + 4) * numel  # read src and dst, write dst
+    return [
+        (task, "engine accumulate (one pass)", timed(lambda: accumulate(dst, src), repeats), nbytes),
+        (task, "torch dst.add_(src) (mixed dtype)", timed(lambda: dst.add_(src), repeats), nbytes),
+        (task, "torch dst.add_(src.float())", timed(lambda: dst.add_(src.float()), repeats), nbytes),
+    ]
+
+
 def rows_arena(nbytes: int, repeats: int) -> list[tuple[str, str, float, int]]:
     arena = Arena(4 * nbytes, config_key="bench_ops arena")
     numel = nbytes // 4
@@ -183,7 +197,8 @@ def main() -> None:
     numel = args.mib * 2**20 // 4
     limit = memcpy_gbps(args.mib * 2**20, args.repeats, torch.get_num_threads())
     rows = (rows_flatten(numel, args.repeats) + rows_cast_scale(numel, args.repeats)
-            + rows_adam(numel // 2, args.repeats) + rows_arena(args.mib * 2**20, args.repeats))
+            + rows_adam(numel // 2, args.repeats) + rows_accumulate(2 * numel, args.repeats)
+            + rows_arena(args.mib * 2**20, args.repeats))
     lines = [
         f"# Extension ops vs plain torch, {args.mib} MiB buffers, {torch.get_num_threads()} thread(s)", "",
         (f"Extension: {status.state} ({status.simd}); torch {torch.__version__}; {platform.processor() or 'cpu'}, "

@@ -17,10 +17,11 @@ const char* simd_level() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zero-engine CPU ops: fused flatten/cast/scale copies, overflow check + sum of squares, "
-            "fused Adam, memory arena";
+            "fused Adam, memory arena, accumulate (dst += src * scale)";
   m.def("simd_level", &zero_engine::simd_level, "SIMD instruction set the extension was built for");
   zero_engine::register_flatten(m);
   zero_engine::register_overflow(m);
   zero_engine::register_adam(m);
   zero_engine::register_arena(m);
+  zero_engine::register_accumulate(m);
 }

@@ -41,27 +41,7 @@ struct Job {
   Kernel kernel;
 };
 
-// Conversions from float32, a tile at a time (to float32: load_floats in lanes.h): loops the compiler
-// vectorises, over c10's own scalar conversions (so the rounding is torch's), except float16 where the
-// F16C instructions do 8 lanes with the same round-to-nearest-even as the scalar _cvtss_sh of c10::Half.
-void store_floats(const float* f, float* out, int64_t n) { std::memcpy(out, f, n * sizeof(float)); }
-
-void store_floats(const float* __restrict f, c10::BFloat16* out, int64_t n) {
-  uint16_t* __restrict bits = reinterpret_cast<uint16_t*>(out);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) bits[i] = c10::detail::round_to_nearest_even(f[i]);
-}
-
-void store_floats(const float* f, c10::Half* out, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i half8 = _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), half8);
-  }
-#endif
-  for (; i < n; ++i) out[i] = static_cast<c10::Half>(f[i]);
-}
+// Conversions to and from float32, a tile at a time: load_floats / store_floats in lanes.h.
 
 // Writes `bytes` from `src` (a tile in L1) to `dst` with streaming stores from the first 64-byte
 // boundary of `dst` on; the unaligned head and the tail go through memcpy. The caller fences.

@@ -10,6 +10,7 @@ void register_flatten(pybind11::module_& m);
 void register_overflow(pybind11::module_& m);
 void register_adam(pybind11::module_& m);
 void register_arena(pybind11::module_& m);
+void register_accumulate(pybind11::module_& m);
 
 // The widest SIMD instruction set this build was compiled for ("avx512", "avx2", "scalar").
 const char* simd_level();

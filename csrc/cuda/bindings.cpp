@@ -12,7 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace gpu = zero_engine::gpu;
   // As the CPU module: the GIL is released while an op runs (sum_squares_and_overflow waits for the GPU).
   const auto release = py::call_guard<py::gil_scoped_release>();
-  m.doc() = "zero-engine CUDA ops: fused flatten/cast/scale copies, overflow check + sum of squares, fused Adam";
+  m.doc() = "zero-engine CUDA ops: fused flatten/cast/scale copies, overflow check + sum of squares, fused Adam, "
+            "accumulate (dst += src * scale)";
   m.def("copy_into", &gpu::copy_into, "dst[offsets[i]:][:srcs[i].numel()] = cast(float(srcs[i]) * scale)",
         py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("scale") = 1.0, release);
   m.def("copy_out", &gpu::copy_out, "dsts[i] = cast(float(src[offsets[i]:][:dsts[i].numel()]) * scale)",
@@ -24,4 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("lp_params"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("adamw_mode"), py::arg("step"), py::arg("bias_correction"), py::arg("grad_scale"), release);
+  m.def("accumulate", &gpu::accumulate, "dst += float(src) * scale in place (float32 math, one rounding into dst)",
+        py::arg("dst"), py::arg("src"), py::arg("scale") = 1.0, release);
 }

@@ -35,4 +35,9 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                const std::vector<at::Tensor>& lp_params, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool adamw_mode, int64_t step, bool bias_correction, double grad_scale);
 
+// dst (1-D, contiguous) += float(src) * scale in place: to_dst(float(dst) + float(src) * float(scale)), the
+// product and the sum each rounded to float32, the result rounded once to dst's dtype (nearest even).
+// dst float32 with src float32/bfloat16/float16, or dst bfloat16/float16 with src of the same dtype.
+void accumulate(const at::Tensor& dst, const at::Tensor& src, double scale);
+
 }  // namespace zero_engine::gpu
