@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -17,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine import comm_p2p
 
 logger = logging.getLogger("engine")
 
@@ -39,9 +40,10 @@ class _CommState:
     """Live engines using an implicit group; the last one to be destroyed tears it down."""
     bytes_sent: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
-    p2p_tag: int = 0
-    scratch: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = field(default_factory=dict)
-    """Receive buffers of pairwise reduce-scatters, reused (see _scratch)."""
+    link: LinkSpeed | None = None
+    """measure_link()'s result, measured once per process group."""
+    p2p_seq: int = 0
+    """Point-to-point collectives issued so far (engine/comm_p2p.py): the same count on every rank."""
 
 
 _state = _CommState()
@@ -158,56 +160,62 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool
     return dist.all_reduce(tensor, op=op, async_op=async_op)
 
 
-class PairwiseWork:
-    """Async handle of a collective built from point-to-point transfers: wait() completes the
-    transfers, then runs the local part (the reduction of what arrived), once."""
+class _TorchTransport:
+    """torch.distributed's point-to-point calls, for engine/comm_p2p.py."""
 
-    def __init__(self, works: list[Work], finish: Callable[[], None] | None = None) -> None:
-        self._works = works
-        self._finish = finish
+    @staticmethod
+    def isend(tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return dist.isend(tensor, peer, tag=tag)
+
+    @staticmethod
+    def irecv(tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return dist.irecv(tensor, peer, tag=tag)
+
+
+class _Finish:
+    """Async handle of a native collective plus a local step after it (a cast or an add), once."""
+
+    def __init__(self, work: Work, finish: Callable[[], None] | None = None) -> None:
+        self._work, self._finish = work, finish
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        for work in self._works:
+        if self._work is not None:
             if timeout is None:
-                work.wait()
+                self._work.wait()
             else:
-                work.wait(timeout)
-        self._works = []
+                self._work.wait(timeout)
+            self._work = None
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
         return True
 
 
-Handle = Work | PairwiseWork
+class _Done:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
+Handle = Work | comm_p2p.P2PWork | _Finish | _Done
 """What an async collective returns: wait() on it before touching its buffers."""
 
 
 def free_buffers() -> None:
-    """Drop the cached receive buffers (engine.destroy() calls this)."""
-    _state.scratch.clear()
+    """Drop the cached transfer buffers (engine.destroy() calls this)."""
+    comm_p2p.POOL.free.clear()
 
 
-def _use_pairwise() -> bool:
-    """gloo's reduce_scatter is an all-reduce plus a slice (2x the bytes) and its all-gather runs
-    2.5-3.7x slower than an all-reduce of the same size; direct pairwise exchanges move exactly
-    (N-1)/N of the buffer (measured at 2 ranks, 64 MiB: 32 ms and 27 ms against 94 and 96 ms).
-    ZERO_ENGINE_NATIVE_COLLECTIVES=1 forces torch's own collectives."""
-    return (get_world_size() > 1 and get_backend() == "gloo"
-            and os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") != "1")
+def collectives_impl() -> str:
+    """Which reduce-scatter/all-gather run: "p2p" (engine/comm_p2p.py) or "native" (torch's).
 
-
-def _next_tag(op: str, tensor: torch.Tensor, key: int) -> int:
-    """A tag that differs between consecutive collectives and between different collectives.
-
-    Every rank issues the same collectives in the same order, so the counters agree. The low bits
-    are a checksum of what is exchanged (operation, size, dtype, the caller's key such as a unit
-    index): when ranks diverge, mismatched transfers then never pair up and silently exchange
-    the wrong buffers; they time out instead (see wait()).
+    p2p on gloo with more than one rank: gloo's reduce_scatter is an all-reduce plus a slice (2x the
+    bytes) and its all-gather runs 2.5-3.7x slower than an all-reduce of the same size. NCCL and other
+    backends keep their own. ZERO_ENGINE_NATIVE_COLLECTIVES=1 (or the config's "collectives":
+    "native", which sets it) forces torch's everywhere.
     """
-    _state.p2p_tag = (_state.p2p_tag + 1) % (1 << 12)
-    signature = zlib.crc32(f"{op}:{tensor.numel()}:{tensor.dtype}:{key}".encode()) & 0xFFFF
-    return (_state.p2p_tag << 16) | signature
+    if get_world_size() > 1 and get_backend() == "gloo" and os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") != "1":
+        return "p2p"
+    return "native"
 
 
 def collective_timeout() -> float:
@@ -222,6 +230,8 @@ def wait(handle: Handle, what: str) -> None:
     try:
         handle.wait(timedelta(seconds=limit))
     except RuntimeError as err:
+        if "the ranks are not issuing the same collectives" in str(err):
+            raise RuntimeError(f"{what}: {err}") from err
         raise RuntimeError(
             f"rank {get_rank()}: {what} did not complete within {limit:.0f} s ({err}). The ranks are not "
             "issuing the same collectives: one skipped a forward or backward, ran units in another order, or "
@@ -229,74 +239,146 @@ def wait(handle: Handle, what: str) -> None:
             "(seconds) to wait longer.") from err
 
 
-def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable receive buffer (fresh memory pays first-touch page faults on every call)."""
-    free = _state.scratch.setdefault((numel, dtype, device), [])
-    return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+def _sent(op: str, nbytes: int) -> None:
+    _state.bytes_sent[op] = _state.bytes_sent.get(op, 0) + int(nbytes)
+    _state.calls[op] = _state.calls.get(op, 0) + 1
 
 
-def _return_scratch(buf: torch.Tensor) -> None:
-    _state.scratch.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+def _next_seq() -> int:
+    # Every rank issues the same point-to-point collectives in the same order, so the counters agree.
+    _state.p2p_seq += 1
+    return _state.p2p_seq
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   key: int = 0) -> Work | PairwiseWork | None:
+def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> None:
+    if whole.numel() != part.numel() * n:
+        raise ValueError(
+            f"{op}: the whole buffer has {whole.numel()} elements but the slice {part.numel()} x {n} ranks = "
+            f"{part.numel() * n}; the flat layouts pad buffers to a multiple of the world size (engine/zero/layout.py)")
+    if not (whole.is_contiguous() and part.is_contiguous()):
+        raise ValueError(f"{op}: buffers must be contiguous")
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0, *,
+                   wire_dtype: torch.dtype | None = None, accumulate: bool = False) -> Handle | None:
     """Sum `input` (world_size equal slices) across ranks; rank r receives slice r in `output`.
 
-    `output` may be rank r's slice of `input` itself (in place). `input` must not be written
-    until the collective is waited for.
+    `output` may be rank r's slice of `input` itself (in place), or a tensor of another dtype (the sum is
+    taken in output's dtype: float32 output from bf16 gradients sums in float32). `wire_dtype` (default:
+    input's dtype) is what travels: bf16 halves the bytes of a float32 input and each contribution is
+    rounded to it once. `accumulate` adds the sum to what output holds instead of overwriting it.
+    `input` must not be touched until the handle is waited for; its contents are unchanged only when
+    the wire dtype is its own and output is not its slice.
     """
-    # A ring reduce-scatter sends (N-1)/N of the input per rank, as does the pairwise exchange.
-    _count("reduce_scatter", input, 1.0)
-    if not _use_pairwise() or input.numel() == 0:
-        return dist.reduce_scatter_single(output, input, async_op=async_op)
+    n = get_world_size()
+    wire = wire_dtype or input.dtype
+    _check_sizes("reduce_scatter", input, output, n)
+    if input.numel() == 0:
+        return _Done() if async_op else None
+    wire_bytes = input.numel() * torch.empty((), dtype=wire).element_size()
+    if collectives_impl() == "p2p":
+        _sent("reduce_scatter", wire_bytes * (n - 1) // n)
+        work: Handle = comm_p2p.reduce_scatter(_TorchTransport, output, input, rank=get_rank(), n=n,
+                                               seq=_next_seq(), key=key, wire=wire, accumulate_into=accumulate)
+    else:
+        # gloo emulates it with an all-reduce (2(N-1)/N of the buffer); NCCL runs a real one.
+        factor = 2 if get_backend() == "gloo" and n > 1 else 1
+        _sent("reduce_scatter", wire_bytes * factor * (n - 1) // n)
+        work = _native_reduce_scatter(output, input, wire, accumulate)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torch.dtype, accumulate: bool) -> Handle:
     n, rank = get_world_size(), get_rank()
-    chunks = input.view(n, -1)
-    if output.data_ptr() != chunks[rank].data_ptr():
-        output.copy_(chunks[rank])
-    received = _scratch(chunks.shape[1] * (n - 1), input.dtype, input.device).view(n - 1, -1)
-    tag = _next_tag("reduce_scatter", input, key)
-    works = []
-    for k in range(1, n):
-        works.append(dist.isend(chunks[(rank + k) % n], (rank + k) % n, tag=tag))
-        works.append(dist.irecv(received[k - 1], (rank - k) % n, tag=tag))
-
-    def finish() -> None:
-        for k in range(n - 1):
-            output.add_(received[k])
-        _return_scratch(received.view(-1))
-
-    work = PairwiseWork(works, finish)
-    if not async_op:
-        work.wait()
-        return None
-    return work
+    send = input if wire == input.dtype else input.to(wire)
+    c = input.numel() // n
+    direct = not accumulate and output.dtype == wire and (wire == input.dtype or
+                                                           output.data_ptr() != input[rank * c].data_ptr())
+    target = output if direct else torch.empty(c, dtype=wire, device=input.device)
+    work = dist.reduce_scatter_single(target, send, async_op=True)
+    if direct:
+        return _Finish(work)
+    return _Finish(work, (lambda: output.add_(target)) if accumulate else (lambda: output.copy_(target)))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-               key: int = 0) -> Work | PairwiseWork | None:
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0) -> Handle | None:
     """Concatenate every rank's `input` into `output` (world_size x input).
 
     `input` may be rank r's slice of `output` itself (in place, no copy).
     """
-    # A ring all-gather sends (N-1)/N of the output per rank, as does the pairwise exchange.
-    _count("all_gather", output, 1.0)
-    if not _use_pairwise() or output.numel() == 0:
-        return dist.all_gather_single(output, input, async_op=async_op)
-    n, rank = get_world_size(), get_rank()
-    chunks = output.view(n, -1)
-    if input.data_ptr() != chunks[rank].data_ptr():
-        chunks[rank].copy_(input)
-    tag = _next_tag("all_gather", output, key)
-    works = []
-    for k in range(1, n):
-        works.append(dist.isend(chunks[rank], (rank + k) % n, tag=tag))
-        works.append(dist.irecv(chunks[(rank - k) % n], (rank - k) % n, tag=tag))
-    work = PairwiseWork(works)
-    if not async_op:
-        work.wait()
-        return None
-    return work
+    n = get_world_size()
+    _check_sizes("all_gather", output, input, n)
+    if output.numel() == 0:
+        return _Done() if async_op else None
+    # Ring and direct all-gathers both send (N-1)/N of the output per rank.
+    _sent("all_gather", output.numel() * output.element_size() * (n - 1) // n)
+    if collectives_impl() == "p2p":
+        work: Handle = comm_p2p.all_gather(_TorchTransport, output, input, rank=get_rank(), n=n, seq=_next_seq(),
+                                           key=key)
+    else:
+        work = _Finish(dist.all_gather_single(output, input, async_op=True))
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+@dataclass(frozen=True)
+class LinkSpeed:
+    """What one collective costs on this group: a fixed latency plus bytes over a bandwidth."""
+
+    latency_s: float
+    bandwidth_Bps: float
+    """Bytes per second one rank moves in a reduce-scatter (its (N-1)/N share over the time)."""
+
+    def bucket_bytes(self) -> int:
+        """The bucket for which the fixed latency is LATENCY_SHARE of a collective's time: smaller
+        buckets pay mostly latency, larger ones delay the first reduction (less overlap with backward)."""
+        raw = self.latency_s * self.bandwidth_Bps * (1 - LATENCY_SHARE) / LATENCY_SHARE
+        return int(min(max(raw, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES))
+
+
+LATENCY_SHARE = 0.05
+MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 1 << 20, 256 << 20
+_PROBE_BYTES = 4 << 20
+
+
+def measure_link() -> LinkSpeed:
+    """Measure the group's collective latency and bandwidth once (a few ms; every rank must call it,
+    at the same point). Every rank gets the same numbers (the slowest rank's), so decisions taken
+    from them (bucket sizes, hence layouts) agree across ranks."""
+    if _state.link is not None:
+        return _state.link
+    import time
+
+    n = get_world_size()
+    tiny = torch.zeros(1)
+    probe = torch.zeros(_PROBE_BYTES // 4)
+    out = torch.empty(probe.numel() // n)
+    saved = dict(_state.bytes_sent), dict(_state.calls)  # the probe is not the user's traffic
+    all_reduce(tiny)  # warm-up: the first collective on a pair pays its connection setup
+    reduce_scatter(out, probe[: out.numel() * n])
+    lat = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        all_reduce(tiny)
+        lat.append(time.perf_counter() - t0)
+    big = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        reduce_scatter(out, probe[: out.numel() * n])
+        big.append(time.perf_counter() - t0)
+    latency, transfer = sorted(lat)[len(lat) // 2], min(big)
+    agreed = torch.tensor([latency, transfer], dtype=torch.float64)
+    all_reduce(agreed, op=ReduceOp.MAX)
+    latency, transfer = float(agreed[0]), float(agreed[1])
+    moved = out.numel() * n * 4 * (n - 1) / n
+    _state.link = LinkSpeed(latency, moved / max(transfer - latency, 1e-6))
+    _state.bytes_sent, _state.calls = saved
+    return _state.link
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work | None:
@@ -343,6 +425,7 @@ def destroy_process_group() -> None:
     """Tear down the default group, but only if init_distributed created it."""
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+    _state.link, _state.p2p_seq = None, 0  # a new group is measured and counted afresh
     _state.owns_group = False
     _state.world_size_source = "not initialised"
 

@@ -1,7 +1,10 @@
-"""engine.comm's reduce-scatter and all-gather (pairwise point-to-point on gloo) against the
+"""engine.comm's reduce-scatter and all-gather (point-to-point on gloo, engine/comm_p2p.py) against the
 arithmetic they must perform and against torch's native collectives, on real processes."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 import torch
@@ -9,71 +12,242 @@ from distributed import run_distributed
 
 from engine import comm
 
-DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# Slice sizes: empty, one element, odd, and one received in several segments per peer (with 4 KiB
+# segments, set for these tests so that small buffers take the pipelined path; the default 4 MiB
+# segments run in test_default_segments_on_megabytes).
+SLICES = [0, 1, 7, 70_001]
+SMALL_SEGMENTS = {"ZERO_ENGINE_SEGMENT_BYTES": "4096"}
 
 
-def _rank_data(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * rank + numel)
+def _rank_data(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + numel + salt)
     return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _exercise(slice_numel: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _ordered_sum(parts: list[torch.Tensor], rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """The sum the p2p reduce-scatter computes on `rank`: own part first, then ranks r+1, r+2, ...
+    mod N, each addition in float32 math rounded once to `dtype` (float64 stays float64)."""
+    n = len(parts)
+    acc = parts[rank].to(dtype).clone()
+    for k in range(1, n):
+        nxt = parts[(rank + k) % n]
+        if dtype == torch.float64:
+            acc += nxt.double()
+        else:
+            acc = (acc.float() + nxt.float()).to(dtype)
+    return acc
+
+
+def _native(flag: bool) -> None:
+    if flag:
+        os.environ["ZERO_ENGINE_NATIVE_COLLECTIVES"] = "1"
+    else:
+        os.environ.pop("ZERO_ENGINE_NATIVE_COLLECTIVES", None)
+
+
+def _exercise(slice_numel: int, dtype: torch.dtype) -> dict[str, object]:
     rank, n = comm.get_rank(), comm.get_world_size()
     numel = slice_numel * n
-    out: dict[str, torch.Tensor] = {}
-    # Out of place, several in flight at once (as buckets are), waited for in reverse order.
-    inputs = [_rank_data(rank, numel, dtype) + i for i in range(3)]
-    outputs = [torch.empty(slice_numel, dtype=dtype) for _ in range(3)]
-    works = [comm.reduce_scatter(o, x, async_op=True) for o, x in zip(outputs, inputs)]
-    for w in reversed(works):
-        w.wait()
-    for i, o in enumerate(outputs):
-        out[f"rs{i}"] = o.clone()
-    # In place: the output is this rank's slice of the input.
-    buf = _rank_data(rank, numel, dtype)
-    comm.reduce_scatter(buf[rank * slice_numel:(rank + 1) * slice_numel], buf)
-    out["rs_inplace"] = buf[rank * slice_numel:(rank + 1) * slice_numel].clone()
-    # All-gather in place and out of place.
-    full = torch.zeros(numel, dtype=dtype)
-    full[rank * slice_numel:(rank + 1) * slice_numel] = _rank_data(rank, slice_numel, dtype)
-    comm.all_gather(full, full[rank * slice_numel:(rank + 1) * slice_numel], async_op=True).wait()
-    out["ag_inplace"] = full.clone()
-    other = torch.full((numel,), -1.0, dtype=dtype)
-    comm.all_gather(other, _rank_data(rank, slice_numel, dtype))
-    out["ag"] = other
+    out: dict[str, object] = {}
+    for impl in ("p2p", "native"):
+        _native(impl == "native")
+        assert comm.collectives_impl() == impl
+        before = comm.comm_stats()["bytes_sent"].get("reduce_scatter", 0)
+        # Out of place, three in flight at once (as buckets are), waited for in reverse order.
+        inputs = [_rank_data(rank, numel, dtype, salt=i) for i in range(3)]
+        outputs = [torch.full((slice_numel,), 7.0, dtype=dtype) for _ in range(3)]
+        works = [comm.reduce_scatter(o, x, async_op=True, key=i) for i, (o, x) in enumerate(zip(outputs, inputs))]
+        for w in reversed(works):
+            w.wait()
+        out[f"{impl}.rs_bytes"] = comm.comm_stats()["bytes_sent"].get("reduce_scatter", 0) - before
+        for i, o in enumerate(outputs):
+            out[f"{impl}.rs{i}"] = o.clone()
+        # In place: the output is this rank's slice of the input.
+        buf = _rank_data(rank, numel, dtype)
+        comm.reduce_scatter(buf[rank * slice_numel:(rank + 1) * slice_numel], buf)
+        out[f"{impl}.rs_inplace"] = buf[rank * slice_numel:(rank + 1) * slice_numel].clone()
+        # All-gather in place and out of place, two in flight.
+        full = torch.zeros(numel, dtype=dtype)
+        full[rank * slice_numel:(rank + 1) * slice_numel] = _rank_data(rank, slice_numel, dtype)
+        other = torch.full((numel,), -1.0, dtype=dtype)
+        w1 = comm.all_gather(full, full[rank * slice_numel:(rank + 1) * slice_numel], async_op=True)
+        w2 = comm.all_gather(other, _rank_data(rank, slice_numel, dtype, salt=5), async_op=True)
+        w2.wait()
+        w1.wait()
+        out[f"{impl}.ag_inplace"] = full.clone()
+        out[f"{impl}.ag"] = other
+    _native(False)
     return out
 
 
-def _exercise_all_dtypes(slice_numel: int) -> list[dict[str, torch.Tensor]]:
+def _exercise_all(slice_numel: int) -> list[dict[str, object]]:
     return [_exercise(slice_numel, dtype) for dtype in DTYPES]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("slice_numel", [1, 7, 4096])
-def test_pairwise_collectives_compute_the_sum_and_the_concatenation(world_size: int, slice_numel: int) -> None:
-    per_rank = run_distributed(_exercise_all_dtypes, world_size, args=(slice_numel,))
-    for d, dtype in enumerate(DTYPES):
+def test_collectives_equal_the_arithmetic_and_torch(world_size: int) -> None:
+    for slice_numel in SLICES:
+        per_rank = run_distributed(_exercise_all, world_size, args=(slice_numel,), timeout=300, env=SMALL_SEGMENTS)
         numel = slice_numel * world_size
-        for rank, result in enumerate(r[d] for r in per_rank):
-            mine = slice(rank * slice_numel, (rank + 1) * slice_numel)
-            for i in range(3):
-                want = sum((_rank_data(r, numel, dtype) + i).double() for r in range(world_size))[mine]
-                torch.testing.assert_close(result[f"rs{i}"].double(), want, atol=_tol(dtype), rtol=0)
-            want = sum(_rank_data(r, numel, dtype).double() for r in range(world_size))[mine]
-            torch.testing.assert_close(result["rs_inplace"].double(), want, atol=_tol(dtype), rtol=0)
-            gathered = torch.cat([_rank_data(r, slice_numel, dtype) for r in range(world_size)])
-            assert torch.equal(result["ag_inplace"], gathered)
-            assert torch.equal(result["ag"], gathered)
+        for d, dtype in enumerate(DTYPES):
+            for rank, got in enumerate(r[d] for r in per_rank):
+                mine = slice(rank * slice_numel, (rank + 1) * slice_numel)
+                for i in range(3):
+                    parts = [_rank_data(r, numel, dtype, salt=i)[mine] for r in range(world_size)]
+                    # p2p: bitwise the ordered sum; native (gloo's all-reduce order): float tolerance.
+                    assert torch.equal(got[f"p2p.rs{i}"], _ordered_sum(parts, rank, dtype)), (dtype, i)
+                    torch.testing.assert_close(got[f"p2p.rs{i}"].double(), got[f"native.rs{i}"].double(),
+                                               **_tol(dtype))
+                parts = [_rank_data(r, numel, dtype)[mine] for r in range(world_size)]
+                assert torch.equal(got["p2p.rs_inplace"], _ordered_sum(parts, rank, dtype))
+                torch.testing.assert_close(got["native.rs_inplace"].double(), got["p2p.rs_inplace"].double(),
+                                           **_tol(dtype))
+                gathered = torch.cat([_rank_data(r, slice_numel, dtype) for r in range(world_size)])
+                gathered5 = torch.cat([_rank_data(r, slice_numel, dtype, salt=5) for r in range(world_size)])
+                for impl in ("p2p", "native"):
+                    assert torch.equal(got[f"{impl}.ag_inplace"], gathered)
+                    assert torch.equal(got[f"{impl}.ag"], gathered5)
+                # Bytes actually sent by three reduce-scatters: (N-1)/N of the input each; gloo's
+                # native one is an all-reduce, twice that.
+                volume = 3 * numel * dtype.itemsize * (world_size - 1) // world_size
+                assert got["p2p.rs_bytes"] == volume
+                assert got["native.rs_bytes"] == 2 * volume
 
 
-def _tol(dtype: torch.dtype) -> float:
-    # Sums of a few N(0,1) values, rounded to the dtype: bf16 keeps 8 mantissa bits, fp32 24.
-    return {torch.bfloat16: 0.1, torch.float32: 1e-5}.get(dtype, 1e-12)
+def _megabytes(slice_numel: int) -> list[torch.Tensor]:
+    rank, n = comm.get_rank(), comm.get_world_size()
+    x = _rank_data(rank, slice_numel * n, torch.float32)
+    out = torch.empty(slice_numel)
+    comm.reduce_scatter(out, x)
+    full = torch.empty(slice_numel * n)
+    comm.all_gather(full, out)
+    return [out, full]
 
 
-def test_native_switch_gives_the_same_results() -> None:
-    pairwise = run_distributed(_exercise, 3, args=(33, torch.float64))
-    native = run_distributed(_exercise, 3, args=(33, torch.float64), env={"ZERO_ENGINE_NATIVE_COLLECTIVES": "1"})
-    for a, b in zip(pairwise, native):
-        for key in a:
-            torch.testing.assert_close(a[key], b[key], atol=1e-12, rtol=0, msg=key)
+def test_default_segments_on_megabytes() -> None:
+    slice_numel = 2_500_001  # 10 MB of fp32 per slice: three 4 MiB segments per peer
+    per_rank = run_distributed(_megabytes, 2, args=(slice_numel,))
+    parts = [_rank_data(r, slice_numel * 2, torch.float32) for r in range(2)]
+    sums = [_ordered_sum([p[r * slice_numel:(r + 1) * slice_numel] for p in parts], r, torch.float32) for r in range(2)]
+    for rank, (out, full) in enumerate(per_rank):
+        assert torch.equal(out, sums[rank]) and torch.equal(full, torch.cat(sums))
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    # Sums of a few N(0,1) values, each partial sum rounded to the dtype in one order or another:
+    # a few units in the last place of 8 (bf16), 11 (fp16) or 24 (fp32) mantissa bits.
+    ulps = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}.get(dtype, 2.0**-50)
+    return {"atol": 4 * ulps, "rtol": 4 * ulps}
+
+
+def _low_precision_wire(slice_numel: int) -> dict[str, torch.Tensor]:
+    rank, n = comm.get_rank(), comm.get_world_size()
+    numel = slice_numel * n
+    x = _rank_data(rank, numel, torch.float32) * 1000 + 1  # magnitudes where bf16 sums lose digits
+    out: dict[str, torch.Tensor] = {}
+    before = comm.comm_stats()["bytes_sent"].get("reduce_scatter", 0)
+    fp32_out = torch.empty(slice_numel)
+    comm.reduce_scatter(fp32_out, x.clone(), wire_dtype=torch.bfloat16)  # bf16 bytes, float32 sum
+    out["wire_bf16"] = fp32_out
+    out["bytes"] = torch.tensor(comm.comm_stats()["bytes_sent"]["reduce_scatter"] - before)
+    # bf16 buckets summed into a float32 row, then added to it (gradient accumulation).
+    row = torch.ones(slice_numel)
+    comm.reduce_scatter(row, x.to(torch.bfloat16), accumulate=True)
+    out["bf16_into_fp32_acc"] = row
+    # The old way: a bf16 reduce-scatter sums in bf16.
+    lp = torch.empty(slice_numel, dtype=torch.bfloat16)
+    comm.reduce_scatter(lp, x.to(torch.bfloat16))
+    out["bf16_sum"] = lp
+    _native(True)
+    native = torch.empty(slice_numel)
+    comm.reduce_scatter(native, x.clone(), wire_dtype=torch.bfloat16)  # emulated: bf16 all-reduce, cast
+    out["native_wire_bf16"] = native
+    _native(False)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_low_precision_wire_sums_in_float32(world_size: int) -> None:
+    slice_numel = 300_001
+    per_rank = run_distributed(_low_precision_wire, world_size, args=(slice_numel,))
+    numel = slice_numel * world_size
+    for rank, got in enumerate(per_rank):
+        mine = slice(rank * slice_numel, (rank + 1) * slice_numel)
+        parts = [(_rank_data(r, numel, torch.float32) * 1000 + 1)[mine] for r in range(world_size)]
+        rounded = [p.to(torch.bfloat16) for p in parts]
+        want = _ordered_sum(rounded, rank, torch.float32)  # bf16 contributions, float32 additions
+        assert torch.equal(got["wire_bf16"], want)
+        assert torch.equal(got["bf16_into_fp32_acc"], (torch.ones(slice_numel) + want))
+        assert int(got["bytes"]) == numel * 2 * (world_size - 1) // world_size  # bf16 bytes on the wire
+        truth = sum(p.double() for p in parts)
+        err_fp32_acc = (got["wire_bf16"].double() - truth).abs().mean()
+        err_bf16_sum = (got["bf16_sum"].double() - truth).abs().mean()
+        err_native = (got["native_wire_bf16"].double() - truth).abs().mean()
+        # Rounding each contribution once beats rounding every partial sum (bf16 all-reduce).
+        assert err_fp32_acc < 0.75 * err_bf16_sum and err_fp32_acc < 0.75 * err_native
+
+
+def _bad_sizes() -> str:
+    try:
+        comm.reduce_scatter(torch.empty(3), torch.empty(7))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sizes_that_do_not_divide_are_rejected_by_name() -> None:
+    (msg,) = {m for m in run_distributed(_bad_sizes, 2)}
+    assert "reduce_scatter: the whole buffer has 7 elements but the slice 3 x 2 ranks = 6" in msg
+
+
+def _diverge() -> str:
+    rank = comm.get_rank()
+    os.environ["ZERO_ENGINE_COLLECTIVE_TIMEOUT"] = "60"  # the safety net; the check must fire long before
+    t0 = time.monotonic()
+    try:
+        comm.all_gather(torch.zeros(8), torch.zeros(4)) if rank == 1 else comm.reduce_scatter(
+            torch.zeros(2), torch.zeros(4), key=3)
+        handle = None
+    except RuntimeError as e:
+        handle = str(e)
+    if handle is None:  # the synchronous call returned: wait happened inside; should not get here
+        return "no error"
+    return f"{time.monotonic() - t0:.1f}s|{handle}"
+
+
+def test_ranks_issuing_different_collectives_get_an_error_naming_both() -> None:
+    per_rank = run_distributed(_diverge, 2, timeout=60)
+    for rank, result in enumerate(per_rank):
+        took, msg = result.split("|", 1)
+        assert float(took[:-1]) < 10, result
+        assert "reduce_scatter(numel=4, float32, key=3) as its collective #1" in msg
+        assert "all_gather(numel=8, float32, key=0) as its collective #1" in msg
+        assert f"rank {rank} issued" in msg and "not issuing the same collectives" in msg
+
+
+def _many_in_flight() -> list[torch.Tensor]:
+    rank, n = comm.get_rank(), comm.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    order = torch.randperm(6, generator=g).tolist()  # the same random completion order on every rank
+    bufs = [torch.full((n * 1000,), float(rank + i)) for i in range(6)]
+    works = []
+    for i, b in enumerate(bufs):
+        if i % 2:
+            works.append(comm.all_gather(b, b[rank * 1000:(rank + 1) * 1000], async_op=True, key=i))
+        else:
+            works.append(comm.reduce_scatter(b[rank * 1000:(rank + 1) * 1000], b, async_op=True, key=i))
+    for i in order:
+        works[i].wait()
+    return [b[rank * 1000:(rank + 1) * 1000].clone() if i % 2 == 0 else b.clone() for i, b in enumerate(bufs)]
+
+
+def test_several_collectives_in_flight_complete_in_any_order() -> None:
+    n = 3
+    per_rank = run_distributed(_many_in_flight, n)
+    for rank, got in enumerate(per_rank):
+        for i, t in enumerate(got):
+            if i % 2 == 0:
+                assert torch.equal(t, torch.full((1000,), float(sum(r + i for r in range(n)))))
+            else:
+                assert torch.equal(t, torch.cat([torch.full((1000,), float(r + i)) for r in range(n)]))

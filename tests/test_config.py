@@ -396,7 +396,7 @@ def test_defaults_match_deepspeed() -> None:
     cfg = load(BASE)
     assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None
     assert (
-        cfg.zero.stage == 0 and cfg.zero.reduce_bucket_size == 500_000_000 and cfg.zero.overlap_comm is False
+        cfg.zero.stage == 0 and cfg.zero.reduce_bucket_size is None and cfg.zero.overlap_comm is False
     )
     assert cfg.zero.offload_optimizer.buffer_count == 4 and cfg.zero.offload_param.buffer_count == 5
     assert cfg.zero_force_ds_cpu_optimizer is True and cfg.communication_data_type is None

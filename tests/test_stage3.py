@@ -6,6 +6,7 @@ a frozen layer inside a block, two param groups, and optionally runs a block twi
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -145,12 +146,14 @@ def _check(results: list[dict[str, Any]], expected: dict[str, torch.Tensor], ato
         torch.testing.assert_close(result["evaluated"], result["whole"], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("world_size,gas", [(2, 1), (2, 4), (4, 1)])
+@pytest.mark.parametrize("world_size,gas,native", [(2, 1, False), (2, 4, False), (4, 1, False), (4, 1, True)])
 @pytest.mark.parametrize("twice", [False, True])
-def test_stage3_matches_single_process(world_size: int, gas: int, twice: bool) -> None:
+def test_stage3_matches_single_process(world_size: int, gas: int, native: bool, twice: bool) -> None:
     clip = 0.05
     options = {"twice": twice}
-    results = run_distributed(_train, world_size, args=(gas, clip, options, {}))
+    # native: torch's reduce-scatter/all-gather instead of the engine's point-to-point ones on gloo.
+    env = {"ZERO_ENGINE_NATIVE_COLLECTIVES": "1"} if native else {}
+    results = run_distributed(_train, world_size, args=(gas, clip, options, {}), env=env)
     _check(results, reference(gas, world_size, clip, options), ATOL)
 
 
@@ -394,12 +397,22 @@ def _diverging_ranks() -> None:
         eng.step()
 
 
-def test_diverging_ranks_fail_fast_naming_the_collective_instead_of_hanging() -> None:
+@pytest.mark.parametrize("native", [False, True])
+def test_diverging_ranks_fail_fast_naming_the_collective_instead_of_hanging(native: bool) -> None:
+    # The engine's gloo collectives compare signatures first: an error naming both ranks' collectives
+    # at once (a long timeout proves it is not the timeout). torch's own can only time out.
+    env = {"ZERO_ENGINE_COLLECTIVE_TIMEOUT": "3" if native else "50"}
+    if native:
+        env["ZERO_ENGINE_NATIVE_COLLECTIVES"] = "1"
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_diverging_ranks, 2, timeout=60, env={"ZERO_ENGINE_COLLECTIVE_TIMEOUT": "3"})
+        run_distributed(_diverging_ranks, 2, timeout=45, env=env)
     message = str(info.value)
-    assert "did not complete within 3 s" in message and "stage-3 unit" in message, message
-    assert "optimizer step 2" in message, message
+    assert "stage-3 unit" in message and "optimizer step 2" in message, message
+    if native:
+        assert "did not complete within 3 s" in message, message
+    else:
+        assert re.search(r"rank \d issued (reduce_scatter|all_gather)\(numel=\d+, float32, key=\d+\) as its collective "
+                         r"#\d+ but rank \d issued (reduce_scatter|all_gather)", message), message
 
 
 def test_a_leaf_module_config_that_matches_nothing_is_refused() -> None:

@@ -105,10 +105,13 @@ def _train(stage: int, gas: int, clip: float, zero: dict[str, Any]) -> dict[str,
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world_size,gas", [(1, 4), (2, 1), (2, 4), (4, 1), (4, 4)])
-def test_matches_single_process(stage: int, world_size: int, gas: int) -> None:
+@pytest.mark.parametrize("world_size,gas,native", [(1, 4, False), (2, 1, False), (2, 4, False), (4, 1, False),
+                                                   (4, 4, False), (4, 4, True)])
+def test_matches_single_process(stage: int, world_size: int, gas: int, native: bool) -> None:
     clip = 0.05  # below the real norms: clipping happens on every step
-    results = run_distributed(_train, world_size, args=(stage, gas, clip, {}))
+    # native: torch's reduce-scatter/all-gather instead of the engine's point-to-point ones on gloo.
+    env = {"ZERO_ENGINE_NATIVE_COLLECTIVES": "1"} if native else {}
+    results = run_distributed(_train, world_size, args=(stage, gas, clip, {}), env=env)
     expected = reference(STEPS, gas, world_size, clip)
     for rank, result in enumerate(results):
         assert result["tied"], "the tied weight must stay one tensor"

@@ -141,7 +141,8 @@ TABLE: tuple[Entry, ...] = (
         "zero_optimization",
         S.IMPLEMENTED,
         PRESENT,
-        "stages 0-2: reduce_bucket_size, allgather_bucket_size (elements of all-gathers in flight), "
+        "stages 0-2: reduce_bucket_size, allgather_bucket_size (elements of all-gathers in flight; both "
+        "absent: sized from the link's latency and bandwidth measured at start, logged), "
         "overlap_comm (stage 2: two bucket buffers in flight), reduce_scatter (false: all-reduce), "
         "allgather_partitions (false: broadcasts), contiguous_gradients (always on), round_robin_gradients "
         "(accepted, no effect without offload); stage 3: gather units of repeated blocks plus a root unit, or "

@@ -89,10 +89,12 @@ class ZeroConfig:
     stage: int = 0
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    reduce_bucket_size: int = 500_000_000
-    """Elements per gradient-reduction bucket (DeepSpeed default 5e8)."""
+    reduce_bucket_size: int | None = None
+    """Elements per gradient-reduction bucket; None (absent): sized from the measured link at start
+    (engine/zero/bucket_sizes.py). DeepSpeed's default is 5e8."""
     allgather_partitions: bool = True
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int | None = None
+    """Elements of parameter all-gathers in flight; None: as reduce_bucket_size."""
     overlap_comm: bool = False
     """None in the JSON resolves to True for stage 3 and False otherwise, as DeepSpeed does."""
     load_from_fp32_weights: bool = True

@@ -30,7 +30,7 @@ from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
-from engine.zero import shard_reduce
+from engine.zero import bucket_sizes, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import FlatGroup, arrival_order, build_flat_groups, check_elementwise
 from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
@@ -124,10 +124,11 @@ class PartitionedStage:
         self._predivide = config.gradient_predivide_factor
         self._use_reduce_scatter = zero.reduce_scatter
         self._allgather_partitions = zero.allgather_partitions
-        self._allgather_limit = zero.allgather_bucket_size
+        wire_size = max((precision.wire_dtype(p.dtype).itemsize for p in module.parameters()), default=4)
+        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size)
         self.groups: list[FlatGroup] = build_flat_groups(
             module, optimizer, world_size=self._world if partitioned else 1, rank=self._rank,
-            bucket_size=zero.reduce_bucket_size)
+            bucket_size=reduce_size)
 
         order = arrival_order(module)
         buckets: list[tuple[int, int, int, list[int]]] = []

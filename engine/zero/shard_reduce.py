@@ -2,10 +2,10 @@
 stage shares (stages 1-2 per bucket, stage 3 per unit).
 
 DeepSpeed's scaling: prescale_gradients divides by N before the sum; otherwise the sum is divided by
-gradient_predivide_factor before and the rest of the averaging happens at the step. The first
-reduction of a window writes straight into the row when the dtypes allow it; later ones (gradient
-accumulation) and low-precision ones land in this rank's slice of the bucket and are added or cast
-into the row when waited for.
+gradient_predivide_factor before and the rest of the averaging happens at the step. The reduce-scatter
+writes straight into the row (float32): the first reduction of a window overwrites it, later ones
+(gradient accumulation) add to it, and a low-precision bucket (bf16/fp16 gradients or
+communication_data_type) travels in its own dtype while the sum is taken in float32 (engine/comm.py).
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ def start(data: torch.Tensor, row: torch.Tensor, *, written: bool, rank: int, wo
     mine = data[rank * row.numel():(rank + 1) * row.numel()]
     if not scatter:
         return PendingReduce(comm.all_reduce(data, async_op=True), mine)
-    if data.dtype == row.dtype and not written:
-        return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key), None)
-    return PendingReduce(comm.reduce_scatter(mine, data, async_op=True, key=key), mine)
+    return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written), None)
 
 
 def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: str) -> None:

@@ -27,6 +27,7 @@ import torch
 from engine import comm
 from engine.checkpoint.records import NamedPiece, ShardRecord
 from engine.config.types import EngineConfig
+from engine.zero import bucket_sizes
 from engine.zero.base import StepOutcome
 
 
@@ -85,12 +86,13 @@ class Stage0:
         self._grad_view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat buffer
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
+        reduce_size, _ = bucket_sizes.resolve(config.zero, max((p.element_size() for p in arrival), default=4))
         for dtype in dict.fromkeys(p.dtype for p in arrival):
             of_dtype = [p for p in arrival if p.dtype == dtype]
             flat = torch.zeros(sum(p.numel() for p in of_dtype), dtype=dtype, device=of_dtype[0].device)
             self._flat_grads[dtype] = flat
             offset = 0
-            for members in assign_buckets(of_dtype, config.zero.reduce_bucket_size):
+            for members in assign_buckets(of_dtype, reduce_size):
                 start = offset
                 for p in members:
                     self._grad_view[id(p)] = flat[offset:offset + p.numel()].view_as(p)

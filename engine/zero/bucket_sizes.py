@@ -1,0 +1,37 @@
+"""reduce_bucket_size and allgather_bucket_size when the config leaves them out: from the link.
+
+DeepSpeed's defaults (5e8 elements, 2 GB of fp32) make one bucket of most models, so no gradient
+reduction starts before the whole backward is done. Here the group's collective latency and
+bandwidth are measured once at start (engine.comm.measure_link, a few ms) and the bucket is the
+size whose transfer takes 19x the fixed latency: big enough that latency is 5% of a collective,
+small enough that reductions start early in the backward. Config values always win; "auto" keeps
+DeepSpeed's default (engine/config/auto.py).
+"""
+
+from __future__ import annotations
+
+from engine import comm
+from engine.config.types import ZeroConfig
+from engine.monitor.log import get_logger
+
+logger = get_logger()
+_DEEPSPEED_DEFAULT = 500_000_000
+
+
+def resolve(zero: ZeroConfig, element_size: int) -> tuple[int, int]:
+    """(reduce_bucket_size, allgather_bucket_size) in elements of `element_size` bytes."""
+    reduce, gather = zero.reduce_bucket_size, zero.allgather_bucket_size
+    if reduce is not None and gather is not None:
+        return reduce, gather
+    if comm.get_world_size() == 1:  # nothing travels: one bucket is cheapest
+        return reduce or _DEEPSPEED_DEFAULT, gather or _DEEPSPEED_DEFAULT
+    link = comm.measure_link()
+    measured = max(1, link.bucket_bytes() // element_size)
+    chosen = (reduce or measured, gather or measured)
+    if comm.get_rank() == 0:
+        unset = [k for k, v in (("reduce_bucket_size", reduce), ("allgather_bucket_size", gather)) if v is None]
+        logger.info(
+            "bucket size %d elements (%.1f MiB) for %s, from the measured link: latency %.0f us, %.2f GB/s per "
+            "rank; set zero_optimization.%s to choose", measured, measured * element_size / 2**20,
+            " and ".join(unset), link.latency_s * 1e6, link.bandwidth_Bps / 1e9, unset[0])
+    return chosen
