@@ -11,9 +11,9 @@ and the all-gather output are that same size) it times, round-robin so that drif
    older torch), called directly, and their sum;
 3. ours: engine.comm.reduce_scatter and all_gather with comm's default selection
    (ZERO_ENGINE_NATIVE_COLLECTIVES unset), and their sum;
-4. ours with wire_dtype=torch.bfloat16 for the reduce-scatter (fp32 in and out, bf16 on the wire) plus
-   the all-gather of a bf16 buffer of the same element count (what ZeRO-2 with communication_data_type
-   bf16 moves), and their sum; "n/a" when comm.reduce_scatter has no wire_dtype parameter;
+4. ours with a bf16 wire: the reduce-scatter of a bf16 bucket into a float32 output (fp32
+   accumulation, what the stages do with bf16 gradients or communication_data_type bf16) plus the
+   all-gather of a bf16 buffer of the same element count, and their sum;
 5. the ZeRO-3 pattern: all-gather, all-gather, reduce-scatter; ours timed as one sequence, torch's the
    sum of its parts' medians (its collectives keep no state between calls; timing the sequence too
    would add its slowest row to every round).
@@ -235,9 +235,9 @@ def _bench_size(comm: Any, dist: Any, mib: float, repeats: int | None, has_wire:
     first_call("ag", lambda: comm.all_gather(ag_out, ag_in), ag_out, expect.ag_problem)
     if has_wire:
         _fill_input(rs_in, rank, world, size_key)  # in case the fp32 call used its input as scratch
+        rs_in16 = rs_in.bfloat16()  # a bf16 gradient bucket, as the stages fill it (the cast is in the copy)
         rs_out.zero_()
-        first_call("bf16_rs", lambda: comm.reduce_scatter(rs_out, rs_in, wire_dtype=torch.bfloat16), rs_out,
-                   expect.rs_wire_problem)
+        first_call("bf16_rs", lambda: comm.reduce_scatter(rs_out, rs_in16), rs_out, expect.rs_wire_problem)
     first_call("bf16_ag", lambda: comm.all_gather(ag16_out, ag16_in), ag16_out, expect.ag_problem)
     del expect
 
@@ -252,7 +252,7 @@ def _bench_size(comm: Any, dist: Any, mib: float, repeats: int | None, has_wire:
         "torch_ag": lambda: torch_ag(ag_out, ag_in),
         "ours_rs": lambda: comm.reduce_scatter(rs_out, rs_in),
         "ours_ag": lambda: comm.all_gather(ag_out, ag_in),
-        "bf16_rs": (lambda: comm.reduce_scatter(rs_out, rs_in, wire_dtype=torch.bfloat16)) if has_wire else None,
+        "bf16_rs": (lambda: comm.reduce_scatter(rs_out, rs_in16)) if has_wire else None,
         "bf16_ag": lambda: comm.all_gather(ag16_out, ag16_in),
         "z3_ours": z3_ours,
     }
@@ -540,8 +540,8 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], errors
         ("torch columns call torch.distributed directly (gloo): all_reduce, "
          f"{results[0]['torch_fns'] if results else 'reduce_scatter_single, all_gather_single'} "
          "(the flat-tensor reduce-scatter and all-gather; reduce_scatter_tensor / all_gather_into_tensor in "
-         "older torch). bf16 wire = comm.reduce_scatter(fp32 out, fp32 in, "
-         "wire_dtype=torch.bfloat16) + comm.all_gather of a bf16 buffer of the same element count; "
+         "older torch). bf16 wire = comm.reduce_scatter(fp32 out, bf16 bucket) (fp32 accumulation) "
+         "+ comm.all_gather of a bf16 buffer of the same element count; "
          "\"bf16 wire / fp32\" = its sum over ours fp32 RS+AG."),
         ("Check, once per configuration (world size and buffer size), on every rank: the first call of each "
          "timed form of ours (out of place, async_op=False: reduce_scatter fp32, bf16-wire reduce_scatter, "
