@@ -39,12 +39,10 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
-import platform
 import queue
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -55,6 +53,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from machine import machine_facts
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MIB = 2**20
@@ -376,38 +376,6 @@ def run_world(world: int, sizes_mib: list[float], repeats: int | None, timeout: 
 
 
 # ---------------------------------------------------------------------------------------------- report side
-def _machine_facts(load_before: tuple[float, ...], worlds: list[int]) -> list[str]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem_total = "unknown"
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
-            mem_total = f"{kib / 2**20:.1f} GiB"
-    except (OSError, StopIteration):
-        pass
-    try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=False, timeout=10).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "engine"], capture_output=True,
-                               check=False, text=True, timeout=10).stdout.strip()
-        code = f"commit {head}" + (" with uncommitted changes in engine/" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        code = "commit unknown (no git)"
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return [f"- CPU: {cpu}; {os.cpu_count()} logical cores ({affinity} usable by this process); RAM {mem_total}",
-            f"- code: {code}",
-            f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}",
-            f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-            (f"- load average (1/5/15 min) before the run {' / '.join(f'{x:.2f}' for x in load_before)}, after "
-             f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (this benchmark alone keeps up to "
-             f"{min(max(worlds), affinity or 1)} cores busy; more means other work shared the cores)")]
-
-
 def _sums(row: dict[str, Any]) -> dict[str, float | None]:
     m = row["median"]
 
@@ -559,7 +527,7 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], errors
                                 "by size (10 up to 4 MiB, 7 up to 16, 5 up to 64, 3 above)")
                + " after one warm-up call"),
               f"- engine.comm from {results[0]['comm_file'] if results else 'n/a'}",
-              "", "Machine:", ""] + _machine_facts(load_before, args.worlds)
+              "", "Machine:", ""] + machine_facts(str(ROOT), load_before, max(args.worlds))
     return "\n".join(lines) + "\n"
 
 

@@ -28,9 +28,7 @@ import argparse
 import datetime
 import gc
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -47,6 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 from gpt import GPT, GPTConfig
 from gpt_workload import MICRO, MODELS
 from gpt_workload import batches as make_batches
+from machine import machine_facts
 
 import engine
 from engine import comm
@@ -365,38 +364,6 @@ def _stage3_vs_fsdp(results: list[Result]) -> list[str]:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows]
 
 
-def _machine_facts(load_before: tuple[float, ...]) -> list[str]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem_total = "unknown"
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
-            mem_total = f"{kib / 2**20:.1f} GiB"
-    except (OSError, StopIteration):
-        pass
-    try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                              timeout=10).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "engine"], capture_output=True, check=False,
-                               text=True, timeout=10).stdout.strip()
-        code = f"commit {head}" + (" with uncommitted changes in engine/" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        code = "commit unknown (no git)"
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return [f"- CPU: {cpu}; {os.cpu_count()} logical cores ({affinity} usable by this process); RAM {mem_total}",
-            f"- code: {code}",
-            f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}",
-            f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-            (f"- load average (1/5/15 min) before the run {' / '.join(f'{x:.2f}' for x in load_before)}, after "
-             f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (this benchmark alone keeps ~{comm.get_world_size()} "
-             "cores busy; more means other work shared the cores and the timings are noisier)")]
-
-
 def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Result], notes: list[str]) -> None:
     out_dir = os.path.join(ROOT, "benchmarks", "results")
     os.makedirs(out_dir, exist_ok=True)
@@ -525,7 +492,7 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
             "group the benchmark made (gloo): the engine's config above plus \"torch_adam\": true in the AdamW "
             "params (torch.optim.AdamW, not DeepSpeed's compiled Adam); optimizer wrappers it chose: "
             + "; ".join(f"{r.name.removeprefix('DeepSpeed ')} {r.detail or 'n/a'}" for r in ds_rows))
-    lines += ["", "Machine:", ""] + _machine_facts(args.load_before)
+    lines += ["", "Machine:", ""] + machine_facts(str(ROOT), args.load_before, comm.get_world_size())
     path = os.path.join(out_dir, f"step_{args.model}.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
