@@ -251,3 +251,47 @@ def test_several_collectives_in_flight_complete_in_any_order() -> None:
                 assert torch.equal(t, torch.full((1000,), float(sum(r + i for r in range(n)))))
             else:
                 assert torch.equal(t, torch.cat([torch.full((1000,), float(r + i)) for r in range(n)]))
+
+
+def _bucket_sizes() -> dict[str, object]:
+    import logging
+
+    from engine.config.types import ZeroConfig
+    from engine.zero import bucket_sizes
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("engine").addHandler(Keep())
+    logging.getLogger("engine").setLevel(logging.INFO)
+    given = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123, allgather_bucket_size=456), 4)
+    measured_before = comm._state.link  # the config's values win without measuring anything
+    stats_before = comm.comm_stats()
+    chosen = bucket_sizes.resolve(ZeroConfig(allgather_bucket_size=789), 2)
+    link = comm.measure_link()
+    return {"given": given, "measured_before": measured_before, "chosen": chosen, "link": link,
+            "stats_unchanged": comm.comm_stats() == stats_before, "log": records}
+
+
+def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() -> None:
+    per_rank = run_distributed(_bucket_sizes, 2)
+    links = [r["link"] for r in per_rank]
+    assert links[0] == links[1]  # every rank takes the slowest rank's numbers: layouts agree
+    link = links[0]
+    assert 0 < link.latency_s < 1 and link.bandwidth_Bps > 1e6
+    want = link.bucket_bytes() // 2
+    assert comm.MIN_BUCKET_BYTES <= link.bucket_bytes() <= comm.MAX_BUCKET_BYTES
+    for rank, r in enumerate(per_rank):
+        assert r["given"] == (123, 456) and r["measured_before"] is None
+        assert r["chosen"] == (want, 789)  # the unset one measured, the set one kept
+        assert r["stats_unchanged"], "the probe's traffic is not the user's"
+        logged = [m for m in r["log"] if m.startswith("bucket size")]
+        if rank == 0:
+            assert len(logged) == 1 and f"bucket size {want} elements" in logged[0]
+            assert "for reduce_bucket_size, from the measured link: latency" in logged[0]
+            assert "set zero_optimization.reduce_bucket_size to choose" in logged[0]
+        else:
+            assert logged == []
