@@ -42,6 +42,8 @@ class _CommState:
     calls: dict[str, int] = field(default_factory=dict)
     link: LinkSpeed | None = None
     """measure_link()'s result, measured once per process group."""
+    force_native: bool = False
+    """The config's "collectives": "native" (set_native_collectives)."""
     p2p_seq: int = 0
     """Point-to-point collectives issued so far (engine/comm_p2p.py): the same count on every rank."""
 
@@ -210,12 +212,19 @@ def collectives_impl() -> str:
 
     p2p on gloo with more than one rank: gloo's reduce_scatter is an all-reduce plus a slice (2x the
     bytes) and its all-gather runs 2.5-3.7x slower than an all-reduce of the same size. NCCL and other
-    backends keep their own. ZERO_ENGINE_NATIVE_COLLECTIVES=1 (or the config's "collectives":
-    "native", which sets it) forces torch's everywhere.
+    backends keep their own. ZERO_ENGINE_NATIVE_COLLECTIVES=1, or the config's "collectives":
+    "native" (set_native_collectives), forces torch's everywhere.
     """
-    if get_world_size() > 1 and get_backend() == "gloo" and os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") != "1":
+    forced = _state.force_native or os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") == "1"
+    if get_world_size() > 1 and get_backend() == "gloo" and not forced:
         return "p2p"
     return "native"
+
+
+def set_native_collectives(native: bool) -> None:
+    """The config's "collectives" key: True makes every reduce-scatter/all-gather torch's own (for this
+    process: the setting of the engine initialised last; every rank must choose the same)."""
+    _state.force_native = native
 
 
 def collective_timeout() -> float:

@@ -295,3 +295,32 @@ def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() 
             assert "set zero_optimization.reduce_bucket_size to choose" in logged[0]
         else:
             assert logged == []
+
+
+def _collectives_config(value: str | None) -> tuple[str, int]:
+    import engine
+
+    config: dict[str, object] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if value is not None:
+        config["collectives"] = value
+    eng, *_ = engine.initialize(model=torch.nn.Linear(4, 4), config=config)
+    impl = comm.collectives_impl()
+    before = comm.comm_stats()["bytes_sent"].get("reduce_scatter", 0)
+    comm.reduce_scatter(torch.empty(4), torch.ones(8))
+    sent = comm.comm_stats()["bytes_sent"]["reduce_scatter"] - before
+    eng.destroy()
+    return impl, sent
+
+
+@pytest.mark.parametrize(("value", "impl", "factor"), [(None, "p2p", 1), ("engine", "p2p", 1), ("native", "native", 2)])
+def test_the_config_chooses_the_collectives(value: str | None, impl: str, factor: int) -> None:
+    for got_impl, sent in run_distributed(_collectives_config, 2, args=(value,)):
+        assert got_impl == impl and sent == factor * 16  # 8 fp32 elements, half sent; gloo's native: twice
+
+
+def test_an_unknown_collectives_value_is_refused_by_name() -> None:
+    from engine.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="collectives"):
+        load_config({"train_batch_size": 1, "collectives": "ring"}, world_size=1, world_size_source="test")

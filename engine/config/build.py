@@ -51,6 +51,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "tensorboard": "tensorboard",
     "dataloader_drop_last": "dataloader_drop_last",
     "seed": "seed",
+    "collectives": "collectives",
 }
 
 
@@ -118,6 +119,7 @@ def build_engine_config(
             "zero_force_ds_cpu_optimizer",
             "dataloader_drop_last",
             "seed",
+            "collectives",
         )
         if config.get(k) is not None
     }

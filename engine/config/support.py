@@ -179,6 +179,10 @@ TABLE: tuple[Entry, ...] = (
         PRESENT,
         "gradients always go into their fp32 accumulation as they arrive; same numbers either way",
     ),
+    Entry("collectives", S.IMPLEMENTED, PRESENT,
+          'engine-specific, not a DeepSpeed key: "engine" (default; on gloo the engine\'s point-to-point '
+          'reduce-scatter and all-gather, torch\'s elsewhere) or "native" (torch\'s everywhere, as '
+          "ZERO_ENGINE_NATIVE_COLLECTIVES=1 does)"),
     Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)"),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),

@@ -184,5 +184,7 @@ class EngineConfig:
     dataloader_drop_last: bool = False
     seed: int | None = None
     """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""
+    collectives: str = "engine"
+    """Not a DeepSpeed key: "native" makes every reduce-scatter/all-gather torch's own (engine/comm.py)."""
     raw: Mapping[str, Any] = field(default_factory=_frozen_mapping, repr=False, compare=False)
     """The validated JSON, read-only, for diagnostics and checkpoint manifests only."""
