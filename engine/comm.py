@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -151,9 +152,7 @@ def get_backend() -> str:
 def _count(op: str, tensor: torch.Tensor, factor: float) -> None:
     """Account the bytes this rank puts on the wire (ring algorithm volumes)."""
     n = get_world_size()
-    nbytes = int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1))
-    _state.bytes_sent[op] = _state.bytes_sent.get(op, 0) + nbytes
-    _state.calls[op] = _state.calls.get(op, 0) + 1
+    _sent(op, int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
@@ -301,11 +300,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
 
 
 def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torch.dtype, accumulate: bool) -> Handle:
-    n, rank = get_world_size(), get_rank()
     send = input if wire == input.dtype else input.to(wire)
-    c = input.numel() // n
-    direct = not accumulate and output.dtype == wire and (wire == input.dtype or
-                                                           output.data_ptr() != input[rank * c].data_ptr())
+    c = input.numel() // get_world_size()
+    # Receive straight into output when it is what the call would produce (a cast input is a copy,
+    # so output cannot alias what is sent).
+    direct = not accumulate and output.dtype == wire
     target = output if direct else torch.empty(c, dtype=wire, device=input.device)
     work = dist.reduce_scatter_single(target, send, async_op=True)
     if direct:
@@ -361,8 +360,6 @@ def measure_link() -> LinkSpeed:
     from them (bucket sizes, hence layouts) agree across ranks."""
     if _state.link is not None:
         return _state.link
-    import time
-
     n = get_world_size()
     tiny = torch.zeros(1)
     probe = torch.zeros(_PROBE_BYTES // 4)

@@ -38,7 +38,7 @@ def _start_forever(hosts: Hosts, tmp_path: Path, port: int, **popen: object) -> 
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.zrun", *argv, str(SCRIPTS / "allreduce_forever.py"), str(pids_dir)],
         cwd=ROOT, text=True, **popen,  # type: ignore[call-overload]
-    )  # fmt: skip
+    )
     try:
         files = _wait_for_files(pids_dir, "rank*.pid", 4, proc)
     except BaseException:
@@ -152,7 +152,7 @@ def test_ranks_get_the_arguments_and_environment_exactly(hosts: Hosts, tmp_path:
         "--hostfile", hf, "--launcher_args", " ".join(hosts.ssh_args), "--master_port", "29532",
         str(SCRIPTS / "report_env.py"), str(out), *NASTY,
         cwd=tmp_path, env={"NCCL_TEST_VALUE": "it's; rm -rf /tmp/nothing"},
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for rank, addr in enumerate(hosts.addrs):
         got = json.loads((out / f"rank{rank}.json").read_text())
