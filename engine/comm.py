@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine import comm_p2p
+from engine import comm_p2p, comm_ring
 
 logger = logging.getLogger("engine")
 
@@ -43,8 +43,8 @@ class _CommState:
     calls: dict[str, int] = field(default_factory=dict)
     link: LinkSpeed | None = None
     """measure_link()'s result, measured once per process group."""
-    force_native: bool = False
-    """The config's "collectives": "native" (set_native_collectives)."""
+    collectives: str = "engine"
+    """The config's "collectives": "engine", "ring" or "native" (set_collectives)."""
     p2p_seq: int = 0
     """Point-to-point collectives issued so far (engine/comm_p2p.py): the same count on every rank."""
 
@@ -197,7 +197,7 @@ class _Done:
         return True
 
 
-Handle = Work | comm_p2p.P2PWork | _Finish | _Done
+Handle = Work | comm_p2p.P2PWork | comm_ring.RingWork | _Finish | _Done
 """What an async collective returns: wait() on it before touching its buffers."""
 
 
@@ -206,24 +206,35 @@ def free_buffers() -> None:
     comm_p2p.POOL.free.clear()
 
 
-def collectives_impl() -> str:
-    """Which reduce-scatter/all-gather run: "p2p" (engine/comm_p2p.py) or "native" (torch's).
+COLLECTIVES = ("engine", "ring", "native")
 
-    p2p on gloo with more than one rank: gloo's reduce_scatter is an all-reduce plus a slice (2x the
-    bytes) and its all-gather runs 2.5-3.7x slower than an all-reduce of the same size. NCCL and other
-    backends keep their own. ZERO_ENGINE_NATIVE_COLLECTIVES=1, or the config's "collectives":
-    "native" (set_native_collectives), forces torch's everywhere.
+
+def collectives_impl() -> str:
+    """Which reduce-scatter/all-gather run: "p2p" (direct exchanges, engine/comm_p2p.py), "ring"
+    (engine/comm_ring.py) or "native" (torch's).
+
+    On gloo with more than one rank the engine's own: gloo's reduce_scatter is an all-reduce plus a
+    slice (2x the bytes) and its all-gather runs 2.5-3.7x slower than an all-reduce of the same size;
+    direct exchanges unless "ring" was chosen. NCCL and other backends keep their own. The choice is
+    the config's "collectives" (set_collectives); the environment overrides it: ZERO_ENGINE_COLLECTIVES
+    = engine | ring | native, or ZERO_ENGINE_NATIVE_COLLECTIVES=1 (the older spelling of native).
     """
-    forced = _state.force_native or os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") == "1"
-    if get_world_size() > 1 and get_backend() == "gloo" and not forced:
-        return "p2p"
+    choice = os.environ.get("ZERO_ENGINE_COLLECTIVES", _state.collectives)
+    if os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") == "1":
+        choice = "native"
+    if choice not in COLLECTIVES:
+        raise ValueError(f"ZERO_ENGINE_COLLECTIVES={choice!r}: expected one of {', '.join(COLLECTIVES)}")
+    if get_world_size() > 1 and get_backend() == "gloo" and choice != "native":
+        return "ring" if choice == "ring" else "p2p"
     return "native"
 
 
-def set_native_collectives(native: bool) -> None:
-    """The config's "collectives" key: True makes every reduce-scatter/all-gather torch's own (for this
-    process: the setting of the engine initialised last; every rank must choose the same)."""
-    _state.force_native = native
+def set_collectives(choice: str) -> None:
+    """The config's "collectives" key (for this process: the setting of the engine initialised last;
+    every rank must choose the same)."""
+    if choice not in COLLECTIVES:
+        raise ValueError(f"collectives={choice!r}: expected one of {', '.join(COLLECTIVES)}")
+    _state.collectives = choice
 
 
 def collective_timeout() -> float:
@@ -284,9 +295,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     if input.numel() == 0:
         return _Done() if async_op else None
     wire_bytes = input.numel() * torch.empty((), dtype=wire).element_size()
-    if collectives_impl() == "p2p":
+    impl = collectives_impl()
+    if impl != "native":
         _sent("reduce_scatter", wire_bytes * (n - 1) // n)
-        work: Handle = comm_p2p.reduce_scatter(_TorchTransport, output, input, rank=get_rank(), n=n,
+        schedule = comm_ring if impl == "ring" else comm_p2p
+        work: Handle = schedule.reduce_scatter(_TorchTransport, output, input, rank=get_rank(), n=n,
                                                seq=_next_seq(), key=key, wire=wire, accumulate_into=accumulate)
     else:
         # gloo emulates it with an all-reduce (2(N-1)/N of the buffer); NCCL runs a real one.
@@ -323,8 +336,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
         return _Done() if async_op else None
     # Ring and direct all-gathers both send (N-1)/N of the output per rank.
     _sent("all_gather", output.numel() * output.element_size() * (n - 1) // n)
-    if collectives_impl() == "p2p":
-        work: Handle = comm_p2p.all_gather(_TorchTransport, output, input, rank=get_rank(), n=n, seq=_next_seq(),
+    impl = collectives_impl()
+    if impl != "native":
+        schedule = comm_ring if impl == "ring" else comm_p2p
+        work: Handle = schedule.all_gather(_TorchTransport, output, input, rank=get_rank(), n=n, seq=_next_seq(),
                                            key=key)
     else:
         work = _Finish(dist.all_gather_single(output, input, async_op=True))

@@ -106,29 +106,49 @@ class _Pool:
 POOL = _Pool()
 
 
+@dataclass
+class Signatures:
+    """This collective's signature, sent to every peer, and theirs, being received."""
+
+    rank: int
+    mine: Signature
+    received: list[tuple[int, PendingWork, torch.Tensor]]
+    sent: list[PendingWork]
+
+    def check(self, timeout: timedelta | None = None) -> None:
+        """Raise, naming both collectives, if a peer issued another one. Every signature is received
+        and ours delivered before comparing, so that every rank gets to read every signature even
+        when one raises and tears its connections down."""
+        for _, work, _ in self.received:
+            _wait(work, timeout)
+        for work in self.sent:
+            _wait(work, timeout)
+        for peer, _, buf in self.received:
+            theirs = Signature.unpack(buf)
+            if theirs != self.mine:
+                raise RuntimeError(
+                    f"rank {self.rank} issued {self.mine.describe()} but rank {peer} issued "
+                    f"{theirs.describe()}: the ranks are not issuing the same collectives (one skipped a "
+                    f"forward or backward, ran units in another order, or took another code path)")
+
+
 class P2PWork:
     """Handle of one point-to-point collective. wait() checks the peers' signatures, then waits for
     each receive in order and runs its local step (an accumulation), then the sends; once."""
 
-    def __init__(self, rank: int, mine: Signature, control: list[tuple[int, PendingWork, torch.Tensor]],
-                 steps: list[tuple[PendingWork, Callable[[], None] | None]], sends: list[PendingWork],
-                 release: list[torch.Tensor]) -> None:
-        self._rank, self._mine = rank, mine
-        self._control, self._steps, self._sends, self._release = control, steps, sends, release
+    def __init__(self, signatures: Signatures, steps: list[tuple[PendingWork, Callable[[], None] | None]],
+                 sends: list[PendingWork], release: list[torch.Tensor]) -> None:
+        self._signatures, self._steps, self._sends, self._release = signatures, steps, sends, release
         self._done = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._done:
             return True
-        for peer, work, buf in self._control:
-            _wait(work, timeout)
-            theirs = Signature.unpack(buf)
-            if theirs != self._mine:
-                self._done = True  # the payload transfers of this collective can never complete
-                raise RuntimeError(
-                    f"rank {self._rank} issued {self._mine.describe()} but rank {peer} issued "
-                    f"{theirs.describe()}: the ranks are not issuing the same collectives (one skipped a "
-                    f"forward or backward, ran units in another order, or took another code path)")
+        try:
+            self._signatures.check(timeout)
+        except RuntimeError:
+            self._done = True  # the payload transfers of this collective can never complete
+            raise
         for work, step in self._steps:
             _wait(work, timeout)
             if step is not None:
@@ -173,16 +193,15 @@ def _add(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.add_(src)
 
 
-def _exchange_signatures(transport: Transport, mine: Signature, rank: int,
-                         n: int) -> tuple[list[tuple[int, PendingWork, torch.Tensor]], list[PendingWork]]:
+def exchange_signatures(transport: Transport, mine: Signature, rank: int, n: int) -> Signatures:
     packed = mine.pack()
-    control, sends = [], []
+    received, sent = [], []
     for k in range(1, n):
         src = (rank - k) % n
         buf = torch.empty(6, dtype=torch.int64)
-        control.append((src, transport.irecv(buf, src, _CONTROL_TAG), buf))
-        sends.append(transport.isend(packed, (rank + k) % n, _CONTROL_TAG))
-    return control, sends
+        received.append((src, transport.irecv(buf, src, _CONTROL_TAG), buf))
+        sent.append(transport.isend(packed, (rank + k) % n, _CONTROL_TAG))
+    return Signatures(rank, mine, received, sent)
 
 
 def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
@@ -195,7 +214,8 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
     if in_place and accumulate_into:
         raise ValueError("reduce_scatter: accumulating into output is impossible when output is the input's own slice")
     mine = Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key)
-    control, sends = _exchange_signatures(transport, mine, rank, n)
+    signatures = exchange_signatures(transport, mine, rank, n)
+    sends: list[PendingWork] = []
     release: list[torch.Tensor] = []
     if wire != input.dtype:  # round every contribution (this rank's own included) to the wire dtype once
         cast = POOL.take(n * c, wire, input.device)
@@ -231,7 +251,7 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
         return lambda: _add(output[a:b], received[k, a:b])
 
     steps = [(recvs[j, k], step(k, a, b)) for j, (a, b) in enumerate(segments) for k in range(n - 1)]
-    return P2PWork(rank, mine, control, steps, sends, release)
+    return P2PWork(signatures, steps, sends, release)
 
 
 def all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
@@ -242,10 +262,11 @@ def all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, 
     if input.data_ptr() != chunks[rank].data_ptr():
         chunks[rank].copy_(input.view(-1))
     mine = Signature(seq, "all_gather", output.numel(), output.dtype, output.dtype, key)
-    control, sends = _exchange_signatures(transport, mine, rank, n)
+    signatures = exchange_signatures(transport, mine, rank, n)
+    sends: list[PendingWork] = []
     tag = mine.tag()
     steps: list[tuple[PendingWork, Callable[[], None] | None]] = []
     for k in range(1, n):
         steps.append((transport.irecv(chunks[(rank - k) % n], (rank - k) % n, tag), None))
         sends.append(transport.isend(chunks[rank], (rank + k) % n, tag))
-    return P2PWork(rank, mine, control, steps, sends, [])
+    return P2PWork(signatures, steps, sends, [])

@@ -151,7 +151,7 @@ def initialize(
     owns_group = comm.acquire_process_group(distributed_port, dist_init_required)
     try:
         cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
-        comm.set_native_collectives(cfg.collectives == "native")
+        comm.set_collectives(cfg.collectives)
         device = _device()
         _check_offload(cfg, device)
         if cfg.zero.stage != 3 and (gathered := zero_init.materialize(model)):

@@ -18,6 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # segments run in test_default_segments_on_megabytes).
 SLICES = [0, 1, 7, 70_001]
 SMALL_SEGMENTS = {"ZERO_ENGINE_SEGMENT_BYTES": "4096"}
+IMPLS = ("p2p", "ring", "native")  # direct exchanges, rings, torch's
 
 
 def _rank_data(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
@@ -25,33 +26,46 @@ def _rank_data(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torc
     return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _ordered_sum(parts: list[torch.Tensor], rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """The sum the p2p reduce-scatter computes on `rank`: own part first, then ranks r+1, r+2, ...
-    mod N, each addition in float32 math rounded once to `dtype` (float64 stays float64)."""
+def _ordered_sum(parts: list[torch.Tensor], rank: int, dtype: torch.dtype, impl: str = "p2p",
+                 partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum the engine's reduce-scatter computes on `rank`, each addition in float32 math rounded
+    once (float64 stays float64). p2p: own part first, then ranks r+1, r+2, ... mod N, summed in
+    `dtype`. ring: ranks r+1, r+2, ..., r-1, the partial sums rounded to `partial_dtype` (the wire;
+    default `dtype`) at every hop, then own part added last in `dtype`."""
     n = len(parts)
-    acc = parts[rank].to(dtype).clone()
-    for k in range(1, n):
-        nxt = parts[(rank + k) % n]
-        if dtype == torch.float64:
-            acc += nxt.double()
-        else:
-            acc = (acc.float() + nxt.float()).to(dtype)
-    return acc
+
+    def add(acc: torch.Tensor, nxt: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+        if to == torch.float64:
+            return acc.double() + nxt.double()
+        return (acc.float() + nxt.float()).to(to)
+
+    if impl == "p2p":
+        acc = parts[rank].to(dtype).clone()
+        for k in range(1, n):
+            acc = add(acc, parts[(rank + k) % n], dtype)
+        return acc
+    hop = partial_dtype or dtype
+    acc = parts[(rank + 1) % n].to(hop)
+    for k in range(2, n):
+        acc = add(acc, parts[(rank + k) % n], hop)
+    return add(acc.to(dtype), parts[rank], dtype) if n > 1 else acc.to(dtype)
+
+
+def _use(impl: str) -> None:
+    """Choose the collectives for the calls that follow (the environment overrides the config)."""
+    os.environ["ZERO_ENGINE_COLLECTIVES"] = {"p2p": "engine"}.get(impl, impl)
 
 
 def _native(flag: bool) -> None:
-    if flag:
-        os.environ["ZERO_ENGINE_NATIVE_COLLECTIVES"] = "1"
-    else:
-        os.environ.pop("ZERO_ENGINE_NATIVE_COLLECTIVES", None)
+    _use("native" if flag else "p2p")
 
 
 def _exercise(slice_numel: int, dtype: torch.dtype) -> dict[str, object]:
     rank, n = comm.get_rank(), comm.get_world_size()
     numel = slice_numel * n
     out: dict[str, object] = {}
-    for impl in ("p2p", "native"):
-        _native(impl == "native")
+    for impl in IMPLS:
+        _use(impl)
         assert comm.collectives_impl() == impl
         before = comm.comm_stats()["bytes_sent"].get("reduce_scatter", 0)
         # Out of place, three in flight at once (as buckets are), waited for in reverse order.
@@ -77,7 +91,7 @@ def _exercise(slice_numel: int, dtype: torch.dtype) -> dict[str, object]:
         w1.wait()
         out[f"{impl}.ag_inplace"] = full.clone()
         out[f"{impl}.ag"] = other
-    _native(False)
+    _use("p2p")
     return out
 
 
@@ -95,23 +109,26 @@ def test_collectives_equal_the_arithmetic_and_torch(world_size: int) -> None:
                 mine = slice(rank * slice_numel, (rank + 1) * slice_numel)
                 for i in range(3):
                     parts = [_rank_data(r, numel, dtype, salt=i)[mine] for r in range(world_size)]
-                    # p2p: bitwise the ordered sum; native (gloo's all-reduce order): float tolerance.
-                    assert torch.equal(got[f"p2p.rs{i}"], _ordered_sum(parts, rank, dtype)), (dtype, i)
-                    torch.testing.assert_close(got[f"p2p.rs{i}"].double(), got[f"native.rs{i}"].double(),
-                                               **_tol(dtype))
+                    # p2p and ring: bitwise their ordered sums; native (gloo's all-reduce order): float
+                    # tolerance.
+                    for impl in ("p2p", "ring"):
+                        assert torch.equal(got[f"{impl}.rs{i}"], _ordered_sum(parts, rank, dtype, impl)), (impl, dtype, i)
+                        torch.testing.assert_close(got[f"{impl}.rs{i}"].double(), got[f"native.rs{i}"].double(),
+                                                   **_tol(dtype))
                 parts = [_rank_data(r, numel, dtype)[mine] for r in range(world_size)]
-                assert torch.equal(got["p2p.rs_inplace"], _ordered_sum(parts, rank, dtype))
-                torch.testing.assert_close(got["native.rs_inplace"].double(), got["p2p.rs_inplace"].double(),
-                                           **_tol(dtype))
+                for impl in ("p2p", "ring"):
+                    assert torch.equal(got[f"{impl}.rs_inplace"], _ordered_sum(parts, rank, dtype, impl))
+                    torch.testing.assert_close(got["native.rs_inplace"].double(), got[f"{impl}.rs_inplace"].double(),
+                                               **_tol(dtype))
                 gathered = torch.cat([_rank_data(r, slice_numel, dtype) for r in range(world_size)])
                 gathered5 = torch.cat([_rank_data(r, slice_numel, dtype, salt=5) for r in range(world_size)])
-                for impl in ("p2p", "native"):
+                for impl in IMPLS:
                     assert torch.equal(got[f"{impl}.ag_inplace"], gathered)
                     assert torch.equal(got[f"{impl}.ag"], gathered5)
                 # Bytes actually sent by three reduce-scatters: (N-1)/N of the input each; gloo's
                 # native one is an all-reduce, twice that.
                 volume = 3 * numel * dtype.itemsize * (world_size - 1) // world_size
-                assert got["p2p.rs_bytes"] == volume
+                assert got["p2p.rs_bytes"] == got["ring.rs_bytes"] == volume
                 assert got["native.rs_bytes"] == 2 * volume
 
 
@@ -163,7 +180,14 @@ def _low_precision_wire(slice_numel: int) -> dict[str, torch.Tensor]:
     native = torch.empty(slice_numel)
     comm.reduce_scatter(native, x.clone(), wire_dtype=torch.bfloat16)  # emulated: bf16 all-reduce, cast
     out["native_wire_bf16"] = native
-    _native(False)
+    _use("ring")  # the ring rounds its partial sums to the wire at each hop
+    ring = torch.empty(slice_numel)
+    comm.reduce_scatter(ring, x.clone(), wire_dtype=torch.bfloat16)
+    out["ring_wire_bf16"] = ring
+    row = torch.ones(slice_numel)
+    comm.reduce_scatter(row, x.to(torch.bfloat16), accumulate=True)
+    out["ring_bf16_into_fp32_acc"] = row
+    _use("p2p")
     return out
 
 
@@ -179,6 +203,10 @@ def test_low_precision_wire_sums_in_float32(world_size: int) -> None:
         want = _ordered_sum(rounded, rank, torch.float32)  # bf16 contributions, float32 additions
         assert torch.equal(got["wire_bf16"], want)
         assert torch.equal(got["bf16_into_fp32_acc"], (torch.ones(slice_numel) + want))
+        ring_want = _ordered_sum(rounded, rank, torch.float32, "ring", partial_dtype=torch.bfloat16)
+        assert torch.equal(got["ring_wire_bf16"], ring_want)
+        # (1 + partial) + own: every float32 addition here is exact (bf16 values of magnitude ~1000)
+        assert torch.equal(got["ring_bf16_into_fp32_acc"], torch.ones(slice_numel) + ring_want)
         assert int(got["bytes"]) == numel * 2 * (world_size - 1) // world_size  # bf16 bytes on the wire
         truth = sum(p.double() for p in parts)
         err_fp32_acc = (got["wire_bf16"].double() - truth).abs().mean()
@@ -201,13 +229,14 @@ def test_sizes_that_do_not_divide_are_rejected_by_name() -> None:
     assert "reduce_scatter: the whole buffer has 7 elements but the slice 3 x 2 ranks = 6" in msg
 
 
-def _diverge() -> str:
+def _diverge(impl: str) -> str:
+    _use(impl)
     rank = comm.get_rank()
     os.environ["ZERO_ENGINE_COLLECTIVE_TIMEOUT"] = "60"  # the safety net; the check must fire long before
     t0 = time.monotonic()
     try:
-        comm.all_gather(torch.zeros(8), torch.zeros(4)) if rank == 1 else comm.reduce_scatter(
-            torch.zeros(2), torch.zeros(4), key=3)
+        comm.all_gather(torch.zeros(12), torch.zeros(4)) if rank == 1 else comm.reduce_scatter(
+            torch.zeros(2), torch.zeros(6), key=3)
         handle = None
     except RuntimeError as e:
         handle = str(e)
@@ -216,17 +245,19 @@ def _diverge() -> str:
     return f"{time.monotonic() - t0:.1f}s|{handle}"
 
 
-def test_ranks_issuing_different_collectives_get_an_error_naming_both() -> None:
-    per_rank = run_distributed(_diverge, 2, timeout=60)
+@pytest.mark.parametrize("impl", ["p2p", "ring"])
+def test_ranks_issuing_different_collectives_get_an_error_naming_both(impl: str) -> None:
+    per_rank = run_distributed(_diverge, 3, args=(impl,), timeout=60)
     for rank, result in enumerate(per_rank):
         took, msg = result.split("|", 1)
         assert float(took[:-1]) < 10, result
-        assert "reduce_scatter(numel=4, float32, key=3) as its collective #1" in msg
-        assert "all_gather(numel=8, float32, key=0) as its collective #1" in msg
+        assert "reduce_scatter(numel=6, float32, key=3) as its collective #1" in msg
+        assert "all_gather(numel=12, float32, key=0) as its collective #1" in msg
         assert f"rank {rank} issued" in msg and "not issuing the same collectives" in msg
 
 
-def _many_in_flight() -> list[torch.Tensor]:
+def _many_in_flight(impl: str) -> list[torch.Tensor]:
+    _use(impl)
     rank, n = comm.get_rank(), comm.get_world_size()
     g = torch.Generator().manual_seed(7)
     order = torch.randperm(6, generator=g).tolist()  # the same random completion order on every rank
@@ -242,9 +273,10 @@ def _many_in_flight() -> list[torch.Tensor]:
     return [b[rank * 1000:(rank + 1) * 1000].clone() if i % 2 == 0 else b.clone() for i, b in enumerate(bufs)]
 
 
-def test_several_collectives_in_flight_complete_in_any_order() -> None:
+@pytest.mark.parametrize("impl", ["p2p", "ring"])
+def test_several_collectives_in_flight_complete_in_any_order(impl: str) -> None:
     n = 3
-    per_rank = run_distributed(_many_in_flight, n)
+    per_rank = run_distributed(_many_in_flight, n, args=(impl,))
     for rank, got in enumerate(per_rank):
         for i, t in enumerate(got):
             if i % 2 == 0:
@@ -313,7 +345,7 @@ def _collectives_config(value: str | None) -> tuple[str, int]:
     return impl, sent
 
 
-@pytest.mark.parametrize(("value", "impl", "factor"), [(None, "p2p", 1), ("engine", "p2p", 1), ("native", "native", 2)])
+@pytest.mark.parametrize(("value", "impl", "factor"), [(None, "p2p", 1), ("engine", "p2p", 1), ("ring", "ring", 1), ("native", "native", 2)])
 def test_the_config_chooses_the_collectives(value: str | None, impl: str, factor: int) -> None:
     for got_impl, sent in run_distributed(_collectives_config, 2, args=(value,)):
         assert got_impl == impl and sent == factor * 16  # 8 fp32 elements, half sent; gloo's native: twice
@@ -323,4 +355,4 @@ def test_an_unknown_collectives_value_is_refused_by_name() -> None:
     from engine.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="collectives"):
-        load_config({"train_batch_size": 1, "collectives": "ring"}, world_size=1, world_size_source="test")
+        load_config({"train_batch_size": 1, "collectives": "tree"}, world_size=1, world_size_source="test")

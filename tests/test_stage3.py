@@ -146,13 +146,14 @@ def _check(results: list[dict[str, Any]], expected: dict[str, torch.Tensor], ato
         torch.testing.assert_close(result["evaluated"], result["whole"], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("world_size,gas,native", [(2, 1, False), (2, 4, False), (4, 1, False), (4, 1, True)])
+@pytest.mark.parametrize("world_size,gas,collectives", [(2, 1, "engine"), (2, 4, "engine"), (4, 1, "engine"),
+                                                        (4, 1, "native"), (4, 1, "ring")])
 @pytest.mark.parametrize("twice", [False, True])
-def test_stage3_matches_single_process(world_size: int, gas: int, native: bool, twice: bool) -> None:
+def test_stage3_matches_single_process(world_size: int, gas: int, collectives: str, twice: bool) -> None:
     clip = 0.05
     options = {"twice": twice}
-    # native: torch's reduce-scatter/all-gather instead of the engine's point-to-point ones on gloo.
-    env = {"ZERO_ENGINE_NATIVE_COLLECTIVES": "1"} if native else {}
+    # engine: the point-to-point direct exchanges on gloo; ring: the rings; native: torch's collectives.
+    env = {"ZERO_ENGINE_COLLECTIVES": collectives}
     results = run_distributed(_train, world_size, args=(gas, clip, options, {}), env=env)
     _check(results, reference(gas, world_size, clip, options), ATOL)
 

@@ -105,12 +105,13 @@ def _train(stage: int, gas: int, clip: float, zero: dict[str, Any]) -> dict[str,
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world_size,gas,native", [(1, 4, False), (2, 1, False), (2, 4, False), (4, 1, False),
-                                                   (4, 4, False), (4, 4, True)])
-def test_matches_single_process(stage: int, world_size: int, gas: int, native: bool) -> None:
+@pytest.mark.parametrize("world_size,gas,collectives", [(1, 4, "engine"), (2, 1, "engine"), (2, 4, "engine"),
+                                                        (4, 1, "engine"), (4, 4, "engine"), (4, 4, "native"),
+                                                        (4, 4, "ring")])
+def test_matches_single_process(stage: int, world_size: int, gas: int, collectives: str) -> None:
     clip = 0.05  # below the real norms: clipping happens on every step
-    # native: torch's reduce-scatter/all-gather instead of the engine's point-to-point ones on gloo.
-    env = {"ZERO_ENGINE_NATIVE_COLLECTIVES": "1"} if native else {}
+    # engine: the point-to-point direct exchanges on gloo; ring: the rings; native: torch's collectives.
+    env = {"ZERO_ENGINE_COLLECTIVES": collectives}
     results = run_distributed(_train, world_size, args=(stage, gas, clip, {}), env=env)
     expected = reference(STEPS, gas, world_size, clip)
     for rank, result in enumerate(results):

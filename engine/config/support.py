@@ -181,8 +181,9 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry("collectives", S.IMPLEMENTED, PRESENT,
           'engine-specific, not a DeepSpeed key: "engine" (default; on gloo the engine\'s point-to-point '
-          'reduce-scatter and all-gather, torch\'s elsewhere) or "native" (torch\'s everywhere, as '
-          "ZERO_ENGINE_NATIVE_COLLECTIVES=1 does)"),
+          'reduce-scatter and all-gather as direct exchanges, torch\'s elsewhere), "ring" (the same as rings: '
+          'two neighbours per rank, N-1 steps; for large groups on thin networks) or "native" (torch\'s '
+          "everywhere); ZERO_ENGINE_COLLECTIVES=engine|ring|native overrides it"),
     Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)"),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
