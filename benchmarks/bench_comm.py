@@ -16,7 +16,9 @@ and the all-gather output are that same size) it times, round-robin so that drif
    all-gather of a bf16 buffer of the same element count, and their sum;
 5. the ZeRO-3 pattern: all-gather, all-gather, reduce-scatter; ours timed as one sequence, torch's the
    sum of its parts' medians (its collectives keep no state between calls; timing the sequence too
-   would add its slowest row to every round).
+   would add its slowest row to every round);
+6. ours as rings (engine/comm_ring.py, ZERO_ENGINE_COLLECTIVES=ring): reduce-scatter and all-gather,
+   fp32, and their sum: the schedule the engine offers beside its default direct exchanges.
 
 Each time is the median over repeats, after one warm-up call, of the slowest rank's time (every rank
 waits at a barrier, then times its own call; the per-repeat maximum over ranks is taken). Bus bandwidth:
@@ -59,6 +61,7 @@ from machine import machine_facts
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MIB = 2**20
 NATIVE_ENV = "ZERO_ENGINE_NATIVE_COLLECTIVES"
+CHOICE_ENV = "ZERO_ENGINE_COLLECTIVES"
 GOAL_RS_AG, GOAL_ZERO3, GOAL_BF16 = 1.2, 1.7, 0.6
 FULL_CHECK_MIB = 16  # up to this size the check also covers in place, async and torch's own results
 
@@ -194,6 +197,17 @@ def _selection(comm: Any) -> list[str]:
     return found
 
 
+def _as_ring(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn with comm's ring schedule chosen (engine/comm_ring.py) for its duration."""
+    def run() -> Any:
+        os.environ[CHOICE_ENV] = "ring"
+        try:
+            return fn()
+        finally:
+            os.environ.pop(CHOICE_ENV, None)
+    return run
+
+
 def _bench_size(comm: Any, dist: Any, mib: float, repeats: int | None, has_wire: bool) -> dict[str, Any]:
     """One buffer size on every rank: check, warm up, time; returns the row (the same on every rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -239,6 +253,13 @@ def _bench_size(comm: Any, dist: Any, mib: float, repeats: int | None, has_wire:
         rs_out.zero_()
         first_call("bf16_rs", lambda: comm.reduce_scatter(rs_out, rs_in16), rs_out, expect.rs_wire_problem)
     first_call("bf16_ag", lambda: comm.all_gather(ag16_out, ag16_in), ag16_out, expect.ag_problem)
+    has_ring = "ring" in getattr(comm, "COLLECTIVES", ())
+    if has_ring:
+        _fill_input(rs_in, rank, world, size_key)
+        rs_out.zero_()
+        first_call("ring_rs", _as_ring(lambda: comm.reduce_scatter(rs_out, rs_in)), rs_out, expect.rs_problem)
+        ag_out.zero_()
+        first_call("ring_ag", _as_ring(lambda: comm.all_gather(ag_out, ag_in)), ag_out, expect.ag_problem)
     del expect
 
     def z3_ours() -> None:
@@ -255,6 +276,8 @@ def _bench_size(comm: Any, dist: Any, mib: float, repeats: int | None, has_wire:
         "bf16_rs": (lambda: comm.reduce_scatter(rs_out, rs_in16)) if has_wire else None,
         "bf16_ag": lambda: comm.all_gather(ag16_out, ag16_in),
         "z3_ours": z3_ours,
+        "ring_rs": _as_ring(lambda: comm.reduce_scatter(rs_out, rs_in)) if has_ring else None,
+        "ring_ag": _as_ring(lambda: comm.all_gather(ag_out, ag_in)) if has_ring else None,
     }
     for name in ("torch_ar", "torch_rs", "torch_ag", "z3_ours"):  # ours were warmed up by the check
         fns[name]()
@@ -295,6 +318,7 @@ def _bench_world(sizes_mib: list[float], repeats: int | None) -> dict[str, Any]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     os.environ.pop(NATIVE_ENV, None)  # "ours" = comm's default selection
+    os.environ.pop(CHOICE_ENV, None)
     has_wire = "wire_dtype" in inspect.signature(comm.reduce_scatter).parameters
     torch_rs, torch_ag = _torch_collectives(dist)
     out: dict[str, Any] = {"world": world, "has_wire": has_wire, "selection": _selection(comm),
@@ -383,7 +407,7 @@ def _sums(row: dict[str, Any]) -> dict[str, float | None]:
         return sum(m[k] for k in keys) if all(k in m for k in keys) else None
 
     return {"torch_rsag": add("torch_rs", "torch_ag"), "ours_rsag": add("ours_rs", "ours_ag"),
-            "bf16_rsag": add("bf16_rs", "bf16_ag")}
+            "bf16_rsag": add("bf16_rs", "bf16_ag"), "ring_rsag": add("ring_rs", "ring_ag")}
 
 
 def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
@@ -398,8 +422,9 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
         "Median ms of the slowest rank (bus GB/s in brackets).",
         "",
         ("| MiB/rank | torch AR | torch RS | torch AG | torch RS+AG | ours RS | ours AG | ours RS+AG | "
-         "ours bf16 RS | ours bf16 AG | ours bf16 RS+AG | ZeRO-3 torch (2 AG + RS) | ZeRO-3 ours |"),
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+         "ours bf16 RS | ours bf16 AG | ours bf16 RS+AG | ZeRO-3 torch (2 AG + RS) | ZeRO-3 ours | "
+         "ring RS | ring AG | ring RS+AG |"),
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in res["sizes"]:
         m, s = row["median"], _sums(row)
@@ -416,6 +441,7 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
             cell(m["ours_rs"], frac * b32), cell(m["ours_ag"], frac * b32), cell(s["ours_rsag"], 2 * frac * b32),
             cell(m.get("bf16_rs"), frac * b16), cell(m["bf16_ag"], frac * b16), cell(s["bf16_rsag"], 2 * frac * b16),
             cell(m["z3_torch"], 3 * frac * b32), cell(m["z3_ours"], 3 * frac * b32),
+            cell(m.get("ring_rs"), frac * b32), cell(m.get("ring_ag"), frac * b32), cell(s["ring_rsag"], 2 * frac * b32),
         ]) + " |")
 
     def judged(value: float | None, goal: float, row: dict[str, Any]) -> str:
@@ -431,8 +457,8 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
         "",
         (f"| MiB/rank | torch RS+AG / AR | ours RS+AG / AR (goal <= {GOAL_RS_AG}, theory 1.0) | torch ZeRO-3 / AR | "
          f"ours ZeRO-3 / AR (goal <= {GOAL_ZERO3}, theory 1.5) | bf16 wire / fp32, ours (goal <= {GOAL_BF16}) | "
-         "repeats | check (ours vs exact) |"),
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+         "ring RS+AG / AR | repeats | check (ours vs exact) |"),
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in res["sizes"]:
         m, s = row["median"], _sums(row)
@@ -441,7 +467,9 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
         check = "ok" if not row["problems"] else "**FAILED**: " + "; ".join(row["problems"])
         lines.append(f"| {row['mib']:g} | {s['torch_rsag'] / ar:.2f} | {judged(s['ours_rsag'] / ar, GOAL_RS_AG, row)} | "
                      f"{m['z3_torch'] / ar:.2f} | {judged(m['z3_ours'] / ar, GOAL_ZERO3, row)} | "
-                     f"{judged(bf16, GOAL_BF16, row)} | {row['repeats']} | {check} |")
+                     f"{judged(bf16, GOAL_BF16, row)} | "
+                     f"{'n/a' if s['ring_rsag'] is None else format(s['ring_rsag'] / ar, '.2f')} | "
+                     f"{row['repeats']} | {check} |")
 
     lines += [
         "",
@@ -548,6 +576,7 @@ def plot(results: list[dict[str, Any]], path: str) -> bool:
             "torch RS+AG": ([_sums(row)["torch_rsag"] for row in res["sizes"]], "#8c8c8c", "-"),
             "ours RS+AG": ([_sums(row)["ours_rsag"] for row in res["sizes"]], "#4c72b0", "-"),
             "ours bf16 wire RS+AG": ([_sums(row)["bf16_rsag"] for row in res["sizes"]], "#55a868", "-"),
+            "ring RS+AG": ([_sums(row)["ring_rsag"] for row in res["sizes"]], "#8172b3", "--"),
         }
         for label, (vals, color, style) in series.items():
             pts = [(s, v * 1e3) for s, v in zip(sizes, vals) if v is not None]

@@ -215,7 +215,8 @@ def collectives_impl() -> str:
 
     On gloo with more than one rank the engine's own: gloo's reduce_scatter is an all-reduce plus a
     slice (2x the bytes) and its all-gather runs 2.5-3.7x slower than an all-reduce of the same size;
-    direct exchanges unless "ring" was chosen. NCCL and other backends keep their own. The choice is
+    direct exchanges unless "ring" was chosen (with more than two ranks: with two, a ring is the
+    direct exchange, without the ring's progress thread). NCCL and other backends keep their own. The choice is
     the config's "collectives" (set_collectives); the environment overrides it: ZERO_ENGINE_COLLECTIVES
     = engine | ring | native, or ZERO_ENGINE_NATIVE_COLLECTIVES=1 (the older spelling of native).
     """
@@ -224,8 +225,9 @@ def collectives_impl() -> str:
         choice = "native"
     if choice not in COLLECTIVES:
         raise ValueError(f"ZERO_ENGINE_COLLECTIVES={choice!r}: expected one of {', '.join(COLLECTIVES)}")
-    if get_world_size() > 1 and get_backend() == "gloo" and choice != "native":
-        return "ring" if choice == "ring" else "p2p"
+    n = get_world_size()
+    if n > 1 and get_backend() == "gloo" and choice != "native":
+        return "ring" if choice == "ring" and n > 2 else "p2p"  # two ranks: a ring is the pairwise exchange
     return "native"
 
 
