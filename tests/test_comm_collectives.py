@@ -285,6 +285,32 @@ def test_several_collectives_in_flight_complete_in_any_order(impl: str) -> None:
                 assert torch.equal(t, torch.cat([torch.full((1000,), float(r + i)) for r in range(n)]))
 
 
+def _ring_progresses_while_computing() -> dict[str, object]:
+    _use("ring")
+    rank, n = comm.get_rank(), comm.get_world_size()
+    x = torch.full((n * 300_000,), float(rank + 1))
+    out = torch.empty(300_000)
+    handle = comm.reduce_scatter(out, x, async_op=True)
+    a = torch.randn(256, 256)
+    t0 = time.monotonic()
+    matmuls = 0
+    while not handle.is_completed() and time.monotonic() - t0 < 30:  # compute, never wait
+        a = torch.tanh(a @ a)
+        matmuls += 1
+    done_before_wait = handle.is_completed()
+    handle.wait()
+    return {"done_before_wait": done_before_wait, "matmuls": matmuls, "out": out}
+
+
+def test_ring_collectives_complete_while_the_caller_computes() -> None:
+    # The ring's steps need local work between transfers: its progress thread does it, so the
+    # collective finishes without wait() being called.
+    n = 3
+    for got in run_distributed(_ring_progresses_while_computing, n):
+        assert got["done_before_wait"], got["matmuls"]
+        assert torch.equal(got["out"], torch.full((300_000,), float(sum(range(1, n + 1)))))
+
+
 def _bucket_sizes() -> dict[str, object]:
     import logging
 
