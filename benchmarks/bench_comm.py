@@ -538,7 +538,10 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], errors
          "(the flat-tensor reduce-scatter and all-gather; reduce_scatter_tensor / all_gather_into_tensor in "
          "older torch). bf16 wire = comm.reduce_scatter(fp32 out, bf16 bucket) (fp32 accumulation) "
          "+ comm.all_gather of a bf16 buffer of the same element count; "
-         "\"bf16 wire / fp32\" = its sum over ours fp32 RS+AG."),
+         "\"bf16 wire / fp32\" = its sum over ours fp32 RS+AG. ring = the same fp32 calls with "
+         "ZERO_ENGINE_COLLECTIVES=ring (engine/comm_ring.py, checked like ours); with 2 ranks a ring is the "
+         "pairwise exchange and comm runs the direct one, so there the ring columns time the same code as "
+         "ours and their difference is this machine's noise."),
         ("Check, once per configuration (world size and buffer size), on every rank: the first call of each "
          "timed form of ours (out of place, async_op=False: reduce_scatter fp32, bf16-wire reduce_scatter, "
          "all_gather fp32 and bf16) on fresh deterministic inputs, against the exact result each rank computes "
@@ -576,7 +579,8 @@ def plot(results: list[dict[str, Any]], path: str) -> bool:
             "torch RS+AG": ([_sums(row)["torch_rsag"] for row in res["sizes"]], "#8c8c8c", "-"),
             "ours RS+AG": ([_sums(row)["ours_rsag"] for row in res["sizes"]], "#4c72b0", "-"),
             "ours bf16 wire RS+AG": ([_sums(row)["bf16_rsag"] for row in res["sizes"]], "#55a868", "-"),
-            "ring RS+AG": ([_sums(row)["ring_rsag"] for row in res["sizes"]], "#8172b3", "--"),
+            "ring RS+AG" + (" (2 ranks: the direct code)" if res["world"] == 2 else ""):
+                ([_sums(row)["ring_rsag"] for row in res["sizes"]], "#8172b3", "--"),
         }
         for label, (vals, color, style) in series.items():
             pts = [(s, v * 1e3) for s, v in zip(sizes, vals) if v is not None]
