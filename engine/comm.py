@@ -449,6 +449,7 @@ def destroy_process_group() -> None:
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.link, _state.p2p_seq = None, 0  # a new group is measured and counted afresh
+    comm_ring.PROGRESS.reset()
     _state.owns_group = False
     _state.world_size_source = "not initialised"
 

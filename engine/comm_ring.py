@@ -79,6 +79,10 @@ class _Progress:
         self._jobs.put(job)
         return RingWork(job)
 
+    def reset(self) -> None:
+        """Forget a failure (the process group it belonged to was destroyed; a new one starts clean)."""
+        self._failed = None
+
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()

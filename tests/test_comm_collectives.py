@@ -311,6 +311,25 @@ def test_ring_collectives_complete_while_the_caller_computes() -> None:
         assert torch.equal(got["out"], torch.full((300_000,), float(sum(range(1, n + 1)))))
 
 
+def test_after_a_failed_ring_collective_later_ones_fail_until_the_group_is_replaced() -> None:
+    # A failed ring collective leaves transfers that can never match: every later one fails with the
+    # same error instead of hanging; a new process group (destroy_process_group resets it) starts clean.
+    from engine.comm_ring import _Progress
+
+    progress, ran = _Progress(), []
+
+    def fail() -> None:
+        raise RuntimeError("rank 0 issued reduce_scatter(...) but rank 1 issued all_gather(...)")
+
+    with pytest.raises(RuntimeError, match="rank 1 issued all_gather"):
+        progress.submit(fail).wait()
+    with pytest.raises(RuntimeError, match="rank 1 issued all_gather"):
+        progress.submit(lambda: ran.append(1)).wait()
+    assert ran == []
+    progress.reset()
+    assert progress.submit(lambda: ran.append(2)).wait() and ran == [2]
+
+
 def _bucket_sizes() -> dict[str, object]:
     import logging
 
