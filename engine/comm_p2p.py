@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -204,26 +204,57 @@ def exchange_signatures(transport: Transport, mine: Signature, rank: int, n: int
     return Signatures(rank, mine, received, sent)
 
 
-def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-                   seq: int, key: int, wire: torch.dtype, accumulate_into: bool) -> P2PWork:
-    """Start: output (=, or += with accumulate_into) the sum over ranks of slice `rank` of their
-    inputs, each contribution rounded to `wire`, summed in output's dtype. See the module docstring."""
+class ReduceScatterStart(NamedTuple):
+    c: int
+    """Elements per rank."""
+    source: torch.Tensor
+    """(n, c): what this rank contributes, in the wire dtype (the input itself, or a cast copy)."""
+    in_place: bool
+    """output is this rank's slice of the input."""
+    signatures: Signatures
+    release: list[torch.Tensor]
+    """Pool buffers to give back when the collective is done."""
+
+
+def open_reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
+                        seq: int, key: int, wire: torch.dtype, accumulate_into: bool) -> ReduceScatterStart:
+    """What every reduce-scatter schedule does first: check the arguments, send the signature, and
+    round every contribution (this rank's own included) to the wire dtype once."""
     c = input.numel() // n
     chunks = input.view(n, c)
     in_place = output.data_ptr() == chunks[rank].data_ptr() and output.dtype == input.dtype
     if in_place and accumulate_into:
         raise ValueError("reduce_scatter: accumulating into output is impossible when output is the input's own slice")
-    mine = Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key)
-    signatures = exchange_signatures(transport, mine, rank, n)
+    signatures = exchange_signatures(transport, Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key),
+                                     rank, n)
+    if wire == input.dtype:
+        return ReduceScatterStart(c, chunks, in_place, signatures, [])
+    cast = POOL.take(n * c, wire, input.device)
+    _set(cast, input.view(-1))
+    return ReduceScatterStart(c, cast.view(n, c), in_place, signatures, [cast])
+
+
+def open_all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int,
+                    key: int) -> tuple[int, torch.Tensor, Signatures]:
+    """What every all-gather schedule does first: put this rank's input in place, send the signature.
+    Returns (elements per rank, output viewed as (n, c), the signatures)."""
+    c = output.numel() // n
+    chunks = output.view(n, c)
+    if input.data_ptr() != chunks[rank].data_ptr():
+        chunks[rank].copy_(input.view(-1))
+    mine = Signature(seq, "all_gather", output.numel(), output.dtype, output.dtype, key)
+    return c, chunks, exchange_signatures(transport, mine, rank, n)
+
+
+def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
+                   seq: int, key: int, wire: torch.dtype, accumulate_into: bool) -> P2PWork:
+    """Start: output (=, or += with accumulate_into) the sum over ranks of slice `rank` of their
+    inputs, each contribution rounded to `wire`, summed in output's dtype. See the module docstring."""
+    start = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq, key=key, wire=wire,
+                                accumulate_into=accumulate_into)
+    c, source, in_place, signatures, release = start
+    mine = signatures.mine
     sends: list[PendingWork] = []
-    release: list[torch.Tensor] = []
-    if wire != input.dtype:  # round every contribution (this rank's own included) to the wire dtype once
-        cast = POOL.take(n * c, wire, input.device)
-        _set(cast, input.view(-1))
-        release.append(cast)
-        source = cast.view(n, c)
-    else:
-        source = chunks
     received = POOL.take((n - 1) * c, wire, input.device).view(n - 1, c)
     release.append(received.view(-1))
     tag = mine.tag()
@@ -257,14 +288,9 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
 def all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
                seq: int, key: int) -> P2PWork:
     """Start: output = every rank's input, in rank order, received straight into output."""
-    c = output.numel() // n
-    chunks = output.view(n, c)
-    if input.data_ptr() != chunks[rank].data_ptr():
-        chunks[rank].copy_(input.view(-1))
-    mine = Signature(seq, "all_gather", output.numel(), output.dtype, output.dtype, key)
-    signatures = exchange_signatures(transport, mine, rank, n)
+    _, chunks, signatures = open_all_gather(transport, output, input, rank=rank, n=n, seq=seq, key=key)
     sends: list[PendingWork] = []
-    tag = mine.tag()
+    tag = signatures.mine.tag()
     steps: list[tuple[PendingWork, Callable[[], None] | None]] = []
     for k in range(1, n):
         steps.append((transport.irecv(chunks[(rank - k) % n], (rank - k) % n, tag), None))

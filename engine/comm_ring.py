@@ -31,7 +31,7 @@ from datetime import timedelta
 
 import torch
 
-from engine.comm_p2p import POOL, PendingWork, Signature, Transport, _add, _segments, _set, exchange_signatures
+from engine.comm_p2p import POOL, PendingWork, Transport, _add, _segments, _set, open_all_gather, open_reduce_scatter
 
 
 class _Job:
@@ -89,7 +89,7 @@ class _Progress:
             if self._failed is None:
                 try:
                     job.run()
-                except BaseException as err:  # reported to the waiter, never lost on this thread
+                except BaseException as err:  # noqa: BLE001 - reported to the waiter, never lost here
                     self._failed = err
             job.error = self._failed
             job.finished.set()
@@ -102,23 +102,10 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
                    seq: int, key: int, wire: torch.dtype, accumulate_into: bool) -> RingWork:
     """Start: output (=, or += with accumulate_into) the sum over ranks of slice `rank` of their
     inputs, summed around the ring (see the module docstring)."""
-    c = input.numel() // n
-    chunks = input.view(n, c)
-    in_place = output.data_ptr() == chunks[rank].data_ptr() and output.dtype == input.dtype
-    if in_place and accumulate_into:
-        raise ValueError("reduce_scatter: accumulating into output is impossible when output is the input's own slice")
-    mine = Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key)
-    signatures = exchange_signatures(transport, mine, rank, n)
+    c, source, _, signatures, release = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq,
+                                                            key=key, wire=wire, accumulate_into=accumulate_into)
     sends: list[PendingWork] = []
-    release: list[torch.Tensor] = []
-    if wire != input.dtype:  # every contribution is rounded to the wire dtype once, at its source
-        cast = POOL.take(n * c, wire, input.device)
-        _set(cast, input.view(-1))
-        release.append(cast)
-        source = cast.view(n, c)
-    else:
-        source = chunks
-    left, right, tag = (rank - 1) % n, (rank + 1) % n, mine.tag()
+    left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
     segments = _segments(c, torch.empty((), dtype=wire).element_size())
     partial = POOL.take((n - 1) * c, wire, input.device).view(n - 1, c)  # step s receives into row s
     release.append(partial.view(-1))
@@ -157,14 +144,9 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
 def all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
                seq: int, key: int) -> RingWork:
     """Start: output = every rank's input, in rank order, each chunk forwarded around the ring."""
-    c = output.numel() // n
-    chunks = output.view(n, c)
-    if input.data_ptr() != chunks[rank].data_ptr():
-        chunks[rank].copy_(input.view(-1))
-    mine = Signature(seq, "all_gather", output.numel(), output.dtype, output.dtype, key)
-    signatures = exchange_signatures(transport, mine, rank, n)
+    c, chunks, signatures = open_all_gather(transport, output, input, rank=rank, n=n, seq=seq, key=key)
     sends: list[PendingWork] = []
-    left, right, tag = (rank - 1) % n, (rank + 1) % n, mine.tag()
+    left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
     segments = _segments(c, output.element_size())
     recvs = [[transport.irecv(chunks[(rank - 1 - s) % n, a:b], left, tag) for a, b in segments]
              for s in range(n - 1)]

@@ -23,7 +23,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -43,7 +44,7 @@ def _context() -> Any:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-            env: dict[str, str], results: "mp.Queue[tuple[int, bool, Any]]") -> None:
+            env: dict[str, str], results: mp.Queue[tuple[int, bool, Any]]) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -69,7 +70,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple[Any, ..
                     timeout: float = 120.0, env: dict[str, str] | None = None) -> list[Any]:
     """Run fn(*args) on `world_size` processes; return the per-rank results, rank order."""
     ctx = _context()
-    results: "mp.Queue[tuple[int, bool, Any]]" = ctx.Queue()
+    results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, {**os.environ, **(env or {})}, results), daemon=True)
              for r in range(world_size)]
