@@ -345,11 +345,13 @@ def _bucket_sizes() -> dict[str, object]:
     logging.getLogger("engine").addHandler(Keep())
     logging.getLogger("engine").setLevel(logging.INFO)
     given = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123, allgather_bucket_size=456), 4)
+    # Stage 0 all-gathers nothing: its unset allgather_bucket_size is not measured for.
+    stage0 = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123), 4, gathers=False)
     measured_before = comm._state.link  # the config's values win without measuring anything
     stats_before = comm.comm_stats()
     chosen = bucket_sizes.resolve(ZeroConfig(allgather_bucket_size=789), 2)
     link = comm.measure_link()
-    return {"given": given, "measured_before": measured_before, "chosen": chosen, "link": link,
+    return {"given": given, "stage0": stage0, "measured_before": measured_before, "chosen": chosen, "link": link,
             "stats_unchanged": comm.comm_stats() == stats_before, "log": records}
 
 
@@ -362,7 +364,7 @@ def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() 
     want = link.bucket_bytes() // 2
     assert comm.MIN_BUCKET_BYTES <= link.bucket_bytes() <= comm.MAX_BUCKET_BYTES
     for rank, r in enumerate(per_rank):
-        assert r["given"] == (123, 456) and r["measured_before"] is None
+        assert r["given"] == (123, 456) and r["stage0"] == (123, 500_000_000) and r["measured_before"] is None
         assert r["chosen"] == (want, 789)  # the unset one measured, the set one kept
         assert r["stats_unchanged"], "the probe's traffic is not the user's"
         logged = [m for m in r["log"] if m.startswith("bucket size")]

@@ -18,9 +18,12 @@ logger = get_logger()
 _DEEPSPEED_DEFAULT = 500_000_000
 
 
-def resolve(zero: ZeroConfig, element_size: int) -> tuple[int, int]:
-    """(reduce_bucket_size, allgather_bucket_size) in elements of `element_size` bytes."""
+def resolve(zero: ZeroConfig, element_size: int, *, gathers: bool = True) -> tuple[int, int]:
+    """(reduce_bucket_size, allgather_bucket_size) in elements of `element_size` bytes. gathers=False
+    (stage 0 all-gathers nothing): an unset allgather_bucket_size is neither measured nor logged."""
     reduce, gather = zero.reduce_bucket_size, zero.allgather_bucket_size
+    if not gathers:
+        gather = gather or _DEEPSPEED_DEFAULT
     if reduce is not None and gather is not None:
         return reduce, gather
     if comm.get_world_size() == 1:  # nothing travels: one bucket is cheapest

@@ -86,7 +86,8 @@ class Stage0:
         self._grad_view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat buffer
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        reduce_size, _ = bucket_sizes.resolve(config.zero, max((p.element_size() for p in arrival), default=4))
+        reduce_size, _ = bucket_sizes.resolve(config.zero, max((p.element_size() for p in arrival), default=4),
+                                              gathers=False)
         for dtype in dict.fromkeys(p.dtype for p in arrival):
             of_dtype = [p for p in arrival if p.dtype == dtype]
             flat = torch.zeros(sum(p.numel() for p in of_dtype), dtype=dtype, device=of_dtype[0].device)
