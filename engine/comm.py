@@ -215,10 +215,11 @@ def collectives_impl() -> str:
 
     On gloo with more than one rank the engine's own: gloo's reduce_scatter is an all-reduce plus a
     slice (2x the bytes) and its all-gather runs 2.5-3.7x slower than an all-reduce of the same size;
-    direct exchanges unless "ring" was chosen (with more than two ranks: with two, a ring is the
-    direct exchange, without the ring's progress thread). NCCL and other backends keep their own. The choice is
-    the config's "collectives" (set_collectives); the environment overrides it: ZERO_ENGINE_COLLECTIVES
-    = engine | ring | native, or ZERO_ENGINE_NATIVE_COLLECTIVES=1 (the older spelling of native).
+    direct exchanges unless "ring" was chosen with more than two ranks (a ring of two is the direct
+    exchange, which needs no progress thread). NCCL and other backends keep their own. The choice is
+    the config's "collectives" (set_collectives); the environment overrides it:
+    ZERO_ENGINE_COLLECTIVES=engine|ring|native, or ZERO_ENGINE_NATIVE_COLLECTIVES=1 (native's older
+    spelling).
     """
     choice = os.environ.get("ZERO_ENGINE_COLLECTIVES", _state.collectives)
     if os.environ.get("ZERO_ENGINE_NATIVE_COLLECTIVES", "0") == "1":

@@ -44,6 +44,8 @@ class _Job:
 
 
 class RingWork:
+    """Handle of one ring collective: wait() waits for the progress thread to finish it."""
+
     def __init__(self, job: _Job) -> None:
         self._job = job
 
