@@ -171,13 +171,14 @@ def _wait(work: PendingWork, timeout: timedelta | None) -> None:
         work.wait(timeout)
 
 
-def _segments(numel: int, element_size: int) -> list[tuple[int, int]]:
+def split_segments(numel: int, element_size: int) -> list[tuple[int, int]]:
+    """[0, numel) in up to MAX_SEGMENTS pieces of at least SEGMENT_BYTES."""
     segment_bytes = int(os.environ.get("ZERO_ENGINE_SEGMENT_BYTES", str(SEGMENT_BYTES)))
     step = max(1, segment_bytes // element_size, -(-numel // MAX_SEGMENTS))
     return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
 
-def _set(dst: torch.Tensor, src: torch.Tensor) -> None:
+def assign(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst = src, cast in one fused pass where the dtypes differ (torch's cast runs 5-10x slower)."""
     if dst.dtype != src.dtype and dst.dtype in SUPPORTED_DTYPES and src.dtype in SUPPORTED_DTYPES:
         copy_into(dst, [src], [0])
@@ -185,7 +186,7 @@ def _set(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _add(dst: torch.Tensor, src: torch.Tensor) -> None:
+def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst += src in float32 math, rounded once into dst (the fused op where it applies)."""
     if (dst.dtype, src.dtype) in SUPPORTED_PAIRS:
         accumulate(dst, src)
@@ -230,7 +231,7 @@ def open_reduce_scatter(transport: Transport, output: torch.Tensor, input: torch
     if wire == input.dtype:
         return ReduceScatterStart(c, chunks, in_place, signatures, [])
     cast = POOL.take(n * c, wire, input.device)
-    _set(cast, input.view(-1))
+    assign(cast, input.view(-1))
     return ReduceScatterStart(c, cast.view(n, c), in_place, signatures, [cast])
 
 
@@ -258,7 +259,7 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
     received = POOL.take((n - 1) * c, wire, input.device).view(n - 1, c)
     release.append(received.view(-1))
     tag = mine.tag()
-    segments = _segments(c, torch.empty((), dtype=wire).element_size())
+    segments = split_segments(c, torch.empty((), dtype=wire).element_size())
     peers_in = [(rank + k) % n for k in range(1, n)]  # the summation order after our own slice
     recvs: dict[tuple[int, int], PendingWork] = {}
     for j, (a, b) in enumerate(segments):  # segment-major: every peer's first segment arrives first
@@ -272,14 +273,14 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
     own = source[rank]
     if not in_place:
         if accumulate_into:
-            _add(output, own)
+            add_into(output, own)
         else:
-            _set(output, own)
+            assign(output, own)
     elif wire != input.dtype:
-        _set(output, own)  # the wire-rounded value, as every peer's contribution is
+        assign(output, own)  # the wire-rounded value, as every peer's contribution is
 
     def step(k: int, a: int, b: int) -> Callable[[], None]:
-        return lambda: _add(output[a:b], received[k, a:b])
+        return lambda: add_into(output[a:b], received[k, a:b])
 
     steps = [(recvs[j, k], step(k, a, b)) for j, (a, b) in enumerate(segments) for k in range(n - 1)]
     return P2PWork(signatures, steps, sends, release)

@@ -31,7 +31,16 @@ from datetime import timedelta
 
 import torch
 
-from engine.comm_p2p import POOL, PendingWork, Transport, _add, _segments, _set, open_all_gather, open_reduce_scatter
+from engine.comm_p2p import (
+    POOL,
+    PendingWork,
+    Transport,
+    add_into,
+    assign,
+    open_all_gather,
+    open_reduce_scatter,
+    split_segments,
+)
 
 
 class _Job:
@@ -108,7 +117,7 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
                                                             key=key, wire=wire, accumulate_into=accumulate_into)
     sends: list[PendingWork] = []
     left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
-    segments = _segments(c, torch.empty((), dtype=wire).element_size())
+    segments = split_segments(c, torch.empty((), dtype=wire).element_size())
     partial = POOL.take((n - 1) * c, wire, input.device).view(n - 1, c)  # step s receives into row s
     release.append(partial.view(-1))
     recvs = [[transport.irecv(partial[s, a:b], left, tag) for a, b in segments] for s in range(n - 1)]
@@ -124,17 +133,17 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
                 work.wait()
                 got, own = partial[s, a:b], source[j, a:b]
                 if s < n - 2:
-                    _add(got, own)
+                    add_into(got, own)
                     sends.append(transport.isend(got, right, tag))
                 elif direct:
-                    _add(got, own)
+                    add_into(got, own)
                     output[a:b].copy_(got)
                 else:
                     if accumulate_into:
-                        _add(output[a:b], got)
+                        add_into(output[a:b], got)
                     else:
-                        _set(output[a:b], got)
-                    _add(output[a:b], own)
+                        assign(output[a:b], got)
+                    add_into(output[a:b], own)
         for work in sends:
             work.wait()
         for buf in release:
@@ -149,7 +158,7 @@ def all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, 
     c, chunks, signatures = open_all_gather(transport, output, input, rank=rank, n=n, seq=seq, key=key)
     sends: list[PendingWork] = []
     left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
-    segments = _segments(c, output.element_size())
+    segments = split_segments(c, output.element_size())
     recvs = [[transport.irecv(chunks[(rank - 1 - s) % n, a:b], left, tag) for a, b in segments]
              for s in range(n - 1)]
     sends += [transport.isend(chunks[rank, a:b], right, tag) for a, b in segments]
