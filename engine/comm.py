@@ -8,6 +8,7 @@ Everything else goes through these wrappers so that (a) every byte sent is count
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -47,6 +48,12 @@ class _CommState:
     """The config's "collectives": "engine", "ring" or "native" (set_collectives)."""
     p2p_seq: int = 0
     """Point-to-point collectives issued so far (engine/comm_p2p.py): the same count on every rank."""
+    store: Any = None
+    """The launch environment's rendezvous store, kept for the process's life (see _init_from_env)."""
+    store_key: tuple[str, ...] = ()
+    """The environment `store` was made for (a different MASTER_PORT makes a new one)."""
+    groups_made: int = 0
+    """Groups created on `store` so far: the next group's key prefix (the same count on every rank)."""
 
 
 _state = _CommState()
@@ -113,7 +120,10 @@ def init_distributed(
             raise RuntimeError(
                 f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not; start the job with "
                 "zrun (or torchrun), or export MASTER_ADDR and MASTER_PORT")
-        dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout)
+        if init_method is None:
+            _init_from_env(backend, timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, timeout=timeout)
         _state.world_size_source = f"WORLD_SIZE={os.environ['WORLD_SIZE']} in the environment (launcher)"
     else:
         # A plain `python train.py`: one rank on an in-process store, nothing listens.
@@ -123,6 +133,29 @@ def init_distributed(
     if verbose and get_rank() == 0:
         logger.info("initialised %s process group: world size %d (%s)", backend, get_world_size(),
                     _state.world_size_source)
+
+
+def _init_from_env(backend: str, timeout: timedelta) -> None:
+    """init_process_group from the launcher's environment, on a store kept for the process's life.
+
+    # [Note: one rendezvous store per process]
+    # torch's env:// rendezvous is not repeatable across ranks: each new group writes its keys
+    # (gloo's addresses, barriers) under the same names in the same store (zrun's and torchrun's
+    # agent store outlives the group), so a rank that destroyed its group and created the next one
+    # before a slower peer destroyed its own read that peer's *old* addresses and failed or hung
+    # (a retried initialize, a destroy/initialize loop at 2 ranks: half the runs). Here the store is
+    # made once per launch environment and each group gets its own key prefix, numbered the same on
+    # every rank (every rank creates and destroys groups in the same order), so a group's keys are
+    # only ever read by members of that same group.
+    """
+    key = tuple(os.environ.get(n, "") for n in (*_LAUNCH_ENV, "TORCHELASTIC_RUN_ID"))
+    if _state.store is None or _state.store_key != key:
+        _state.store, _state.store_key = next(dist.rendezvous("env://", timeout=timeout))[0], key
+        _state.groups_made = 0
+    _state.groups_made += 1
+    store = dist.PrefixStore(f"zero_engine/group{_state.groups_made}/", _state.store)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def world_size_source() -> str:
@@ -359,50 +392,102 @@ class LinkSpeed:
     latency_s: float
     bandwidth_Bps: float
     """Bytes per second one rank moves in a reduce-scatter (its (N-1)/N share over the time)."""
+    rejected: str | None = None
+    """Why the measurement cannot be trusted (then bucket_bytes() is FALLBACK_BUCKET_BYTES), or None."""
+
+    @classmethod
+    def from_probe(cls, latency_s: float, moved_bytes: float, transfer_s: float) -> LinkSpeed:
+        """Judge one probe: a reduce-scatter moving `moved_bytes` per rank took `transfer_s`.
+
+        A transfer not clearly longer than the latency says nothing about bandwidth: dividing by their
+        difference gave 2097 GB/s once (a 4 MiB probe over a clamped 1 us), and the bucket jumped from
+        4.8 MiB to 256 MiB between two runs of one job. Such a probe, or a bandwidth no interconnect
+        has, is rejected with its reason.
+        """
+        bandwidth = moved_bytes / (transfer_s - latency_s) if transfer_s > latency_s else math.inf
+        problem = None
+        if not (math.isfinite(latency_s) and latency_s > 0 and math.isfinite(transfer_s)):
+            problem = f"latency {latency_s!r} s, transfer {transfer_s!r} s"
+        elif transfer_s < PROBE_OVER_LATENCY * latency_s:
+            problem = (f"{moved_bytes / 2**20:.1f} MiB moved in {transfer_s * 1e6:.0f} us, not clearly longer than "
+                       f"one collective's latency ({latency_s * 1e6:.0f} us)")
+        elif bandwidth > PLAUSIBLE_MAX_BANDWIDTH_BPS:
+            problem = f"{bandwidth / 1e9:.0f} GB/s per rank, more than any interconnect"
+        return cls(latency_s, bandwidth, problem)
 
     def bucket_bytes(self) -> int:
         """The bucket for which the fixed latency is LATENCY_SHARE of a collective's time: smaller
         buckets pay mostly latency, larger ones delay the first reduction (less overlap with backward)."""
+        if self.rejected is not None:
+            return FALLBACK_BUCKET_BYTES
         raw = self.latency_s * self.bandwidth_Bps * (1 - LATENCY_SHARE) / LATENCY_SHARE
         return int(min(max(raw, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES))
+
+    def reason(self) -> str:
+        """Why bucket_bytes() is what it is, for the log line."""
+        if self.rejected is not None:
+            return (f"the link measurement was implausible ({self.rejected}), so the fallback "
+                    f"{FALLBACK_BUCKET_BYTES >> 20} MiB")
+        raw = self.latency_s * self.bandwidth_Bps * (1 - LATENCY_SHARE) / LATENCY_SHARE
+        bound = (f", raised to the {MIN_BUCKET_BYTES >> 20} MiB minimum" if raw < MIN_BUCKET_BYTES else
+                 f", cut to the {MAX_BUCKET_BYTES >> 20} MiB maximum" if raw > MAX_BUCKET_BYTES else "")
+        return (f"from the measured link: latency {self.latency_s * 1e6:.0f} us, {self.bandwidth_Bps / 1e9:.2f} GB/s "
+                f"per rank ({(1 - LATENCY_SHARE) / LATENCY_SHARE:.0f}x the latency's worth of bytes{bound})")
 
 
 LATENCY_SHARE = 0.05
 MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 1 << 20, 256 << 20
-_PROBE_BYTES = 4 << 20
+FALLBACK_BUCKET_BYTES = 16 << 20
+"""The bucket when no probe could be trusted: between what this formula gives on gloo over loopback
+(3-8 MiB) and on NVLink-class links (tens of MiB)."""
+PROBE_OVER_LATENCY = 2.0
+"""A probe must take at least this many latencies, or it measured noise."""
+PLAUSIBLE_MAX_BANDWIDTH_BPS = 1e12
+"""Per-rank bytes per second above every interconnect (NVLink 4: 450 GB/s each way)."""
+_PROBE_BYTES = (4 << 20, 16 << 20, 64 << 20)
+"""Probe sizes tried in turn until one is long enough to time (most links: the first)."""
 
 
 def measure_link() -> LinkSpeed:
     """Measure the group's collective latency and bandwidth once (a few ms; every rank must call it,
     at the same point). Every rank gets the same numbers (the slowest rank's), so decisions taken
-    from them (bucket sizes, hence layouts) agree across ranks."""
+    from them (bucket sizes, hence layouts) agree across ranks; a probe too short to time is
+    repeated larger, and a measurement no probe could make plausible says so in `rejected`."""
     if _state.link is not None:
         return _state.link
-    n = get_world_size()
-    tiny = torch.zeros(1)
-    probe = torch.zeros(_PROBE_BYTES // 4)
-    out = torch.empty(probe.numel() // n)
     saved = dict(_state.bytes_sent), dict(_state.calls)  # the probe is not the user's traffic
+    tiny = torch.zeros(1)
     all_reduce(tiny)  # warm-up: the first collective on a pair pays its connection setup
-    reduce_scatter(out, probe[: out.numel() * n])
     lat = []
     for _ in range(8):
         t0 = time.perf_counter()
         all_reduce(tiny)
         lat.append(time.perf_counter() - t0)
+    latency = sorted(lat)[len(lat) // 2]
+    for probe_bytes in _PROBE_BYTES:
+        link = _probe(latency, probe_bytes)
+        if link.rejected is None:
+            break
+    free_buffers()  # the probes' receive buffers are not the training's sizes
+    _state.link = link
+    _state.bytes_sent, _state.calls = saved
+    return link
+
+
+def _probe(latency: float, probe_bytes: int) -> LinkSpeed:
+    n = get_world_size()
+    out = torch.empty(probe_bytes // 4 // n)
+    probe = torch.zeros(out.numel() * n)
+    reduce_scatter(out, probe)  # warm-up: buffers of this size
     big = []
     for _ in range(3):
         t0 = time.perf_counter()
-        reduce_scatter(out, probe[: out.numel() * n])
+        reduce_scatter(out, probe)
         big.append(time.perf_counter() - t0)
-    latency, transfer = sorted(lat)[len(lat) // 2], min(big)
-    agreed = torch.tensor([latency, transfer], dtype=torch.float64)
+    # Every rank judges the same (slowest) numbers, so all take the same branch in measure_link.
+    agreed = torch.tensor([latency, min(big)], dtype=torch.float64)
     all_reduce(agreed, op=ReduceOp.MAX)
-    latency, transfer = float(agreed[0]), float(agreed[1])
-    moved = out.numel() * n * 4 * (n - 1) / n
-    _state.link = LinkSpeed(latency, moved / max(transfer - latency, 1e-6))
-    _state.bytes_sent, _state.calls = saved
-    return _state.link
+    return LinkSpeed.from_probe(float(agreed[0]), probe.numel() * 4 * (n - 1) / n, float(agreed[1]))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work | None:

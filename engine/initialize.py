@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine import comm
+from engine import comm, rank_agreement
 from engine.config import ConfigError, EngineConfig, load_config
 from engine.data import build_dataloader
 from engine.engine import Engine
@@ -150,10 +150,20 @@ def initialize(
     source = _config_source(args, config, config_params)
     owns_group = comm.acquire_process_group(distributed_port, dist_init_required)
     try:
-        cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
-        comm.set_collectives(cfg.collectives)
-        device = _device()
-        _check_offload(cfg, device)
+        # Local work first, then one exchange every rank takes part in, failed or not, before any
+        # other collective (see [Note: why initialize agrees first] in engine/rank_agreement.py).
+        local_error: Exception | None = None
+        try:
+            cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
+            comm.set_collectives(cfg.collectives)
+            device = _device()
+            _check_offload(cfg, device)
+            if cfg.zero.stage not in _STAGES:
+                raise ConfigError(f"zero_optimization.stage: {cfg.zero.stage} is not implemented yet; "
+                                  f"use one of {sorted(_STAGES)}")
+        except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
+            local_error = err
+        rank_agreement.agree(model, local_error)
         if cfg.zero.stage != 3 and (gathered := zero_init.materialize(model)):
             logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
                         "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)
@@ -164,12 +174,11 @@ def initialize(
         comm.broadcast_coalesced([t.data for t in model.parameters()] + list(model.buffers()))
         opt = _build_optimizer(cfg, model, optimizer, model_parameters)
         scheduler = _build_scheduler(cfg, opt, lr_scheduler)
-        if cfg.zero.stage not in _STAGES:
-            raise ConfigError(f"zero_optimization.stage: {cfg.zero.stage} is not implemented yet; "
-                              f"use one of {sorted(_STAGES)}")
         stage = _STAGES[cfg.zero.stage](model, opt, cfg, precision)
     except BaseException:
         if owns_group:
+            # Every rank that failed tears its group down; the next initialize makes a new one on
+            # fresh keys (see [Note: one rendezvous store per process] in engine/comm.py).
             comm.release_process_group()
         raise
     loader = None
