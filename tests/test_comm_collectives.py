@@ -360,7 +360,7 @@ def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() 
     links = [r["link"] for r in per_rank]
     assert links[0] == links[1]  # every rank takes the slowest rank's numbers: layouts agree
     link = links[0]
-    assert 0 < link.latency_s < 1 and link.bandwidth_Bps > 1e6
+    assert 0 < link.latency_s < 1 and link.bandwidth_Bps > 1e6 and link.rejected is None
     want = link.bucket_bytes() // 2
     assert comm.MIN_BUCKET_BYTES <= link.bucket_bytes() <= comm.MAX_BUCKET_BYTES
     for rank, r in enumerate(per_rank):
@@ -370,7 +370,8 @@ def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() 
         logged = [m for m in r["log"] if m.startswith("bucket size")]
         if rank == 0:
             assert len(logged) == 1 and f"bucket size {want} elements" in logged[0]
-            assert "for reduce_bucket_size, from the measured link: latency" in logged[0]
+            assert "for reduce_bucket_size: from the measured link: latency" in logged[0]
+            assert "x the latency's worth of bytes" in logged[0]
             assert "set zero_optimization.reduce_bucket_size to choose" in logged[0]
         else:
             assert logged == []
@@ -407,3 +408,25 @@ def test_an_unknown_collectives_value_is_refused_by_name() -> None:
 
     with pytest.raises(ConfigError, match="collectives"):
         load_config({"train_batch_size": 1, "collectives": "tree"}, world_size=1, world_size_source="test")
+
+
+@pytest.mark.parametrize(("latency_us", "mib", "transfer_us", "rejected", "bucket_mib"), [
+    # The measurement that once gave 2097 GB/s: 2 MiB per rank "moved" in less than the latency.
+    (150, 2, 140, "not clearly longer than one collective's latency (150 us)", 16),
+    (150, 2, 290, "not clearly longer", 16),  # under 2 latencies: mostly noise
+    (20, 64, 60, "more than any interconnect", 16),  # 64 MiB in 40 us: 1.7 TB/s
+    (150, 2, 1650, None, 3.8),  # 2 MiB in 1.5 ms after latency: 1.4 GB/s; 19 x 150 us of it is 3.8 MiB
+    (5, 2, 1000, None, 1),  # raised to the 1 MiB minimum
+    (5000, 64, 20000, None, 256),  # cut to the 256 MiB maximum
+])
+def test_implausible_link_measurements_are_rejected_with_their_reason(
+        latency_us: float, mib: float, transfer_us: float, rejected: str | None, bucket_mib: float) -> None:
+    link = comm.LinkSpeed.from_probe(latency_us * 1e-6, mib * 2**20, transfer_us * 1e-6)
+    assert link.bucket_bytes() == pytest.approx(bucket_mib * 2**20, rel=0.01)
+    if rejected is None:
+        assert link.rejected is None and link.reason().startswith("from the measured link")
+        bound = {1: "raised to the 1 MiB minimum", 256: "cut to the 256 MiB maximum"}.get(int(bucket_mib), "bytes)")
+        assert bound in link.reason()
+    else:
+        assert link.rejected is not None and rejected in link.rejected
+        assert link.reason() == f"the link measurement was implausible ({link.rejected}), so the fallback 16 MiB"

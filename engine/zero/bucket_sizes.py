@@ -33,8 +33,6 @@ def resolve(zero: ZeroConfig, element_size: int, *, gathers: bool = True) -> tup
     chosen = (reduce or measured, gather or measured)
     if comm.get_rank() == 0:
         unset = [k for k, v in (("reduce_bucket_size", reduce), ("allgather_bucket_size", gather)) if v is None]
-        logger.info(
-            "bucket size %d elements (%.1f MiB) for %s, from the measured link: latency %.0f us, %.2f GB/s per "
-            "rank; set zero_optimization.%s to choose", measured, measured * element_size / 2**20,
-            " and ".join(unset), link.latency_s * 1e6, link.bandwidth_Bps / 1e9, unset[0])
+        logger.info("bucket size %d elements (%.1f MiB) for %s: %s; set zero_optimization.%s to choose", measured,
+                    measured * element_size / 2**20, " and ".join(unset), link.reason(), unset[0])
     return chosen
