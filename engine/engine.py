@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,11 @@ from engine.precision import Precision
 from engine.zero.base import ZeroStage
 
 logger = get_logger()
+
+_SPENT_GRAPH = (
+    "engine.backward() was called on a loss whose graph an earlier backward() already freed (torch: \"Trying to "
+    "backward through the graph a second time\"); run a new forward for each backward, or pass retain_graph=True "
+    "to the earlier engine.backward() if the graph must be backpropagated twice")
 
 
 class Engine:
@@ -67,6 +73,8 @@ class Engine:
         self._window_loss: torch.Tensor | float = 0.0  # sum of unscaled micro-batch losses since the last optimizer step
         self._window_micro = 0
         self._last_loss: float | None = None
+        self._spent_loss: weakref.ref[torch.Tensor] | None = None
+        """The last loss backpropagated without retain_graph: its graph is freed."""
 
         self._timers = WallClockTimers(device) if config.wall_clock_breakdown else None
         self._report_started = time.perf_counter()
@@ -101,21 +109,32 @@ class Engine:
         """Backpropagate `loss`, divided by gradient_accumulation_steps (as DeepSpeed does) unless
         scale_wrt_gas=False. At an accumulation boundary gradient reduction overlaps backward."""
         stage = self._require_alive()
+        user_loss = loss
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward() needs a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        # Kept as a tensor: converting here would synchronise a GPU on every micro-step.
-        self._window_loss = self._window_loss + loss.detach()
-        self._window_micro += 1
+        # Checked before any stage state moves: the same error at every stage, and the step can go on.
+        if self._spent_loss is not None and self._spent_loss() is loss:
+            raise RuntimeError(_SPENT_GRAPH)
+        unscaled = loss.detach()
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         if self._timers:
             self._timers.start("backward")
         stage.prepare_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._in_no_sync)
-        self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        try:
+            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        except RuntimeError as err:
+            if "backward through the graph a second time" in str(err):  # a new tensor computed from a spent one
+                raise RuntimeError(_SPENT_GRAPH) from err
+            raise
         stage.finish_backward()
         if self._timers:
             self._timers.stop("backward")
+        self._spent_loss = None if retain_graph else weakref.ref(user_loss)
+        # Kept as a tensor: converting here would synchronise a GPU on every micro-step.
+        self._window_loss = self._window_loss + unscaled
+        self._window_micro += 1
         return loss
 
     def step(self) -> None:
