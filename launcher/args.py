@@ -237,33 +237,73 @@ def _launcher(ns: argparse.Namespace, node_rank: int | None) -> str:
     return str(ns.launcher or "ssh")
 
 
-def _glue_launcher_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """`--launcher_args "-i key"` -> `--launcher_args=-i key`: argparse would read `-i` as --include.
+def split_at_script(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """zrun's own options (with `--launcher_args "-i key"` glued to `--launcher_args=-i key`, which
+    argparse would read as --include), and the script with its arguments, verbatim.
 
-    Only zrun's own options are looked at: the scan stops at the script.
+    argparse never sees the script's arguments: it would drop a `--` right after the script, and
+    with abbreviations on (torch's parser) it reads `--log 1` as an ambiguous option.
     """
     takes_value = {s for a in parser._actions if a.option_strings and a.nargs is None for s in a.option_strings}
-    out, i = list(argv), 0
-    while i < len(out) and out[i].startswith("-"):
-        if out[i] == "--launcher_args" and i + 1 < len(out):
-            out[i : i + 2] = [f"--launcher_args={out[i + 1]}"]
-        elif out[i] in takes_value:
-            i += 1  # skip the option's value
+    own, i = [], 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        if argv[i] == "--":
+            i += 1  # an explicit end of zrun's options: the script comes next, whatever its name
+            break
+        if argv[i] == "--launcher_args" and i + 1 < len(argv):
+            own.append(f"--launcher_args={argv[i + 1]}")
+            i += 2
+            continue
+        own.append(argv[i])
+        if argv[i] in takes_value and i + 1 < len(argv):
+            own.append(argv[i + 1])  # the option's value, even one that starts with '-'
+            i += 1
         i += 1
-    return out
+    return own, argv[i:]
+
+
+def _port(flag: str, value: int | None) -> None:
+    if value is not None and not 1 <= value <= 65535:
+        raise LaunchError(f"{flag} {value}: a TCP port is 1-65535; hint: pass a port in that range")
+
+
+def _check_numbers(ns: argparse.Namespace, given: list[str]) -> None:
+    """Every numeric flag in range, named as the user spelled it (argparse only checks int-ness)."""
+
+    def spelled(*names: str) -> str:
+        return next((a.split("=")[0] for a in reversed(given) if a.split("=")[0] in names), names[0])
+
+    if ns.nproc is not None and ns.nproc < 1:
+        raise LaunchError(
+            f"{spelled('--num_gpus', '--nproc_per_node')} {ns.nproc}: ranks per node must be >= 1; "
+            f"hint: omit it to use one rank per CUDA device (or 1 on CPU)"
+        )
+    if ns.num_nodes is not None and ns.num_nodes < 1:
+        raise LaunchError(
+            f"{spelled('--num_nodes', '--nnodes')} {ns.num_nodes}: the number of nodes must be >= 1; "
+            f"hint: omit it to use every host"
+        )
+    _port("--master_port", ns.master_port)
+    _port("--ssh_port", ns.ssh_port)
+    if ns.node_rank is not None and ns.node_rank < 0:
+        last = (ns.num_nodes or 1) - 1
+        raise LaunchError(f"--node_rank {ns.node_rank}: node ranks are 0..{last}; hint: pass 0 on the first node")
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser = build_parser()
-    ns = parser.parse_args(_glue_launcher_args(parser, list(sys.argv[1:] if argv is None else argv)))
-    if ns.nproc is not None and ns.nproc < 1:
-        raise LaunchError(f"--num_gpus/--nproc_per_node must be >= 1, got {ns.nproc}")
+    own, script = split_at_script(parser, list(sys.argv[1:] if argv is None else argv))
+    # `--` keeps a script named like an option a positional; the script's own arguments stay out.
+    ns = parser.parse_args([*own, "--", *script[:1]])
+    ns.script_args = script[1:]
+    _check_numbers(ns, own)
     if ns.module and ns.no_python:
         raise LaunchError("--module and --no_python contradict each other; hint: use one")
     if ns.rdzv_endpoint is not None:
         addr, _, port = ns.rdzv_endpoint.rpartition(":")
         if not addr or not port.isdigit():
             raise LaunchError(f"--rdzv_endpoint {ns.rdzv_endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
+        _port(f"--rdzv_endpoint {ns.rdzv_endpoint}: port", int(port))
         ns.master_addr = ns.master_addr or addr
         ns.master_port = ns.master_port or int(port)
     hosts = _hosts(ns)
