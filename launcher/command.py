@@ -1,4 +1,4 @@
-"""LaunchConfig -> the per-node agent command (`python -m torch.distributed.run ...`). Pure.
+"""LaunchConfig -> the per-node agent command (`python -m launcher.agent ...`, torch's agent). Pure.
 
 The same argv runs on every node in the multi-node issue (over ssh/srun/mpirun), so it must not
 depend on anything but the config, the node rank and the values passed in.
@@ -42,7 +42,7 @@ def build_agent_command(
     argv = [
         python,
         "-m",
-        "torch.distributed.run",
+        "launcher.agent",  # torch.distributed.run's arguments; see launcher/agent.py for what it adds
         f"--nnodes={len(cfg.hosts)}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={node_rank}",
@@ -64,8 +64,9 @@ def build_agent_command(
         argv.append("--module")
     if cfg.no_python:
         argv.append("--no-python")
-    argv.append(cfg.script)
-    argv.extend(cfg.script_args)
+    # `--`: torch's parser allows abbreviations, so a script's `--log 1` would otherwise be taken
+    # for an ambiguous `--log-dir`/`--logs-specs` and fail the launch; after it, all is the script's.
+    argv.extend(["--", cfg.script, *cfg.script_args])
     if cfg.append_local_rank:
         # The agent substitutes ${local_rank} per worker (torch.distributed.elastic.utils.macros).
         argv.append("--local_rank=${local_rank}")

@@ -1,27 +1,17 @@
-"""Which rank failed (from the agent's failure summary) and the tail of that rank's log files."""
+"""Which rank failed (from the agent's failure report) and the tail of that rank's log files."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# torch.distributed.elastic prints a summary on stderr when a worker fails, one block per failed rank:
-#   Failures:                              (the other failed ranks, or <NO_OTHER_FAILURES>)
-#   [1]:
-#     time      : 2026-11-21_09:13:55
-#     host      : myhost
-#     rank      : 0 (local_rank: 0)
-#     exitcode  : -15 (pid: 1233)  (SIGTERM)
-#   Root Cause (first observed failure):   (the agent's pick)
-#   [0]: ... same fields ...
-_ROOT = "Root Cause (first observed failure)"
-_FIELD = re.compile(r"^\s+(time|host|rank|exitcode)\s*:\s*(.*)$")
-_RANK = re.compile(r"^(-?\d+)\s*\(local_rank:\s*(-?\d+)\)")
-_EXIT = re.compile(r"^(-?\d+)")
+from launcher.agent import FAILURES_TAG
+
 # The agent kills the surviving ranks with these; such a rank is a victim, not a cause.
 _AGENT_KILLS = (-15, -9)
 # The agent's log line when it starts stopping the surviving ranks after a failure.
@@ -34,7 +24,7 @@ class RankFailure:
     local_rank: int
     exitcode: int  # negative: killed by that signal number
     host: str
-    time: str = ""  # the agent's observation time, to the second
+    time: str = ""  # the agent's observation time, to the second (YYYY-MM-DD_HH:MM:SS)
     agent_root: bool = False
 
     def describe(self) -> str:
@@ -51,49 +41,36 @@ class RankFailure:
 
 
 class FailureParser:
-    """Fed the agent's stderr line by line; collects every failed-rank block of its summary.
+    """Fed the agent's stderr line by line: the failed ranks (launcher/agent.py's one JSON line) and
+    when the agent began stopping the survivors.
 
-    Rank output echoed by the agent is prefixed `[rankN]:`, and blocks only count after the
-    summary's `Failures:` header, so a rank printing look-alike lines does not confuse it.
+    Rank output echoed by the agent is prefixed `[rankN]:`, so a rank printing look-alike lines is
+    never taken for the agent's.
     """
 
     def __init__(self) -> None:
-        self._in_summary = False
-        self._root_section = False
-        self._fields: dict[str, str] = {}
         self.failures: list[RankFailure] = []
         # monotonic time at which the agent began stopping ranks (set by the relay thread).
         self.stopping_since: float | None = None
 
-    def feed(self, line: str) -> None:
+    def feed(self, line: str) -> bool:
+        """Take one line; True when it was the agent's report to zrun (not for the console)."""
+        if line.startswith(FAILURES_TAG):
+            try:
+                records = json.loads(line[len(FAILURES_TAG) :])
+                self.failures = [
+                    RankFailure(
+                        int(r["rank"]), int(r["local_rank"]), int(r["exitcode"]), str(r["host"]),
+                        str(r["time"]), bool(r["root"]),
+                    )
+                    for r in records
+                ]
+            except (ValueError, KeyError, TypeError):
+                return False  # not ours after all: show it
+            return True
         if self.stopping_since is None and not line.startswith("[") and _STOPPING.search(line):
             self.stopping_since = time.monotonic()
-        if line.startswith("Failures:"):
-            self._in_summary, self._root_section, self.failures = True, False, []
-            return
-        if not self._in_summary:
-            return
-        if _ROOT in line and not line.startswith("["):
-            self._root_section = True
-        elif m := _FIELD.match(line):
-            self._fields[m.group(1)] = m.group(2).strip()
-            if m.group(1) == "exitcode":
-                self._finish_block()
-
-    def _finish_block(self) -> None:
-        f, self._fields = self._fields, {}
-        rank, code = _RANK.match(f.get("rank", "")), _EXIT.match(f.get("exitcode", ""))
-        if rank and code:
-            self.failures.append(
-                RankFailure(
-                    int(rank.group(1)),
-                    int(rank.group(2)),
-                    int(code.group(1)),
-                    f.get("host", "?"),
-                    f.get("time", ""),
-                    self._root_section,
-                )
-            )
+        return False
 
 
 def pick_root_cause(

@@ -16,6 +16,7 @@ import time
 from types import FrameType
 from typing import IO
 
+from launcher.agent import PARENT_ENV
 from launcher.command import SHUTDOWN_TIMEOUT_S, build_agent_command
 from launcher.config import LaunchConfig
 from launcher.errors import LaunchError
@@ -54,14 +55,19 @@ def resolve_port(cfg: LaunchConfig) -> LaunchConfig:
     return dataclasses.replace(cfg, master_port=port)
 
 
-def _relay(stream: IO[bytes], parser: FailureParser) -> None:
-    # The agent's stderr carries the ranks' tee'd stderr and its own failure summary: echo every
-    # line at once and let the parser pick out the root cause.
+def _relay(stream: IO[bytes], parser: FailureParser, stopper: _Stopper) -> None:
+    # The agent's stderr carries the ranks' tee'd stderr, its log lines and its failure report:
+    # echo every line at once, except the report (zrun's summary replaces it) and, once zrun was
+    # told to stop, the agent's own shutdown chatter (zrun says it in one line). Ranks' lines
+    # (`[rankN]:`) always pass: a script may say what it does on SIGTERM.
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace")
+        if parser.feed(line.rstrip("\n")):
+            continue
+        if stopper.signum is not None and not line.startswith("[rank"):
+            continue
         sys.stderr.write(line)
         sys.stderr.flush()
-        parser.feed(line.rstrip("\n"))
 
 
 def _stop_at_end_of_stdin(stopper: _Stopper) -> None:
@@ -83,7 +89,11 @@ def _stop_at_end_of_stdin(stopper: _Stopper) -> None:
 
 
 class _Stopper:
-    """SIGINT/SIGTERM: forward to the agent's process group once; a second signal kills at once."""
+    """SIGINT/SIGTERM/SIGHUP: SIGTERM the agent's process group once; a second signal kills at once.
+
+    Always SIGTERM, whatever zrun got: the agent passes its signal on to the ranks, and a SIGINT
+    would print a KeyboardInterrupt traceback in every rank; SIGTERM's default action is silent.
+    """
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
@@ -98,7 +108,7 @@ class _Stopper:
             self.signum = signum
             # The agent SIGTERMs its ranks and SIGKILLs them after SHUTDOWN_TIMEOUT_S; give it that.
             self.deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 5
-            self._send(signum)
+            self._send(signal.SIGTERM)
         else:
             self.kill_all()
 
@@ -118,7 +128,7 @@ def _report_failure(failure: RankFailure, cfg: LaunchConfig, log_dir: str, kept:
     failure = dataclasses.replace(failure, host=cfg.node.name) if len(cfg.hosts) > 1 else failure
     say(f"{failure.describe()}; the agent stopped the other ranks")
     if not failure.agent_root:
-        say("(torch's summary above names another rank as root cause; it could not tell which failed first)")
+        say("(the agent's own pick differs: its failure times are whole seconds, so the logs decided)")
     shown: list[str] = []
     for path in rank_log_files(log_dir, cfg.run_id, failure.local_rank):
         lines = tail(path, TAIL_LINES)
@@ -176,23 +186,25 @@ def run(cfg: LaunchConfig) -> int:
         say(f"WARNING: {cmd.threads.warning}")
 
     become_subreaper()
-    # Own session: a terminal Ctrl-C reaches zrun only, which then forwards it exactly once.
+    # Own session: a terminal Ctrl-C reaches zrun only, which then stops the agent exactly once.
+    # This thread starts the agent and waits for it below: the agent's parent-death signal
+    # (launcher/agent.py) is tied to this thread, so it fires only when zrun itself dies.
     proc = subprocess.Popen(
         cmd.argv,
-        env={**os.environ, **cmd.env},
+        env={**os.environ, **cmd.env, PARENT_ENV: str(os.getpid())},
         stdin=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
     assert proc.stderr is not None
     parser = FailureParser()
-    relay = threading.Thread(target=_relay, args=(proc.stderr, parser), daemon=True)
+    stopper = _Stopper(proc)
+    relay = threading.Thread(target=_relay, args=(proc.stderr, parser, stopper), daemon=True)
     relay.start()
     # Global rank 0's output is mirrored raw (progress bars); it lives on node 0.
     mirror = Rank0Mirror(log_dir, cfg.run_id) if node_rank == 0 else None
     if mirror:
         mirror.start()
-    stopper = _Stopper(proc)
     # A node started over a terminal (ssh -t, a pdsh/mpirun variant) gets SIGHUP when the link dies.
     stop_on = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if multi else (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.signal(s, stopper) for s in stop_on}
@@ -230,7 +242,7 @@ def run(cfg: LaunchConfig) -> int:
         mirror.stop()
 
     if stopper.signum is not None:
-        say(f"stopped by {signal.Signals(stopper.signum).name}; all ranks were stopped")
+        say(f"stopped by {signal.Signals(stopper.signum).name}; {cfg.nproc_per_node} rank(s) stopped")
         if own_log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)  # the user stopped it: nothing to investigate
         return 128 + stopper.signum

@@ -115,7 +115,7 @@ def test_build_agent_command() -> None:
         ]
     )
     argv, env, threads = build_agent_command(cfg, 0, "/logs", {}, cores=8, python="py")
-    assert argv[:3] == ["py", "-m", "torch.distributed.run"]
+    assert argv[:3] == ["py", "-m", "launcher.agent"]
     for opt in [
         "--nnodes=1",
         "--nproc-per-node=2",
@@ -130,11 +130,11 @@ def test_build_agent_command() -> None:
     ]:
         assert opt in argv
     assert any(a.startswith("--monitor-interval=") and float(a.split("=")[1]) <= 0.5 for a in argv)
-    assert argv[-4:] == ["pkg.train", "--lr", "0.1", "--local_rank=${local_rank}"]
+    assert argv[-5:] == ["--", "pkg.train", "--lr", "0.1", "--local_rank=${local_rank}"]
     assert env["OMP_NUM_THREADS"] == "4" and threads.threads == 4 and threads.warning is None
     plain = config_from_args(["--master_port", "1", "t.py", "a"])
     argv2, env2, _ = build_agent_command(plain, 0, "/l", {"OMP_NUM_THREADS": "3"}, cores=8, python="py")
-    assert argv2[-2:] == ["t.py", "a"] and not any("local_rank" in a for a in argv2)
+    assert argv2[-3:] == ["--", "t.py", "a"] and not any("local_rank" in a for a in argv2)
     assert "OMP_NUM_THREADS" not in env2  # the user's choice is inherited, not overridden
 
 
@@ -148,23 +148,20 @@ def test_thread_choice_and_oversubscription_warning() -> None:
 
 
 def test_failure_summary_parsing_and_root_cause() -> None:
+    import json
+
+    from launcher.agent import FAILURES_TAG
+
     p = FailureParser()
-    text = """[rank0]:Root Cause (first observed failure):
-Failures:
-[1]:
-  time      : 2026-11-21_09:13:55
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : 1 (pid: 11)
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-21_09:13:55
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : 7 (pid: 12)"""
-    for line in text.splitlines():
-        p.feed(line)
+    records = [
+        {"rank": 0, "local_rank": 0, "exitcode": 1, "host": "localhost", "time": "2026-11-21_09:13:55", "root": False},
+        {"rank": 1, "local_rank": 1, "exitcode": 7, "host": "localhost", "time": "2026-11-21_09:13:55", "root": True},
+    ]
+    # A rank printing the agent's line is echoed with its prefix: never taken for the agent's report.
+    assert not p.feed("[rank0]:" + FAILURES_TAG + json.dumps(records[:1]))
+    assert p.failures == []
+    assert p.feed(FAILURES_TAG + json.dumps(records))  # the agent's report: consumed, not echoed
+    assert not p.feed(FAILURES_TAG + "{not json")  # not a report after all: shown as it is
     assert [(f.rank, f.exitcode, f.agent_root) for f in p.failures] == [(0, 1, False), (1, 7, True)]
     # Same second: the rank whose log stopped changing first is the cause, whatever the agent said.
     root = pick_root_cause(p.failures, lambda f: {0: 5.0, 1: 9.0}[f.rank])

@@ -1,0 +1,80 @@
+"""The node's agent process: torch's elastic agent, tied to zrun's life and quiet when told to stop.
+
+`python -m launcher.agent ARGS` runs `torch.distributed.run ARGS` in this process, with two changes:
+
+- The kernel sends it SIGTERM when zrun dies, even by `kill -9` (PR_SET_PDEATHSIG), and the agent
+  then stops its ranks as for any SIGTERM: no rank outlives zrun holding the port. The signal is
+  tied to the *thread* that forked us, not the process; zrun starts the agent from the thread that
+  then waits for it (launcher/run.py), so that thread can only end with zrun itself.
+- A stop signal ends the agent with 128+N and no traceback (zrun prints the one summary line), and
+  a failed rank is reported as one FAILURES_TAG line of JSON for zrun's report instead of torch's
+  ChildFailedError traceback and summary block.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+# zrun passes its pid so a zrun that died before PR_SET_PDEATHSIG took effect is noticed too.
+PARENT_ENV = "ZRUN_AGENT_PARENT"
+FAILURES_TAG = "ZRUN_AGENT_FAILURES "
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int | None) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        sys.exit(128 + signal.SIGTERM)  # zrun is already gone: start nothing
+
+
+def failures_line(err: BaseException) -> str:
+    """One JSON line naming every failed rank; `root` marks the agent's own pick of the first failure."""
+    root_rank, _ = err.get_first_failure()  # type: ignore[attr-defined]
+    records = [
+        {
+            "rank": rank,
+            "local_rank": f.local_rank,
+            "exitcode": f.exitcode,
+            "host": socket.getfqdn(),  # as torch's own summary names it
+            # Whole seconds; the report breaks ties with the log files' write times.
+            "time": f.timestamp_isoformat(),
+            "root": rank == root_rank,
+        }
+        for rank, f in sorted(err.failures.items())  # type: ignore[attr-defined]
+    ]
+    return FAILURES_TAG + json.dumps(records)
+
+
+def main(argv: Sequence[str]) -> int:
+    parent = os.environ.pop(PARENT_ENV, None)  # not for the ranks
+    die_with_parent(int(parent) if parent and parent.isdigit() else None)
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(list(argv)))
+    except SignalException as e:
+        # The agent already stopped its ranks (torch's agent does so before re-raising).
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        print(failures_line(e), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
