@@ -3,7 +3,8 @@
 `python -m launcher.agent ARGS` runs `torch.distributed.run ARGS` in this process, with two changes:
 
 - The kernel sends it SIGTERM when zrun dies, even by `kill -9` (PR_SET_PDEATHSIG), and the agent
-  then stops its ranks as for any SIGTERM: no rank outlives zrun holding the port. The signal is
+  then stops its ranks as for any SIGTERM: no rank outlives zrun holding the port (and zrun's
+  temporary log folder is removed, as when a user stops a job). The signal is
   tied to the *thread* that forked us, not the process; zrun starts the agent from the thread that
   then waits for it (launcher/run.py), so that thread can only end with zrun itself.
 - A stop signal ends the agent with 128+N and no traceback (zrun prints the one summary line), and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -23,6 +25,9 @@ from collections.abc import Sequence
 
 # zrun passes its pid so a zrun that died before PR_SET_PDEATHSIG took effect is noticed too.
 PARENT_ENV = "ZRUN_AGENT_PARENT"
+# zrun's own temporary log folder (not a user's --log_dir): removed here if zrun died, as zrun
+# itself removes it when the user stops a job.
+TEMP_LOG_DIR_ENV = "ZRUN_AGENT_TEMP_LOG_DIR"
 FAILURES_TAG = "ZRUN_AGENT_FAILURES "
 _PR_SET_PDEATHSIG = 1
 
@@ -58,7 +63,7 @@ def failures_line(err: BaseException) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    parent = os.environ.pop(PARENT_ENV, None)  # not for the ranks
+    parent, temp_log_dir = os.environ.pop(PARENT_ENV, None), os.environ.pop(TEMP_LOG_DIR_ENV, None)  # not for ranks
     die_with_parent(int(parent) if parent and parent.isdigit() else None)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -69,6 +74,8 @@ def main(argv: Sequence[str]) -> int:
         run(parse_args(list(argv)))
     except SignalException as e:
         # The agent already stopped its ranks (torch's agent does so before re-raising).
+        if temp_log_dir and parent and os.getppid() != int(parent):
+            shutil.rmtree(temp_log_dir, ignore_errors=True)  # zrun is gone: nobody else will
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         print(failures_line(e), file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ import time
 from types import FrameType
 from typing import IO
 
-from launcher.agent import PARENT_ENV
+from launcher.agent import PARENT_ENV, TEMP_LOG_DIR_ENV
 from launcher.command import SHUTDOWN_TIMEOUT_S, build_agent_command
 from launcher.config import LaunchConfig
 from launcher.errors import LaunchError
@@ -191,7 +191,12 @@ def run(cfg: LaunchConfig) -> int:
     # (launcher/agent.py) is tied to this thread, so it fires only when zrun itself dies.
     proc = subprocess.Popen(
         cmd.argv,
-        env={**os.environ, **cmd.env, PARENT_ENV: str(os.getpid())},
+        env={
+            **os.environ,
+            **cmd.env,
+            PARENT_ENV: str(os.getpid()),
+            **({TEMP_LOG_DIR_ENV: log_dir} if own_log_dir else {}),
+        },
         stdin=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,

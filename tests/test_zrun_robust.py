@@ -89,6 +89,7 @@ def test_kill_9_of_zrun_stops_the_agent_and_every_rank(tmp_path: Path) -> None:
         left = _wait_gone(tree, 15)
         assert left == [], f"still running after zrun was killed: {left}"
         assert port_is_free(port)
+        assert list((tmp_path / "tmp").glob("zrun_logs_*")) == []  # zrun's temporary log folder went with it
 
 
 # ---------------------------------------------------------------- item: script arguments verbatim
@@ -104,7 +105,7 @@ def test_script_args_reach_the_script_verbatim(tmp_path: Path, tail: list[str]) 
     m = re.search(r"^ARGV rank=0 .* argv=(\[.*\])$", r.stdout, re.MULTILINE)
     assert m, r.stdout + r.stderr
     assert ast.literal_eval(m.group(1)) == tail
-    assert list(tmp_path.iterdir()) == []  # zrun's own log folder is removed after a successful run
+    assert list(tmp_path.glob("zrun_logs_*")) == []  # zrun's own log folder is removed after a successful run
 
 
 @pytest.mark.parametrize(
@@ -161,9 +162,16 @@ def test_master_port_out_of_range_is_a_message_not_a_traceback() -> None:
 # ---------------------------------------------------------------- item: one summary, no tracebacks
 
 
-@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"])
-def test_stop_signal_prints_one_line_and_no_traceback(tmp_path: Path, sig: signal.Signals, to_group: bool) -> None:
-    with sleeping_job(tmp_path, free_port()) as (proc, _rank_pids):
+@pytest.mark.parametrize(
+    "sig, to_group, user_log_dir",
+    [(signal.SIGINT, True, False), (signal.SIGTERM, False, True)],
+    ids=["ctrl-c", "sigterm-with-log_dir"],
+)
+def test_stop_signal_prints_one_line_and_no_traceback(
+    tmp_path: Path, sig: signal.Signals, to_group: bool, user_log_dir: bool
+) -> None:
+    logs = ("--log_dir", str(tmp_path / "logs")) if user_log_dir else ()
+    with sleeping_job(tmp_path, free_port(), logs) as (proc, _rank_pids):
         tree = descendants(proc.pid)
         if to_group:
             os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole foreground process group
@@ -179,7 +187,9 @@ def test_stop_signal_prints_one_line_and_no_traceback(tmp_path: Path, sig: signa
     # Nothing but zrun's own lines and the ranks' output: the agent's shutdown chatter is gone.
     assert [ln for ln in err.splitlines() if not ln.startswith(("zrun:", "[rank"))] == [], err
     assert _wait_gone(tree, 10) == []
-    assert list((tmp_path / "tmp").iterdir()) == []  # stopped by the user: nothing to investigate
+    assert list((tmp_path / "tmp").glob("zrun_logs_*")) == []  # stopped by the user: nothing to investigate
+    if user_log_dir:  # the user's folder is theirs: never removed
+        assert len(list((tmp_path / "logs").glob("zrun-*/attempt_0/*/stdout.log"))) == 2
 
 
 def test_rank_failure_is_one_summary_without_the_agents_traceback(tmp_path: Path) -> None:
@@ -192,4 +202,4 @@ def test_rank_failure_is_one_summary_without_the_agents_traceback(tmp_path: Path
     assert summary == ["zrun: [localhost rank 1] (local rank 1) exited with code 1; the agent stopped the other ranks"]
     assert "zrun:   | [rank1]: RuntimeError: boom from rank 1" in r.stderr
     kept = re.search(r"per-rank logs are in (\S+) \(a temporary directory, kept\)", r.stderr)
-    assert kept and [str(p) for p in tmp_path.iterdir()] == [kept.group(1)], r.stderr
+    assert kept and [str(p) for p in tmp_path.glob("zrun_logs_*")] == [kept.group(1)], r.stderr
