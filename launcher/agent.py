@@ -3,10 +3,10 @@
 `python -m launcher.agent ARGS` runs `torch.distributed.run ARGS` in this process, with two changes:
 
 - The kernel sends it SIGTERM when zrun dies, even by `kill -9` (PR_SET_PDEATHSIG), and the agent
-  then stops its ranks as for any SIGTERM: no rank outlives zrun holding the port (and zrun's
-  temporary log folder is removed, as when a user stops a job). The signal is
-  tied to the *thread* that forked us, not the process; zrun starts the agent from the thread that
-  then waits for it (launcher/run.py), so that thread can only end with zrun itself.
+  then stops its ranks as for any SIGTERM: no rank outlives zrun holding the port, and zrun's
+  temporary log folder is removed, as when a user stops a job. The signal is tied to the *thread*
+  that forked us, not the process; zrun starts the agent from the thread that then waits for it
+  (launcher/run.py), so that thread can only end with zrun itself.
 - A stop signal ends the agent with 128+N and no traceback (zrun prints the one summary line), and
   a failed rank is reported as one FAILURES_TAG line of JSON for zrun's report instead of torch's
   ChildFailedError traceback and summary block.
@@ -22,6 +22,10 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported only after PR_SET_PDEATHSIG is in place
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 # zrun passes its pid so a zrun that died before PR_SET_PDEATHSIG took effect is noticed too.
 PARENT_ENV = "ZRUN_AGENT_PARENT"
@@ -44,9 +48,9 @@ def die_with_parent(parent: int | None) -> None:
         sys.exit(128 + signal.SIGTERM)  # zrun is already gone: start nothing
 
 
-def failures_line(err: BaseException) -> str:
+def failures_line(err: ChildFailedError) -> str:
     """One JSON line naming every failed rank; `root` marks the agent's own pick of the first failure."""
-    root_rank, _ = err.get_first_failure()  # type: ignore[attr-defined]
+    root_rank, _ = err.get_first_failure()
     records = [
         {
             "rank": rank,
@@ -57,14 +61,16 @@ def failures_line(err: BaseException) -> str:
             "time": f.timestamp_isoformat(),
             "root": rank == root_rank,
         }
-        for rank, f in sorted(err.failures.items())  # type: ignore[attr-defined]
+        for rank, f in sorted(err.failures.items())
     ]
     return FAILURES_TAG + json.dumps(records)
 
 
 def main(argv: Sequence[str]) -> int:
-    parent, temp_log_dir = os.environ.pop(PARENT_ENV, None), os.environ.pop(TEMP_LOG_DIR_ENV, None)  # not for ranks
-    die_with_parent(int(parent) if parent and parent.isdigit() else None)
+    # Popped: the ranks inherit this environment and are not agents.
+    parent_value, temp_log_dir = os.environ.pop(PARENT_ENV, ""), os.environ.pop(TEMP_LOG_DIR_ENV, None)
+    parent = int(parent_value) if parent_value.isdigit() else None
+    die_with_parent(parent)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -74,7 +80,7 @@ def main(argv: Sequence[str]) -> int:
         run(parse_args(list(argv)))
     except SignalException as e:
         # The agent already stopped its ranks (torch's agent does so before re-raising).
-        if temp_log_dir and parent and os.getppid() != int(parent):
+        if temp_log_dir and parent is not None and os.getppid() != parent:
             shutil.rmtree(temp_log_dir, ignore_errors=True)  # zrun is gone: nobody else will
         return 128 + int(e.sigval)
     except ChildFailedError as e:
