@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine import comm_p2p, comm_ring
+from engine.accelerator import get_accelerator
 
 logger = logging.getLogger("engine")
 
@@ -74,7 +75,8 @@ def _mpi_env_to_torch_env() -> None:
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    # The device decision (DS_ACCELERATOR, else CUDA when available) lives in engine/accelerator.py.
+    return get_accelerator().communication_backend_name()
 
 
 def init_distributed(

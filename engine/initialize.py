@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine import comm, rank_agreement
+from engine.accelerator import get_accelerator
 from engine.config import ConfigError, EngineConfig, load_config
 from engine.data import build_dataloader
 from engine.engine import Engine
@@ -74,11 +75,10 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", comm.get_local_rank())
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    accelerator = get_accelerator()  # DS_ACCELERATOR, else CUDA when available, else CPU
+    device = accelerator.device(comm.get_local_rank())
+    accelerator.set_device(comm.get_local_rank())
+    return device
 
 
 def _check_offload(cfg: EngineConfig, device: torch.device) -> None:
