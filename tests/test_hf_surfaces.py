@@ -107,3 +107,72 @@ def test_initialize_takes_its_device_from_the_accelerator() -> None:
     assert results == [("cpu", "gloo")] * 2
     with pytest.raises(RuntimeError, match=r"DS_ACCELERATOR='tpu': this engine runs on cpu or cuda"):
         run_distributed(_device_choice, 2, env={"DS_ACCELERATOR": "tpu"})
+
+
+# ------------------------------------------------------------ Init's tensor-constructor wrappers
+
+
+class _Rope(torch.nn.Module):
+    """Float tensors made by torch's constructors, with and without an explicit dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(4, 2))
+        torch.nn.init.normal_(self.weight)
+        self.register_buffer("inv_freq", torch.arange(0, 4, 2, dtype=torch.float32) / 4)
+        self.register_buffer("steps", torch.arange(4.0))
+        self.register_buffer("index", torch.arange(3))
+
+
+def _hf_prevent_arange_dtype_change(pp: object) -> tuple[object, object]:
+    """transformers' prevent_arange_dtype_change, as it patches `deepspeed.runtime.zero.partition_parameters`:
+    replace the module's wrapper by one that leaves torch.arange's dtype alone. Returns (saved, patched)."""
+    original_wrapper = pp.zero_wrapper_for_fp_tensor_constructor
+
+    def wrapper_without_arange(fn: object, *args: object, **kwargs: object) -> object:
+        if fn is pp._orig_torch_arange:
+            def wrapped_fn(*inner_args: object, **inner_kwargs: object) -> object:
+                if inner_kwargs.get("device") is None:
+                    inner_kwargs["device"] = kwargs["target_device"]  # KeyError unless passed as a keyword
+                return fn(*inner_args, **inner_kwargs)
+
+            return wrapped_fn
+        return original_wrapper(fn, *args, **kwargs)
+
+    return original_wrapper, wrapper_without_arange
+
+
+def _constructors_under_init() -> dict[str, object]:
+    from engine.zero import init as pp
+
+    with engine.zero.Init(dtype=torch.bfloat16):
+        model = _Rope()
+        inside = {"zeros": torch.zeros(2).dtype, "tensor": torch.tensor([1.5]).dtype, "full": torch.full((1,), 2.0).dtype,
+                  "ones_fp32": torch.ones(1, dtype=torch.float32).dtype, "long": torch.tensor([1]).dtype,
+                  "grad_leaf": torch.zeros(2, requires_grad=True).is_leaf}
+    saved, patched = _hf_prevent_arange_dtype_change(pp)
+    pp.zero_wrapper_for_fp_tensor_constructor = patched
+    try:
+        with engine.zero.Init(dtype=torch.bfloat16):
+            hf_arange, hf_zeros = torch.arange(4.0).dtype, torch.zeros(1).dtype
+    finally:
+        pp.zero_wrapper_for_fp_tensor_constructor = saved
+    return {
+        "weight_shard": model.weight._zero_init_shard.dtype,
+        "buffers": {n: b.dtype for n, b in model.named_buffers()},
+        "inside": inside,
+        "hf": (hf_arange, hf_zeros),
+        "restored": torch.zeros(1).dtype is torch.float32 and torch.arange is pp._orig_torch_arange,
+    }
+
+
+def test_init_dtype_wraps_tensor_constructors_and_honours_a_patched_wrapper() -> None:
+    for result in run_distributed(_constructors_under_init, 2):
+        assert result["weight_shard"] is torch.bfloat16
+        # Made without a dtype: Init's; an explicit fp32 (a RoPE inv_freq) is kept; integers are left alone.
+        assert result["buffers"] == {"inv_freq": torch.float32, "steps": torch.bfloat16, "index": torch.int64}
+        assert result["inside"] == {"zeros": torch.bfloat16, "tensor": torch.bfloat16, "full": torch.bfloat16,
+                                    "ones_fp32": torch.float32, "long": torch.int64, "grad_leaf": True}
+        # transformers' patch of the module attribute reaches Init: arange unwrapped, the rest still bf16.
+        assert result["hf"] == (torch.float32, torch.bfloat16)
+        assert result["restored"]

@@ -21,6 +21,14 @@ writes to a partitioned parameter after its module was built must go through
 
 `engine.initialize` at stage 3 re-lays these slices into its gather units (one all-gather per
 parameter, a unit at a time); at stages 0-2 it gathers the parameters whole again.
+
+With `Init(dtype=...)` torch's tensor constructors (torch.tensor/empty/zeros/ones/full/arange/eye/
+randn) are wrapped while the context is open, as DeepSpeed does: a floating-point tensor created
+without an explicit dtype gets Init's dtype, so a layer is never materialised in fp32 first. An
+explicit `dtype=` is kept (DeepSpeed overrides it too; transformers patches DeepSpeed's wrapper to keep
+fp32 `torch.arange` RoPE buffers). The wrapper is this module's `zero_wrapper_for_fp_tensor_constructor`,
+looked up when the outermost Init opens, so a caller that replaces that module attribute (transformers'
+`prevent_arange_dtype_change`, comparing `fn is _orig_torch_arange`) changes what Init installs.
 """
 
 from __future__ import annotations
@@ -37,6 +45,40 @@ from engine.config import zero_stage
 from engine.monitor.log import get_logger
 
 logger = get_logger()
+
+# torch's constructors as they were when the engine was imported (DeepSpeed's names: transformers
+# compares against `_orig_torch_arange`). Init wraps these and puts them back.
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
+_CONSTRUCTORS: dict[str, Callable[..., torch.Tensor]] = {
+    "tensor": _orig_torch_tensor, "empty": _orig_torch_empty, "zeros": _orig_torch_zeros,
+    "ones": _orig_torch_ones, "full": _orig_torch_full, "arange": _orig_torch_arange,
+    "eye": _orig_torch_eye, "randn": _orig_torch_randn,
+}
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None,
+                                           target_device: torch.device | None = None) -> Callable[..., torch.Tensor]:
+    """`fn` (a torch tensor constructor) making floating-point tensors in `target_fp_dtype` and, when
+    no device is given, on `target_device`. A dtype the caller names is kept; `out=` is left alone."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        named_dtype = kwargs.get("dtype") is not None
+        tensor = fn(*args, **kwargs)
+        if (target_fp_dtype is not None and not named_dtype and "out" not in kwargs
+                and tensor.is_floating_point() and tensor.dtype != target_fp_dtype):
+            tensor.data = tensor.data.to(target_fp_dtype)  # in place of .to(): a leaf stays a leaf (requires_grad=)
+        return tensor
+
+    return wrapped
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
@@ -137,7 +179,8 @@ class Init:
     """Partition parameters as modules are built (DeepSpeed's `deepspeed.zero.Init`).
 
     Accepted like DeepSpeed's: `module` (partition an already built module now), `enabled`,
-    `dtype` (the parameters' dtype), `config_dict_or_path`/`config` (only checked to be stage 3 when
+    `dtype` (the parameters' dtype, and that of floating-point tensors torch's constructors make
+    inside the context), `config_dict_or_path`/`config` (only checked to be stage 3 when
     given), `remote_device` None/"cpu", `pin_memory`, `mem_efficient_linear`. Needs the process group,
     so it initialises it like engine.initialize does when there is none yet.
     """
@@ -147,6 +190,7 @@ class Init:
     _saved_inits: ClassVar[dict[type, Callable[..., None]]] = {}
     _saved_apply: ClassVar[Callable[..., Any] | None] = None
     _saved_init_subclass: ClassVar[Any] = None
+    _wrapped_constructors: ClassVar[bool] = False
     _building: ClassVar[set[int]] = set()
     """ids of modules whose outermost __init__ is running."""
     _dtype: ClassVar[torch.dtype | None] = None
@@ -213,6 +257,13 @@ class Init:
         module_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
         cls._saved_apply = module_cls.apply
         module_cls.apply = cls._partitioned_apply  # type: ignore[method-assign]
+        if cls._dtype is not None:
+            for name, original in _CONSTRUCTORS.items():
+                # A global looked up at each __enter__, never bound at import: transformers replaces the
+                # module attribute around Init (see the module docstring). Keywords, as it reads them.
+                setattr(torch, name, zero_wrapper_for_fp_tensor_constructor(
+                    original, target_fp_dtype=cls._dtype, target_device=None))
+            cls._wrapped_constructors = True
 
     @classmethod
     def _unpatch(cls) -> None:
@@ -225,6 +276,10 @@ class Init:
         else:
             module_cls.__init_subclass__ = cls._saved_init_subclass  # type: ignore[assignment]
         module_cls.apply = cls._saved_apply  # type: ignore[method-assign]
+        if cls._wrapped_constructors:
+            for name, original in _CONSTRUCTORS.items():
+                setattr(torch, name, original)
+            cls._wrapped_constructors = False
         cls._building.clear()
 
     @classmethod
