@@ -51,6 +51,10 @@ class Engine:
         self.engine_config = config
         self.config: Mapping[str, Any] = config.raw  # DeepSpeed exposes the user's dict here
         self.optimizer = optimizer
+        if optimizer is not None:
+            # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow); Accelerate
+            # checks hasattr(optimizer, "overflow") once, when it wraps the optimizer, so it exists now.
+            optimizer.overflow = False
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.device = device
@@ -161,6 +165,7 @@ class Engine:
             if self._timers:
                 self._timers.stop("step")
             self._step_applied = outcome.applied
+            self.optimizer.overflow = not outcome.applied
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._after_optimizer_step()

@@ -176,3 +176,44 @@ def test_init_dtype_wraps_tensor_constructors_and_honours_a_patched_wrapper() ->
         # transformers' patch of the module attribute reaches Init: arange unwrapped, the rest still bf16.
         assert result["hf"] == (torch.float32, torch.bfloat16)
         assert result["restored"]
+
+
+# ---------------------------------------------------------------------------- optimizer.overflow
+
+
+def _overflow_flags(precision: str, stages: list[int]) -> dict[int, list[object]]:
+    from models import make_model
+
+    rank = torch.distributed.get_rank()
+    out: dict[int, list[object]] = {}
+    for stage in stages:
+        config = {"train_micro_batch_size_per_gpu": 2,
+                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": stage}, **({precision: {"enabled": True}} if precision != "fp32" else {})}
+        eng, opt, _, _ = engine.initialize(model=make_model(), config=config)
+        flags: list[object] = [opt is eng.optimizer, hasattr(opt, "overflow") and opt.overflow]
+        for poison in (False, True, False):  # the middle step overflows on rank 1 only
+            x = torch.randn(2, 16, dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32))
+            loss = eng(x).float().pow(2).mean()
+            if poison and rank == 1:
+                loss = loss * float("inf")
+            eng.backward(loss)
+            eng.step()
+            flags.append((opt.overflow, eng.was_step_applied()))
+        eng.destroy()
+        out[stage] = flags
+    return out
+
+
+def test_optimizer_overflow_says_a_fp16_step_was_skipped() -> None:
+    for flags in run_distributed(_overflow_flags, 2, args=("fp16", [0, 1, 2, 3]), timeout=240):
+        for stage in (0, 1, 2, 3):
+            # present (False) from initialize on, True exactly for the skipped step, on every rank
+            assert flags[stage] == [True, False, (False, True), (True, False), (False, True)], stage
+
+
+def test_optimizer_overflow_is_false_without_loss_scaling() -> None:
+    for flags in run_distributed(_overflow_flags, 2, args=("bf16", [2]), timeout=240):
+        assert flags[2][:2] == [True, False] and [f[0] for f in flags[2][2:]] == [False, False, False]
+    for flags in run_distributed(_overflow_flags, 2, args=("fp32", [0]), timeout=240):
+        assert flags[0][:2] == [True, False] and [f[0] for f in flags[0][2:]] == [False, False, False]
