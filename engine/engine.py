@@ -17,6 +17,7 @@ import torch
 
 from engine import comm
 from engine.atomic_file import atomic_save
+from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.config.types import EngineConfig
 from engine.monitor.csv_monitor import CsvMonitor
 from engine.monitor.log import get_logger
@@ -274,16 +275,44 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         return self._require_alive().memory_report()
 
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict on rank 0 ({} on other ranks); every rank must call it. At
-        stage 3 it is gathered one unit at a time (never the whole model on every rank)."""
+    def consolidated_state_dict(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The model's full state dict on rank 0 ({} on other ranks), copied to `device` (None: where
+        each tensor lives); every rank must call it. At stage 3 it is gathered one unit at a time (never
+        the whole model on every rank). Tied weights stay one tensor under each name."""
         stage = self._require_alive()
         gather = getattr(stage, "consolidated_state_dict", None)
         if gather is not None:
-            return gather()
+            return gather(device)
         if self.global_rank != 0:
             return {}
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return clone_tensors_for_torch_save(self.module.state_dict(), device)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (False when absent):
+        whether a stage-3 model save gathers the whole model (HF/Accelerate ask before saving)."""
+        return bool(self.engine_config.zero.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's stage-3 full state dict, as HF Trainer and Accelerate save it: on rank 0 every
+        parameter (in the training dtype) and persistent buffer on the CPU, tied weights one tensor
+        under each name, frozen parameters left out on request; None on the other ranks, as in
+        DeepSpeed. Every rank must call it. Gathered one unit at a time whatever
+        stage3_gather_16bit_weights_on_model_save says (that flag is for the callers to check)."""
+        self._require_alive()
+        if self.zero_optimization_stage() != 3:
+            raise ValueError(f"engine._zero3_consolidated_16bit_state_dict() needs zero_optimization.stage 3, this "
+                             f"engine runs stage {self.zero_optimization_stage()} (every rank holds the whole model): "
+                             "use engine.module.state_dict() or engine.consolidated_state_dict()")
+        state = self.consolidated_state_dict(torch.device("cpu"))
+        if self.global_rank != 0:
+            return None
+        return self._without_frozen(state) if exclude_frozen_parameters else state
+
+    def _without_frozen(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # remove_duplicate=False: a tied parameter's every name, not only its first.
+        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in state.items() if k not in frozen}
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -292,16 +321,15 @@ class Engine:
         Every rank must call it. At stage 3 it needs zero_optimization.
         stage3_gather_16bit_weights_on_model_save (then gathered one unit at a time); without it
         nothing is saved and False is returned, as in DeepSpeed."""
-        stage = self._require_alive()
-        if stage.stage == 3 and not self.engine_config.zero.stage3_gather_16bit_weights_on_model_save:
+        self._require_alive()
+        if self.zero_optimization_stage() == 3 and not self.zero_gather_16bit_weights_on_model_save():
             logger.warning("save_16bit_model: nothing saved; at stage 3 it needs \"zero_optimization\": "
                            "{\"stage3_gather_16bit_weights_on_model_save\": true} (or use "
                            "engine.consolidated_state_dict())")
             return False
         state = self.consolidated_state_dict()
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
+            state = self._without_frozen(state)
         if self.global_rank == 0:
             atomic_save(state, os.path.join(save_dir, save_filename))
         return True

@@ -47,6 +47,10 @@ def test_clone_tensors_for_torch_save_nesting_sharing_and_device() -> None:
     assert type(rest) is tuple and rest[1:] == ("text", 3) and torch.equal(rest[0], torch.ones(2))
     assert type(out["point"]) is Point and out["point"].y == 5
     assert clone_tensors_for_torch_save("plain") == "plain"
+    tied = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    state = clone_tensors_for_torch_save(tied.state_dict())  # a detached view per name, one clone
+    assert state["0.weight"] is state["1.weight"] and state["0.weight"].data_ptr() != tied[0].weight.data_ptr()
 
 
 # --------------------------------------------------------------------------------- accelerator
@@ -217,3 +221,82 @@ def test_optimizer_overflow_is_false_without_loss_scaling() -> None:
         assert flags[2][:2] == [True, False] and [f[0] for f in flags[2][2:]] == [False, False, False]
     for flags in run_distributed(_overflow_flags, 2, args=("fp32", [0]), timeout=240):
         assert flags[0][:2] == [True, False] and [f[0] for f in flags[0][2:]] == [False, False, False]
+
+
+# ---------------------------------------------- zero_gather_16bit_weights_on_model_save and the 16-bit state dict
+
+
+class _TiedLM(torch.nn.Module):
+    """Tied embedding/head, two blocks (one frozen bias), a persistent and a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+        self.blocks[0].bias.requires_grad_(False)
+        self.register_buffer("pos", torch.arange(4.0))
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) + self.pos
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def _tied_lm(seed: int = 0) -> _TiedLM:
+    torch.manual_seed(seed)
+    return _TiedLM()
+
+
+def _consolidated_16bit(stage: int, gather_flag: bool | None) -> dict[str, object]:
+    zero: dict[str, object] = {"stage": stage}
+    if gather_flag is not None:
+        zero["stage3_gather_16bit_weights_on_model_save"] = gather_flag
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    eng, *_ = engine.initialize(model=_tied_lm(seed=torch.distributed.get_rank()), config=config)
+    out: dict[str, object] = {"flag": eng.zero_gather_16bit_weights_on_model_save()}
+    if stage != 3:
+        try:
+            eng._zero3_consolidated_16bit_state_dict()
+        except ValueError as err:
+            out["error"] = str(err)
+        eng.destroy()
+        return out
+    state = eng._zero3_consolidated_16bit_state_dict()
+    trainable = eng._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    out["partitioned_after"] = all(p.numel() == 0 for p in eng.module.parameters())
+    eng.destroy()
+    if state is None:
+        return {**out, "state": None, "trainable": trainable}
+    reference = _tied_lm(seed=0).state_dict()  # rank 0's model is the one every rank trains
+    out.update({
+        "keys": list(state), "reference_keys": list(reference),
+        "dtypes": {k: v.dtype for k, v in state.items()},
+        "devices": {v.device.type for v in state.values()},
+        "equal": all(torch.equal(state[k].float(), reference[k].to(state[k].dtype).float()) for k in reference),
+        "tied": state["embed.weight"] is state["head.weight"],
+        "trainable_keys": list(trainable),
+    })
+    return out
+
+
+def test_zero3_consolidated_16bit_state_dict() -> None:
+    rank0, rank1 = run_distributed(_consolidated_16bit, 2, args=(3, True))
+    assert rank0["flag"] is True and rank0["partitioned_after"] and rank1["partitioned_after"]
+    assert rank0["keys"] == rank0["reference_keys"]  # module.state_dict()'s names and order, no scratch buffer
+    assert rank0["dtypes"]["embed.weight"] is torch.bfloat16 and rank0["dtypes"]["blocks.0.bias"] is torch.bfloat16
+    assert rank0["devices"] == {"cpu"} and rank0["equal"] and rank0["tied"]
+    assert rank0["trainable_keys"] == [k for k in rank0["keys"] if k != "blocks.0.bias"]
+    assert rank1["state"] is None and rank1["trainable"] is None  # DeepSpeed returns None off rank 0
+
+
+def test_zero_gather_16bit_flag_and_stage_check() -> None:
+    for result in run_distributed(_consolidated_16bit, 2, args=(3, None)):
+        assert result["flag"] is False  # absent: False, as in DeepSpeed
+    for result in run_distributed(_consolidated_16bit, 2, args=(2, True)):
+        assert result["flag"] is True
+        assert "needs zero_optimization.stage 3, this engine runs stage 2" in result["error"]

@@ -44,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from engine import comm
+from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config import ConfigError
 from engine.config.types import ARENA_AUTO, EngineConfig
@@ -588,26 +589,31 @@ class Stage3:
                 if target is not None:
                     target.copy_(mine)
 
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's full state dict on rank 0 (empty elsewhere), gathered one unit at a time, so
-        no rank ever holds more than one unit beyond its shards (and rank 0 the result)."""
+    def consolidated_state_dict(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The module's full state dict on rank 0 (empty elsewhere), in the parameters' dtype, gathered
+        one unit at a time, so no rank ever holds more than one unit beyond its shards (and rank 0 the
+        result). Copies go to `device` (None: where the parameters live); a parameter under several
+        names (tied weights) is one tensor under each, as in module.state_dict()."""
         keys = self.module.state_dict(keep_vars=True)
-        out: dict[str, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its copy
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in copies:
+                copies[id(tensor)] = clone_tensors_for_torch_save(tensor, device)
+            return copies[id(tensor)]
+
         for unit in self.units:
             opened = self.gather_for_user(unit)
             members = {id(p) for g in unit.groups for p in g.params}
             if self._rank == 0:
-                for name, tensor in keys.items():
+                for tensor in keys.values():
                     if id(tensor) in members:
-                        out[name] = tensor.detach().clone()
+                        copy(tensor)
             if opened:
                 self._release(unit)
         if self._rank != 0:
             return {}
-        for name, tensor in keys.items():
-            if name not in out:  # buffers and parameters the stage does not manage
-                out[name] = tensor.detach().clone()
-        return {name: out[name] for name in keys}
+        return {name: copy(tensor) for name, tensor in keys.items()}  # buffers and unmanaged params copied here
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """Every group's shard on this rank: fp32 masters of trainable groups, frozen shards as they are."""
