@@ -33,6 +33,17 @@ _SPENT_GRAPH = (
     "to the earlier engine.backward() if the graph must be backpropagated twice")
 
 
+class NoOptimizerError(RuntimeError):
+    """backward() or step() on an engine built without an optimizer (an evaluation-only engine)."""
+
+    def __init__(self, call: str, stage: int) -> None:
+        super().__init__(
+            f"engine.{call}() needs an optimizer, and this engine (zero_optimization.stage {stage}) was built "
+            "without one: engine.initialize() got no optimizer= and the config has no \"optimizer\" section, "
+            "which makes an evaluation-only engine (forward only, as in DeepSpeed's ZeRO inference). To train, "
+            "add an \"optimizer\" section to the config or pass optimizer= to engine.initialize()")
+
+
 class Engine:
     """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface."""
 
@@ -114,6 +125,8 @@ class Engine:
         """Backpropagate `loss`, divided by gradient_accumulation_steps (as DeepSpeed does) unless
         scale_wrt_gas=False. At an accumulation boundary gradient reduction overlaps backward."""
         stage = self._require_alive()
+        if self.optimizer is None:
+            raise NoOptimizerError("backward", self.zero_optimization_stage())
         user_loss = loss
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward() needs a scalar loss tensor, got "
@@ -146,14 +159,13 @@ class Engine:
         """Call after every micro-batch; acts at accumulation boundaries: clip, optimizer step,
         zero gradients, LR schedule, counters, logs."""
         stage = self._require_alive()
+        if self.optimizer is None:
+            raise NoOptimizerError("step", self.zero_optimization_stage())
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): gradients there are not reduced "
                                "across ranks; leave the no_sync() block before calling step()")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            if self.optimizer is None:
-                raise RuntimeError("engine.step() without an optimizer: add an \"optimizer\" section to "
-                                   "the config or pass optimizer= to engine.initialize()")
             if self._timers:
                 self._timers.start("step")
             outcome = stage.step(self.engine_config.gradient_clipping)

@@ -19,6 +19,7 @@ from engine.param_groups import normalize_param_groups
 from engine.precision import Precision
 from engine.zero import init as zero_init
 from engine.zero.base import ZeroStage
+from engine.zero.forward_only import ForwardOnly
 from engine.zero.stage0 import Stage0
 from engine.zero.stage1 import Stage1
 from engine.zero.stage2 import Stage2
@@ -45,6 +46,21 @@ _STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfi
     2: Stage2,
     3: Stage3,
 }
+
+
+def _build_stage(cfg: EngineConfig, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
+                 precision: Precision) -> ZeroStage:
+    if opt is not None:
+        return _STAGES[cfg.zero.stage](model, opt, cfg, precision)
+    # No optimizer: an evaluation-only engine (DeepSpeed's ZeRO inference; HF builds one to evaluate
+    # before training). Stage 3 keeps its parameters partitioned; at stages 0-2 they are whole on every
+    # rank and there is nothing to partition. The Engine refuses backward and step with a named error.
+    if comm.get_rank() == 0:
+        logger.info("no optimizer (none passed to initialize, no \"optimizer\" section): an evaluation-only "
+                    "engine at zero_optimization.stage %d; backward() and step() need an optimizer", cfg.zero.stage)
+    if cfg.zero.stage == 3:
+        return Stage3(model, None, cfg, precision)
+    return ForwardOnly(model, cfg.zero.stage)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -174,7 +190,7 @@ def initialize(
         comm.broadcast_coalesced([t.data for t in model.parameters()] + list(model.buffers()))
         opt = _build_optimizer(cfg, model, optimizer, model_parameters)
         scheduler = _build_scheduler(cfg, opt, lr_scheduler)
-        stage = _STAGES[cfg.zero.stage](model, opt, cfg, precision)
+        stage = _build_stage(cfg, model, opt, precision)
     except BaseException:
         if owns_group:
             # Every rank that failed tears its group down; the next initialize makes a new one on

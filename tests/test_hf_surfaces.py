@@ -300,3 +300,59 @@ def test_zero_gather_16bit_flag_and_stage_check() -> None:
     for result in run_distributed(_consolidated_16bit, 2, args=(2, True)):
         assert result["flag"] is True
         assert "needs zero_optimization.stage 3, this engine runs stage 2" in result["error"]
+
+
+# ------------------------------------------------------------ ZeRO inference: no optimizer at any stage
+
+
+def _evaluate_without_optimizer(stage: int, build_under_init: bool, bf16: bool) -> dict[str, object]:
+    from engine.engine import NoOptimizerError
+
+    rank = torch.distributed.get_rank()
+    ids = torch.tensor([[1, 5, 2, 7], [0, 3, 3, 6]])
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    with torch.no_grad():
+        expected = _tied_lm(seed=0).to(dtype)(ids)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    with engine.zero.Init(enabled=build_under_init):
+        model = _tied_lm(seed=rank)  # rank 0's values are the ones every rank keeps
+    eng, opt, _, scheduler = engine.initialize(model=model, config=config)
+    out: dict[str, object] = {"returned": (opt, scheduler, eng.optimizer)}
+    eng.eval()
+    with torch.no_grad():
+        first, second = eng(ids), eng(ids)
+    out["equal"] = torch.equal(first, expected) and torch.equal(second, expected)
+    out["partitioned"] = all(p.numel() == 0 for p in eng.module.parameters())
+    eng.train()
+    errors = []
+    loss = eng(ids).float().sum()
+    for call in (lambda: eng.backward(loss), eng.step):
+        try:
+            call()
+        except NoOptimizerError as err:
+            errors.append(str(err))
+    out["errors"] = errors
+    with torch.no_grad():  # a refused call leaves the engine usable
+        out["equal_after"] = torch.equal(eng(ids), expected) and eng.micro_steps == 0
+    eng.destroy()
+    return out
+
+
+def test_stage3_without_optimizer_evaluates_partitioned() -> None:
+    for build_under_init in (False, True):
+        for result in run_distributed(_evaluate_without_optimizer, 2, args=(3, build_under_init, False)):
+            assert result["returned"] == (None, None, None)
+            assert result["equal"] and result["partitioned"] and result["equal_after"]
+            backward, step = result["errors"]
+            assert backward.startswith("engine.backward() needs an optimizer, and this engine "
+                                       "(zero_optimization.stage 3) was built without one")
+            assert step.startswith("engine.step() needs an optimizer") and "add an \"optimizer\" section" in step
+
+
+def test_stages_0_to_2_without_optimizer_evaluate() -> None:
+    for stage, bf16 in ((0, True), (1, False), (2, True)):
+        for result in run_distributed(_evaluate_without_optimizer, 2, args=(stage, False, bf16)):
+            assert result["returned"] == (None, None, None)
+            assert result["equal"] and not result["partitioned"] and result["equal_after"]
+            assert [e.split("(")[0] for e in result["errors"]] == ["engine.backward", "engine.step"]
+            assert f"(zero_optimization.stage {stage}) was built without one" in result["errors"][0]

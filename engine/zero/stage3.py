@@ -129,12 +129,13 @@ class _GatherBeforeBackward(torch.autograd.Function):
 class Stage3:
     stage = 3
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig,
                  precision: Precision) -> None:
-        if optimizer is None:
-            raise ValueError("zero_optimization.stage 3 needs an optimizer: add an \"optimizer\" section to the "
-                             "config or pass optimizer= to engine.initialize()")
-        check_elementwise(optimizer, 3, config.zero_allow_untested_optimizer)
+        # Without an optimizer (ZeRO inference: HF evaluates before training this way) every parameter
+        # is sharded as a frozen one: gathered unit by unit for forward, never updated. The Engine
+        # refuses backward and step.
+        if optimizer is not None:
+            check_elementwise(optimizer, 3, config.zero_allow_untested_optimizer)
         self.optimizer = optimizer
         self.precision = precision
         self._world = comm.get_world_size()
@@ -158,7 +159,8 @@ class Stage3:
         self.steps = 0
         self.backwards = 0
 
-        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
+        opt_groups = optimizer.param_groups if optimizer is not None else []
+        group_of = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"] if p.requires_grad}
         self.units: list[Unit] = []
         is_leaf = leaf_test(config.zero.leaf_module)
         if config.zero.leaf_module and not any(is_leaf(n, m) for n, m in module.named_modules() if m is not module):
@@ -175,20 +177,21 @@ class Stage3:
             self.units.append(unit)
             for p in plan.params:
                 p._zero_owner = (self, unit)  # for engine.zero.GatheredParameters
-        masters: dict[int, list[torch.Tensor]] = {gi: [] for gi in range(len(optimizer.param_groups))}
+        masters: dict[int, list[torch.Tensor]] = {gi: [] for gi in range(len(opt_groups))}
         for unit in self.units:
             for g in unit.trainable:
                 masters[g.opt_group].append(g.master)
-        for gi, opt_group in enumerate(optimizer.param_groups):
+        for gi, opt_group in enumerate(opt_groups):
             opt_group["params"] = masters[gi]
-        optimizer.state.clear()
+        if optimizer is not None:
+            optimizer.state.clear()
 
         self._where = {id(p): (u, g, i) for u in self.units for g in u.trainable for i, p in enumerate(g.params)}
         # Optimizer offload: masters are the only persistent copy of trainable parameters (or the fp32
         # shard itself), gathering casts, so the fused step has no low-precision copy to write.
         self._offload = OptimizerOffload(optimizer, [
             OffloadTarget(g.master, None) for u in self.units for g in u.trainable
-        ]) if offload_enabled(config) else None
+        ]) if offload_enabled(config) and optimizer is not None else None
         # Gradients are reduced unit by unit in one fixed order on every rank: the reverse of the
         # forward order, so the last block (whose backward ends first) goes first, the root last.
         self._reduce_order = list(reversed(self.units))
@@ -555,8 +558,9 @@ class Stage3:
             return 0 if t is None else t.numel() * t.element_size()
 
         groups = [g for u in self.units for g in u.groups]
+        opt_state = self.optimizer.state if self.optimizer is not None else {}
         state = sum(nbytes(v) for g in groups if g.master is not None
-                    for v in self.optimizer.state.get(g.master, {}).values() if torch.is_tensor(v) and v.numel() > 1)
+                    for v in opt_state.get(g.master, {}).values() if torch.is_tensor(v) and v.numel() > 1)
         return {
             "params": sum(nbytes(g.shard) for g in groups),
             "master": sum(nbytes(g.master) for g in groups if g.master is not None and g.shard is None),

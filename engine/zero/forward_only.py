@@ -1,0 +1,50 @@
+"""The stage of an engine built without an optimizer at zero_optimization.stage 0, 1 or 2.
+
+Without an optimizer there is nothing to partition (no optimizer state, no gradients to reduce) and
+the parameters are whole on every rank at these stages, so the stage holds nothing and installs no
+hooks: the engine only runs forward (evaluation, as HF's ZeRO inference does). Stage 3 keeps its
+own class without an optimizer, because its parameters stay partitioned. The Engine refuses
+backward and step before they reach a stage (engine.engine.NoOptimizerError).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import comm
+from engine.checkpoint.records import NamedPiece, ShardRecord
+from engine.zero.base import StepOutcome
+
+
+class ForwardOnly:
+    def __init__(self, module: torch.nn.Module, stage: int) -> None:
+        self.stage = stage
+        self.optimizer = None
+        self._module = module
+
+    def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
+        raise RuntimeError(f"zero_optimization.stage {self.stage} engine without an optimizer cannot run backward")
+
+    def finish_backward(self) -> None:
+        pass
+
+    def step(self, max_grad_norm: float) -> StepOutcome:
+        raise RuntimeError(f"zero_optimization.stage {self.stage} engine without an optimizer cannot step")
+
+    def zero_grad(self) -> None:
+        pass
+
+    def memory_report(self) -> dict[str, int]:
+        return {"params": 0, "master": 0, "gradients": 0, "optimizer_state": 0}
+
+    def checkpoint_shards(self) -> list[ShardRecord]:
+        """Every parameter whole, as a frozen record (no optimizer state); rank 0 writes."""
+        write = comm.get_rank() == 0
+        return [ShardRecord(p, [NamedPiece(name, 0, 0, p.numel())], None, write)
+                for name, p in self._module.named_parameters()]
+
+    def state_dict(self) -> dict[str, object]:
+        return {}
+
+    def destroy(self) -> None:
+        pass
