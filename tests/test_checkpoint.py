@@ -187,12 +187,12 @@ def _save_and_die(save_dir: str, port: int, rank: int) -> None:
 
         real = store.atomic_save
 
-        def die_midway(obj: Any, path: str) -> None:
+        def die_midway(obj: Any, path: str) -> dict[str, int]:
             if path.endswith("optim_states.pt"):
                 with open(path + ".tmp.partial", "wb") as f:
                     f.write(b"half a file")
                 os.kill(os.getpid(), signal.SIGKILL)
-            real(obj, path)
+            return real(obj, path)
 
         store.atomic_save = die_midway
     eng.save_checkpoint(save_dir, tag="bad")
@@ -249,7 +249,7 @@ def _load_each(save_dirs: list[str]) -> list[str]:
 def test_damaged_checkpoints_give_named_errors(tmp_path: Path) -> None:
     run_distributed(_save_single, 1, args=(str(tmp_path / "good"),))
     expected: dict[str, str] = {}
-    for damage in ("intact", "replaced", "truncated", "corrupted", "missing", "newer"):
+    for damage in ("intact", "replaced", "truncated", "corrupted", "missing", "newer", "unchecked"):
         shutil.copytree(tmp_path / "good", tmp_path / damage)
         tag = tmp_path / damage / "t"
         target = tag / "rank_0_optim_states.pt"
@@ -260,15 +260,21 @@ def test_damaged_checkpoints_give_named_errors(tmp_path: Path) -> None:
             expected[damage] = "loaded"
         elif damage == "truncated":
             target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-            expected[damage] = f"{target} cannot be read"
+            expected[damage] = f"{target} was modified or damaged after it was saved ("
         elif damage == "corrupted":
             data = bytearray(target.read_bytes())
             data[: len(data) // 2] = bytes(len(data) // 2)
             target.write_bytes(bytes(data))
-            expected[damage] = f"{target} cannot be read"
+            expected[damage] = f"{target} was modified or damaged after it was saved (CRC-32"
         elif damage == "missing":
             target.unlink()
             expected[damage] = f"{target} is missing"
+        elif damage == "unchecked":  # saved before manifests had checksums: the reader still names the file
+            manifest = json.loads((tag / "manifest.json").read_text())
+            del manifest["checksums"]
+            (tag / "manifest.json").write_text(json.dumps(manifest))
+            target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+            expected[damage] = f"{target} cannot be read"
         else:
             manifest = json.loads((tag / "manifest.json").read_text())
             manifest["format_version"] = 99

@@ -13,14 +13,13 @@ memory. Atomically either way.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 from tqdm import tqdm
 
 from engine.atomic_file import atomic_open, atomic_save
-from engine.checkpoint.files import CheckpointError, read_latest, read_manifest
+from engine.checkpoint.files import CheckpointError, read_manifest, resolve_tag_dir
 from engine.checkpoint.store import PieceReader
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,7 +37,7 @@ def consolidate(ckpt_dir: str, tag: str | None = None, dtype: torch.dtype = torc
 
 
 def _open(ckpt_dir: str, tag: str | None) -> tuple[PieceReader, dict, str]:
-    tag_dir = os.path.join(ckpt_dir, tag or read_latest(ckpt_dir))
+    tag_dir = resolve_tag_dir(ckpt_dir, tag)
     manifest = read_manifest(tag_dir)
     return PieceReader(tag_dir, manifest), manifest, tag_dir
 

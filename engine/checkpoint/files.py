@@ -10,17 +10,24 @@
 
 A tag directory appears complete or not at all: every file is written into a hidden
 `.<tag>.partial` directory (each file itself atomically), the manifest last, then the directory is
-renamed to <tag>. Every file is read with torch.load(weights_only=True).
+renamed to <tag>. Every file is read with torch.load(weights_only=True), after its CRC-32 and size
+are checked against the manifest's `checksums` (taken while the file was written): flipped or lost
+bytes are a CheckpointError naming the file, never silently wrong weights. A CRC detects accidents
+(disk, copy, truncation), not tampering; weights_only is what keeps a file from running code.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import zipfile
 from typing import Any
 
+import jsonschema
 import torch
+
+from engine.atomic_file import file_crc32
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -43,6 +50,15 @@ def partial_dir(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, f".{tag}.partial")
 
 
+def check_tag(tag: str, where: str) -> str:
+    """A tag names a directory directly under the checkpoint folder, nothing else."""
+    if not tag or os.sep in tag or (os.altsep and os.altsep in tag) or tag in (".", "..") or tag.startswith(".") \
+            or os.path.isabs(tag):
+        raise CheckpointError(f"{where}: tag {tag!r} is not a plain directory name inside the checkpoint folder; "
+                              "a tag may not contain path separators or start with '.'")
+    return tag
+
+
 def read_latest(load_dir: str) -> str:
     path = os.path.join(load_dir, LATEST)
     if not os.path.isfile(path):
@@ -52,7 +68,49 @@ def read_latest(load_dir: str) -> str:
         tag = f.read().strip()
     if not tag:
         raise CheckpointError(f"{path} is empty; pass tag= to load_checkpoint")
-    return tag
+    return check_tag(tag, path)
+
+
+def resolve_tag_dir(load_dir: str, tag: str | None) -> str:
+    """The directory to read for `tag` (default: the one `latest` names), as load_checkpoint and
+    consolidate both resolve it.
+
+    A save over an existing tag moves the old directory aside (.<tag>.old), renames the new one in,
+    then deletes the old: a crash between the two renames leaves only that complete copy, used here.
+    """
+    tag = check_tag(str(tag), "tag") if tag is not None else read_latest(load_dir)
+    tag_dir = os.path.join(load_dir, tag)
+    aside = os.path.join(load_dir, f".{tag}.old")
+    if not os.path.isdir(tag_dir) and os.path.isdir(aside):
+        from engine.monitor.log import get_logger
+
+        get_logger().warning("checkpoint %s is missing but %s is complete (a save replacing it was interrupted); "
+                             "loading that", tag_dir, aside)
+        return aside
+    return tag_dir
+
+
+_PIECE = {"type": "array", "prefixItems": [{"enum": ["model", "optim"]}, {"type": "string"},
+                                           {"type": "integer", "minimum": 0}, {"type": "integer", "minimum": 0}],
+          "minItems": 4, "maxItems": 4}
+_MANIFEST_SCHEMA = {
+    "type": "object",
+    "required": ["format_version", "world_size", "stage", "params", "pieces"],
+    "properties": {
+        "format_version": {"type": "integer"},
+        "world_size": {"type": "integer", "minimum": 1},
+        "stage": {"type": "integer", "minimum": 0, "maximum": 3},
+        "params": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["shape", "dtype"],
+            "properties": {"shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                           "dtype": {"type": "string"}, "trainable": {"type": "boolean"}}}},
+        "aliases": {"type": "object", "additionalProperties": {"type": "string"}},
+        "pieces": {"type": "array", "items": {"type": "array", "items": _PIECE}},
+        "checksums": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["crc32", "bytes"],
+            "properties": {"crc32": {"type": "integer", "minimum": 0}, "bytes": {"type": "integer", "minimum": 0}}}},
+    },
+}
 
 
 def read_manifest(tag_dir: str) -> dict[str, Any]:
@@ -66,22 +124,44 @@ def read_manifest(tag_dir: str) -> dict[str, Any]:
             manifest = json.load(f)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path} is not readable JSON ({err}); the checkpoint is corrupted") from None
-    version = manifest.get("format_version")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if not isinstance(version, int):
         raise CheckpointError(f"{path} has no integer format_version; it is not a manifest of this engine")
     if version > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {version}, newer than this engine reads ({FORMAT_VERSION}); "
                               "load it with the engine version that wrote it (manifest engine_version: "
                               f"{manifest.get('engine_version')}) or upgrade")
+    # A hand-edited manifest is refused here, by key, not with a KeyError deep inside loading.
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(_MANIFEST_SCHEMA).iter_errors(manifest))
+    if error is None and len(manifest["pieces"]) != manifest["world_size"]:
+        raise CheckpointError(f"{path}: 'pieces' lists {len(manifest['pieces'])} ranks but world_size is "
+                              f"{manifest['world_size']}; the manifest was edited or is corrupted; load another tag")
+    if error is not None:
+        key = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise CheckpointError(f"{path}: key {key}: {error.message}; the manifest was edited or is corrupted "
+                              "(this engine writes it itself); load another tag")
     return manifest
 
 
-def load_file(path: str) -> dict[str, Any]:
-    """One rank file, memory-mapped (pieces are read on demand), with a named error when it is bad."""
+def load_file(path: str, expected: dict[str, int] | None = None) -> dict[str, Any]:
+    """One rank file, memory-mapped (pieces are read on demand), with a named error when it is bad.
+    `expected` is the manifest's {"crc32", "bytes"} for it (None: a checkpoint saved before checksums)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+    if expected is not None:
+        found = file_crc32(path)
+        if found != expected:
+            what = (f"{found['bytes']} bytes, the manifest says {expected['bytes']}" if found["bytes"] != expected["bytes"]
+                    else f"CRC-32 {found['crc32']:08x}, the manifest says {expected['crc32']:08x}")
+            raise CheckpointError(f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
+                                  "trusted: load an earlier tag")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path} holds an object that torch.load(weights_only=True) refuses "
+                              f"({str(err).splitlines()[0]}); checkpoints written by this engine check client_state "
+                              "when saving, so this file was written elsewhere or by an older version. If you trust "
+                              "it, read it with torch.load(weights_only=False) and save it again") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
         size = os.path.getsize(path)
         raise CheckpointError(f"{path} cannot be read ({size} bytes): {str(err).splitlines()[0]}; the file is "

@@ -22,6 +22,7 @@ import torch
 
 from engine import comm
 from engine.atomic_file import atomic_open, atomic_save, fsync_dir
+from engine.checkpoint.client_state import prepare_client_state
 from engine.checkpoint.files import (
     FORMAT_VERSION,
     LATEST,
@@ -31,8 +32,8 @@ from engine.checkpoint.files import (
     model_file,
     optim_file,
     partial_dir,
-    read_latest,
     read_manifest,
+    resolve_tag_dir,
 )
 from engine.checkpoint.records import ShardRecord
 from engine.monitor.log import get_logger
@@ -93,12 +94,24 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
     tag = str(tag) if tag is not None else f"global_step{eng.global_steps}"
     if os.sep in tag or tag in ("", ".", "..") or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    # Checked on every rank before anything is written, and agreed on, so a refusal is raised by every
+    # rank (none waits in the barrier below) and the previous checkpoint and `latest` stay as they were.
+    try:
+        client_state, refusal = prepare_client_state(client_state), None
+    except CheckpointError as err:
+        client_state, refusal = {}, err
+    refusals = comm.all_gather_object(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    if any(refusals):
+        first = next(r for r, msg in enumerate(refusals) if msg)
+        raise CheckpointError(f"save_checkpoint refused on rank {first}: {refusals[first]}")
     started = time.perf_counter()
     records = stage.checkpoint_shards()
     final, partial = os.path.join(save_dir, tag), partial_dir(save_dir, tag)
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # a save that died before its rename
+        _remove_partial_saves(save_dir)
         os.makedirs(partial)
     comm.barrier()
 
@@ -138,13 +151,15 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
             "loss_scaler": eng.precision.scaler.state_dict() if eng.precision.scaler is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in eng.optimizer.param_groups]
             if eng.optimizer is not None else [],
-            "client_state": dict(client_state or {}),
+            "client_state": client_state,
         })
         index.extend(("model", name, 0, int(value.numel())) for name, value in whole.items())
-    atomic_save(model_state, os.path.join(partial, model_file(rank)))
-    atomic_save({"pieces": optim_pieces, "scalars": scalars}, os.path.join(partial, optim_file(rank)))
+    checksums = {model_file(rank): atomic_save(model_state, os.path.join(partial, model_file(rank))),
+                 optim_file(rank): atomic_save({"pieces": optim_pieces, "scalars": scalars},
+                                               os.path.join(partial, optim_file(rank)))}
 
-    everyone = comm.all_gather_object(index)
+    gathered = comm.all_gather_object((index, checksums))
+    everyone = [entries for entries, _ in gathered]
     if rank == 0:
         params = {n: {"shape": list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape),
                       "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad}
@@ -157,6 +172,7 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
             "aliases": _aliases(eng.module),
             "files": {"model": [model_file(r) for r in range(world)], "optim": [optim_file(r) for r in range(world)]},
             "pieces": [[list(entry) for entry in entries] for entries in everyone],
+            "checksums": {name: digest for _, sums in gathered for name, digest in sums.items()},
         }
         _write_text(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
         old = os.path.join(save_dir, f".{tag}.old")
@@ -172,6 +188,14 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
     if rank == 0:
         logger.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
     return final
+
+
+def _remove_partial_saves(save_dir: str) -> None:
+    """Hidden .<tag>.partial folders are saves that died before their rename (any tag): never loadable,
+    only taking space."""
+    for entry in os.listdir(save_dir):
+        if entry.startswith(".") and entry.endswith(".partial"):
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
 
 
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -216,7 +240,8 @@ class PieceReader:
 
     def file(self, name: str) -> dict[str, Any]:
         if name not in self._files:
-            self._files[name] = load_file(os.path.join(self.tag_dir, name))
+            expected = self.manifest.get("checksums", {}).get(name)
+            self._files[name] = load_file(os.path.join(self.tag_dir, name), expected)
         return self._files[name]
 
     def state_keys(self, name: str) -> list[str]:
@@ -263,15 +288,7 @@ def load(eng: Engine, load_dir: str, tag: str | None, load_module_strict: bool, 
     stage = eng._require_alive()
     rank = comm.get_rank()
     started = time.perf_counter()
-    tag = str(tag) if tag is not None else read_latest(load_dir)
-    tag_dir = os.path.join(load_dir, tag)
-    aside = os.path.join(load_dir, f".{tag}.old")
-    if not os.path.isdir(tag_dir) and os.path.isdir(aside):
-        # A save over an existing tag moves the old directory aside, renames the new one in, then
-        # deletes the old: a crash between the two renames leaves only this complete copy.
-        logger.warning("checkpoint %s is missing but %s is complete (a save replacing it was interrupted); "
-                       "loading that", tag_dir, aside)
-        tag_dir = aside
+    tag_dir = resolve_tag_dir(load_dir, tag)
     manifest = read_manifest(tag_dir)
     reader = PieceReader(tag_dir, manifest)
     records = stage.checkpoint_shards()
