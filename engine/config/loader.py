@@ -2,7 +2,7 @@
 
 Every check runs even when an earlier one failed (bad values are dropped first so later checks see only
 well-typed data), and all problems are raised together as one ConfigError: a user fixes them in one run.
-Phases: read -> schema -> aliases -> "auto" -> batch sizes -> support table -> build.
+Phases: read -> finite numbers -> schema -> aliases -> "auto" -> batch sizes -> support table -> build.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from engine.config.auto import resolve_auto
 from engine.config.batch import GAS, MICRO, TRAIN, BatchSizes, resolve_batch_sizes
 from engine.config.build import build_engine_config
 from engine.config.errors import ConfigError
+from engine.config.finite import check_finite
 from engine.config.source import DICT_SOURCE, ConfigSource, read_source
 from engine.config.support import check_support
 from engine.config.types import EngineConfig
@@ -35,7 +36,10 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r} (from {world_size_source})")
     raw, where = read_source(source)
-    problems, bad_paths = check_schema(raw)
+    # Before the schema: NaN passes its range checks, and Infinity's documented meanings must be in place.
+    raw, problems = check_finite(raw)
+    schema_problems, bad_paths = check_schema(raw)
+    problems += schema_problems
     if any(not p for p in bad_paths):  # the root itself is unusable; nothing more to check
         raise ConfigError(_located(problems, where))
 

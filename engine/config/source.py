@@ -2,6 +2,9 @@
 
 Files are read with hjson like DeepSpeed does, so `//`, `#`, `/* */` comments and trailing commas load;
 duplicate keys are an error (DeepSpeed refuses them too, and silently keeping one would hide a mistake).
+Text from a file or base64 is decoded by hjson_decoder (NaN/Infinity, overflow, nesting limit); a dict
+is measured against the same nesting limit before anything recurses into it. Everything a source can
+get wrong is a ConfigError naming the file (or "<dict config>" / "<base64 config>") and the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Any
 
 import hjson
 
+from engine.config import nesting
 from engine.config.errors import ConfigError
+from engine.config.hjson_decoder import ConfigDecoder, TooDeep, is_blank
 
 ConfigSource = str | os.PathLike[str] | dict[str, Any]
 DICT_SOURCE = "<dict config>"
@@ -49,8 +54,15 @@ def _duplicate_line(text: str, key: str) -> int | None:
 
 def parse_text(text: str, where: str) -> dict[str, Any]:
     """Parse hjson/JSON text; errors name `where` (a file path or "<base64 config>") and line:column."""
+    if is_blank(text):
+        raise ConfigError(
+            f"{where}: the config is empty (only whitespace or comments); "
+            'fix: write a JSON object of config keys, e.g. {"train_micro_batch_size_per_gpu": 8}'
+        )
     try:
-        data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+        data = hjson.loads(text, cls=ConfigDecoder, object_pairs_hook=_no_duplicates)
+    except TooDeep as deep:
+        raise ConfigError(f"{where}:{deep.lineno}:{deep.colno}: {deep}") from None
     except _DuplicateKey as dup:
         line = _duplicate_line(text, dup.key)
         at = f"{where}:{line}" if line else where
@@ -60,8 +72,16 @@ def parse_text(text: str, where: str) -> dict[str, Any]:
     except hjson.HjsonDecodeError as err:
         raise ConfigError(f"{where}:{err.lineno}:{err.colno}: {err.msg}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: the config must be a JSON object {{...}}, got {type(data).__name__}")
+        raise ConfigError(
+            f"{where}: the config must be a JSON object {{...}}, got {_json_kind(data)}; "
+            "fix: put the config keys in one object, e.g. {\"train_micro_batch_size_per_gpu\": 8}"
+        )
     return data
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "an array [...]", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
 
 
 def _decode_base64(text: str) -> str | None:
@@ -73,10 +93,11 @@ def _decode_base64(text: str) -> str | None:
     for altchars in (None, b"-_"):
         try:
             raw = base64.b64decode(padded, altchars=altchars, validate=True)
-            decoded = raw.decode("utf-8")
+            decoded = raw.decode("utf-8-sig")
         except (binascii.Error, UnicodeDecodeError, ValueError):
             continue
-        if decoded.lstrip().startswith("{"):
+        # An array is not a config, but its decoding shows it was meant as one: parse_text says why.
+        if decoded.lstrip().startswith(("{", "[")):
             return decoded
     return None
 
@@ -87,14 +108,15 @@ def read_source(source: ConfigSource) -> tuple[dict[str, Any], str]:
         bad = [k for k in source if not isinstance(k, str)]
         if bad:
             raise ConfigError(f"{DICT_SOURCE}: keys must be strings, got {bad!r}")
+        deep = nesting.first_too_deep(source)
+        if deep is not None:
+            raise ConfigError(f"{DICT_SOURCE}: {nesting.too_deep('at ' + nesting.shown_path(deep))}")
         return copy.deepcopy(source), DICT_SOURCE
     if isinstance(source, os.PathLike):
         return _read_file(os.fspath(source)), os.fspath(source)
     if isinstance(source, str):
-        if os.path.isfile(source):
+        if os.path.exists(source):  # also a pipe such as /dev/stdin or bash's <(...)
             return _read_file(source), source
-        if os.path.isdir(source):
-            raise ConfigError(f"config path {source!r} is a directory; pass the JSON file inside it")
         decoded = _decode_base64(source)
         if decoded is not None:
             return parse_text(decoded, "<base64 config>"), "<base64 config>"
@@ -108,11 +130,22 @@ def read_source(source: ConfigSource) -> tuple[dict[str, Any], str]:
 
 
 def _read_file(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise ConfigError(f"config path {path!r} is a directory; fix: pass the JSON file inside it")
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            data = fh.read()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path!r} (current directory {os.getcwd()!r})") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
         raise ConfigError(f"{path}: cannot read the config file: {err}") from None
+    try:
+        text = data.decode("utf-8-sig")  # a BOM, as some Windows editors write, is not part of the JSON
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ConfigError(
+            f"{path}:{line}:{column}: not valid UTF-8 (byte 0x{data[err.start]:02x}); "
+            "fix: save the file as UTF-8 (JSON files are UTF-8)"
+        ) from None
     return parse_text(text, path)
