@@ -14,7 +14,7 @@ import torch
 from models import make_model
 
 import engine
-from engine.config import ConfigError, EngineConfig, load_config
+from engine.config import ConfigError, EngineConfig, load_config, zero_stage
 from engine.config.nesting import MAX_DEPTH
 
 WS_SOURCE = "WORLD_SIZE env (torchrun)"
@@ -282,3 +282,12 @@ def test_directory_is_refused_for_str_and_pathlike(tmp_path: Path) -> None:
     for source in (str(tmp_path), tmp_path):
         message = refused(source)
         assert str(tmp_path) in message and "is a directory" in message and "pass the JSON file" in message
+
+
+def test_zero_stage_read_before_initialize_names_a_bad_stage(tmp_path: Path) -> None:
+    # engine.zero.Init reads the stage before load_config runs; int(NaN) used to escape from there
+    for stage in (NAN, INF):
+        for source in sources(tmp_path, {**BASE, "zero_optimization": {"stage": stage}}).values():
+            with pytest.raises(ConfigError, match=r"zero_optimization\.stage: .* is not one of 0, 1, 2, 3"):
+                zero_stage(source)
+    assert zero_stage(sources(tmp_path, {**BASE, "zero_optimization": {"stage": 3}})["file"]) == 3

@@ -25,7 +25,12 @@ def zero_stage(source: ConfigSource) -> int:
     zero = read_source(source)[0].get("zero_optimization", {})
     if isinstance(zero, bool):  # DeepSpeed's legacy "zero_optimization": true means stage 1
         return int(zero)
-    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # NaN, Infinity, "3": no int() crash
+        raise ConfigError(
+            f"zero_optimization.stage: {stage!r} is not one of 0, 1, 2, 3; fix: write the ZeRO stage as a number"
+        )
+    return int(stage)
 
 
 __all__ = [
