@@ -134,7 +134,7 @@ TABLE: tuple[Entry, ...] = (
         "default the parameter dtype",
     ),
     Entry("comms_logger", S.IMPLEMENTED, PRESENT, "enabled: bytes sent per collective type at each step log line"),
-    Entry("steps_per_print", S.IMPLEMENTED, PRESENT, "period of the progress log line; null = none"),
+    Entry("steps_per_print", S.IMPLEMENTED, PRESENT, "period of the progress log line; null or Infinity (what HF Accelerate writes) = never"),
     Entry("wall_clock_breakdown", S.IMPLEMENTED, PRESENT, "per-phase timers in the progress log"),
     Entry("csv_monitor", S.IMPLEMENTED, PRESENT, "CSV metrics writer (engine/monitor)"),
     Entry(
