@@ -4,9 +4,11 @@
     builder.status()          # what happened, for `python -m engine.report`
 
 The first use compiles csrc/cpu/*.cpp with torch.utils.cpp_extension and ninja into a per-user cache,
-`$ZERO_ENGINE_CACHE` or ~/.cache/zero_engine/ops/<name>-<key>, where the key hashes the sources,
-the torch version, the compiler's version and the flags; later processes load the cached library
-(concurrent ranks wait on torch's build lock instead of compiling twice). `python -m engine.ops.build`
+`$ZERO_ENGINE_CACHE` or ~/.cache/zero_engine/ops/<name>-<key>-<install>, where the key hashes the
+sources and the flags and <install> the torch installation (its directory and version, Python's version
+and ABI tag, the compiler's version): two virtualenvs get two builds instead of rebuilding each other's.
+Later processes load the cached library; concurrent ranks wait on one builder (engine/ops/build_lock.py,
+which says whom it waits for and takes over the lock of a builder that died). `python -m engine.ops.build`
 builds ahead of time (at install).
 
 `ZERO_ENGINE_OPS`: unset/`auto` builds when it can and falls back with one warning when it cannot;
@@ -19,16 +21,22 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from engine.ops import build_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
@@ -77,6 +85,7 @@ def compiler_version() -> str:
 
 
 def cache_key(files: list[Path], compiler: str) -> str:
+    """The sources' and flags' part of the build directory's name (installation_key() is the rest)."""
     digest = hashlib.sha256()
     for path in files + sorted((CSRC / "cpu").glob("*.h")):
         digest.update(path.name.encode())
@@ -84,6 +93,25 @@ def cache_key(files: list[Path], compiler: str) -> str:
     for part in (torch.__version__, compiler, " ".join(CPU_FLAGS), sys.version.split()[0]):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
+
+
+def installation_key(compiler: str, torch_dir: str | None = None, torch_version: str | None = None,
+                     python: str | None = None, abi: str | None = None) -> str:
+    """A short hash of the torch installation a build is made for: torch's directory (two venvs with the
+    same torch version compile against different headers and libraries, and ninja would rebuild one's
+    build for the other on every start), torch's version, Python's version and ABI tag, the compiler.
+    The arguments default to this process's installation."""
+    parts = (torch_dir if torch_dir is not None else os.path.dirname(os.path.abspath(torch.__file__)),
+             torch_version if torch_version is not None else torch.__version__,
+             python if python is not None else sys.version,
+             abi if abi is not None else str(sysconfig.get_config_var("SOABI")),
+             compiler)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+def build_dir(name: str, key: str, compiler: str) -> Path:
+    """Where an extension with these sources (key) is built for this torch installation."""
+    return cache_root() / f"{name}-{key}-{installation_key(compiler)}"
 
 
 def cache_root() -> Path:
@@ -138,46 +166,47 @@ def _load() -> ModuleType | None:
     problem = _why_not_buildable(files, compiler)
     if problem:
         return _fail(problem)
-    build_dir = cache_root() / f"{NAME}-{cache_key(files, compiler)}"
-    _status.cache_dir = str(build_dir)
-    cached = any(build_dir.glob(f"{NAME}*.so"))
-    _clear_stale_lock(build_dir)
+    directory = build_dir(NAME, cache_key(files, compiler), compiler)
+    _status.cache_dir = str(directory)
     started = time.perf_counter()
-    if not cached:
-        print(f"[engine] compiling the C++ extension ({len(files)} sources, first use; cached in {build_dir}) ...",
-              file=sys.stderr, flush=True)
     try:
         from torch.utils import cpp_extension
 
-        build_dir.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=CPU_FLAGS,
-                                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        with locked_build(directory, NAME, "the C++ extension", len(files), "about 30-120 s") as cached:
+            module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=CPU_FLAGS,
+                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as error:  # noqa: BLE001 (a compiler error must not take training down: the fallback is exact)
         return _fail(f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}")
     _status.seconds = time.perf_counter() - started
     _status.state = "cached" if cached else "compiled"
     _status.simd = module.simd_level()
     if not cached:
-        print(f"[engine] compiled the C++ extension in {_status.seconds:.1f} s ({_status.simd})", file=sys.stderr,
-              flush=True)
+        _say(f"compiled the C++ extension in {_status.seconds:.1f} s ({_status.simd})")
     return module
 
 
-STALE_LOCK_SECONDS = 900
+ANNOUNCE_CACHED_WAIT_S = 5.0  # a holder that has a cached build is only loading it: say nothing unless it takes long
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """torch's build lock waits forever for a lock file whose builder died (killed mid-compile): a lock
-    older than any real build here (~2 min) is removed, with a warning, instead of hanging every rank."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        warnings.warn(f"engine: removing a stale build lock {lock} ({age / 60:.0f} min old; its build died)",
-                      RuntimeWarning, stacklevel=3)
-        lock.unlink(missing_ok=True)
+@contextmanager
+def locked_build(directory: Path, name: str, what: str, n_sources: int, expected: str) -> Iterator[bool]:
+    """Holds the build directory's lock (one builder per directory; the others wait, one message each)
+    and yields whether the library was already built; says on stderr, on the process that builds, that
+    it compiles, where, and how long that usually takes."""
+    def cached() -> bool:
+        return any(directory.glob(f"{name}*.so"))
+
+    with build_lock.held(directory, what, announce_after_s=ANNOUNCE_CACHED_WAIT_S if cached() else 0.0):
+        built = cached()
+        if not built:
+            where = f"rank {os.environ['RANK']}, " if "RANK" in os.environ else ""
+            _say(f"compiling {what} ({n_sources} sources, first use for this torch installation; {expected}; "
+                 f"{where}pid {os.getpid()} on {socket.gethostname()}; cached in {directory}) ...")
+        yield built
+
+
+def _say(message: str) -> None:
+    print(f"[engine] {message}", file=sys.stderr, flush=True)
 
 
 def record_failure(status: BuildStatus, reason: str, extension: str, on: str = "") -> None:

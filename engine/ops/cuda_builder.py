@@ -7,10 +7,12 @@
 load() builds only when torch.cuda.is_available(): csrc/cuda/*.cu with nvcc and *.cpp with the host
 compiler, through torch.utils.cpp_extension and ninja, into the per-user cache of the CPU extension
 (engine/ops/builder.py), under a key that hashes the sources, torch and its CUDA version, nvcc's and the
-host compiler's versions, the flags and the target architectures. `ZERO_ENGINE_OPS` means what it means
-for the CPU extension: `fallback` never builds, `require` makes a failed build an error. No usable CUDA
-is not a failure in any mode (there is nothing for CUDA ops to run on, and a CPU-only CI running with
-`require` requires the CPU extension): load() returns None and status().reason says why.
+host compiler's versions, the flags and the target architectures, plus the torch installation's key
+(builder.installation_key), behind the same one-builder lock (engine/ops/build_lock.py).
+`ZERO_ENGINE_OPS` means what it means for the CPU extension: `fallback` never builds, `require` makes a
+failed build an error. No usable CUDA is not a failure in any mode (there is nothing for CUDA ops to run
+on, and a CPU-only CI running with `require` requires the CPU extension): load() returns None and
+status().reason says why.
 
 compile_check() guards the CUDA sources where no GPU is (CI, this kind of machine, a CPU build of
 torch): nvcc -c of every .cu for sm_80 and sm_90 with the flags torch uses for CUDA extensions, and the
@@ -249,17 +251,13 @@ def _load() -> ModuleType | None:
         return _fail("ninja is not on PATH; pip install ninja (or apt install ninja-build)")
     key = _digest(CUDA_DIR, [torch.__version__, str(torch.version.cuda), _status.compiler, _arch_list(),
                              " ".join(CUDA_FLAGS + HOST_FLAGS), sys.version.split()[0]])
-    build_dir = builder.cache_root() / f"{NAME}-{key}"
-    _status.cache_dir = str(build_dir)
-    cached = any(build_dir.glob(f"{NAME}*.so"))
+    directory = builder.build_dir(NAME, key, _status.compiler)
+    _status.cache_dir = str(directory)
     started = time.perf_counter()
-    if not cached:
-        print(f"[engine] compiling the CUDA extension ({len(files)} sources, first use; cached in {build_dir}) ...",
-              file=sys.stderr, flush=True)
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=HOST_FLAGS,
-                                    extra_cuda_cflags=CUDA_FLAGS, build_directory=str(build_dir), verbose=False)
+        with builder.locked_build(directory, NAME, "the CUDA extension", len(files), "several minutes") as cached:
+            module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=HOST_FLAGS,
+                                        extra_cuda_cflags=CUDA_FLAGS, build_directory=str(directory), verbose=False)
     except Exception as error:  # noqa: BLE001 - a compiler error must not take training down: the fallback is exact
         return _fail(f"the build failed: {_summary(error)}")
     _status.seconds = time.perf_counter() - started
