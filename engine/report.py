@@ -7,6 +7,7 @@ not yet (the same as the first training run would do).
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -42,6 +43,8 @@ def lines() -> list[str]:
         "-" * 60,
         f"python ................ {platform.python_version()}",
         f"torch ................. {torch.__version__}",
+        (f"torch installation .... {os.path.dirname(os.path.abspath(torch.__file__))} (build key "
+         f"{builder.installation_key(status.compiler or builder.compiler_version())}: one cache per installation)"),
         f"CUDA .................. {cuda}",
         f"C++ compiler .......... {status.compiler or 'not found'}",
         f"nvcc .................. {_first_line(['nvcc', '--version'])}",

@@ -216,3 +216,19 @@ def test_an_unreadable_owner_is_judged_by_age(tmp_path, capsys, content: str) ->
     build_lock.acquire(build_dir, "the test extension")
     assert "removed a stale build lock" in capsys.readouterr().err
     build_lock.release(build_dir)
+
+
+def test_report_names_the_torch_installation_and_its_build_key(monkeypatch) -> None:
+    import torch
+
+    from engine import report
+
+    monkeypatch.setenv(builder.ENV_MODE, "fallback")
+    try:
+        builder.reset_for_tests()
+        lines = report.lines()
+    finally:
+        builder.reset_for_tests()
+    key = builder.installation_key(builder.compiler_version())
+    assert (f"torch installation .... {os.path.dirname(os.path.abspath(torch.__file__))} (build key {key}: one cache "
+            "per installation)") in lines, lines
