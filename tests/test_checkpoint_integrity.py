@@ -1,109 +1,23 @@
-"""What a checkpoint holds is what loads: client_state checked at save (converted or refused by key
-path, on every rank, nothing written), flipped bytes found by the manifest's checksums (at load and in
+"""What loads is what was saved: flipped bytes found by the manifest's checksums (at load and in
 consolidate), hand-edited manifests and `latest` files refused by name, interrupted saves' .partial
-folders removed by the next save, and consolidate resolving tags exactly as load does."""
+folders removed by the next save, and consolidate resolving tags exactly as load does. (client_state:
+test_checkpoint_client_state.py.)"""
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import shutil
 import subprocess
 import sys
-from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from distributed import run_distributed
 from test_checkpoint import make_engine, train
 
 from engine.checkpoint import CheckpointError
-from engine.checkpoint.client_state import prepare_client_state
-
-
-# ------------------------------------------------------------------------------ client_state
-def _save_client_state(save_dir: str, client_state: dict[str, Any]) -> dict[str, Any]:
-    eng = make_engine(2)
-    train(eng, range(1))
-    eng.save_checkpoint(save_dir, tag="first")
-    try:
-        eng.save_checkpoint(save_dir, tag="second", client_state=client_state)
-        saved = "saved"
-    except CheckpointError as err:
-        saved = str(err)
-    fresh = make_engine(2)
-    path, loaded = fresh.load_checkpoint(save_dir)
-    eng.destroy()
-    fresh.destroy()
-    return {"saved": saved, "path": path, "loaded": _plain(loaded)}
-
-
-def _plain(value: Any) -> Any:
-    """Tensors as (dtype, values) so the result crosses back to the test process by pickle (a uint32
-    tensor read from a memory-mapped file does not)."""
-    if torch.is_tensor(value):
-        return ("tensor", str(value.dtype), value.tolist())
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    return value
-
-
-CONVERTED = {
-    "best": (np.float64(1.5), 1.5),
-    "step": (np.int64(7), 7),
-    "flag": (np.bool_(True), True),
-    "hist": (np.arange(4, dtype=np.float32), torch.arange(4, dtype=torch.float32)),
-    "where": (Path("/runs/a"), "/runs/a"),
-    "counts": (defaultdict(int, {"a": 2}), {"a": 2}),
-    "ordered": (OrderedDict(b=1), {"b": 1}),
-    "nested": ({"xs": [np.float32(0.5), (Path("p"), np.int8(3))]}, {"xs": [0.5, ("p", 3)]}),
-    "numpy_rng": (np.random.RandomState(0).get_state(), None),  # the tuple np.random.get_state() gives
-    "python_rng": (__import__("random").Random(0).getstate(), None),
-}
-
-
-def test_client_state_that_saves_loads_with_lossless_conversions(tmp_path: Path) -> None:
-    state = {k: v for k, (v, _) in CONVERTED.items()}
-    for rank, out in enumerate(run_distributed(_save_client_state, 2, args=(str(tmp_path), state))):
-        assert out["saved"] == "saved", (rank, out["saved"])
-        assert out["path"].endswith("second")
-        loaded = out["loaded"]
-        for key, (_, want) in CONVERTED.items():
-            if want is None:
-                continue
-            if torch.is_tensor(want):
-                assert loaded[key] == _plain(want), key
-            else:
-                assert loaded[key] == want and type(loaded[key]) is type(want), (key, loaded[key])
-        kind, keys, pos, *_ = loaded["numpy_rng"]
-        assert kind == "MT19937" and keys == _plain(torch.from_numpy(CONVERTED["numpy_rng"][0][1])) and pos == 624
-        assert loaded["python_rng"] == CONVERTED["python_rng"][0]
-
-
-@pytest.mark.parametrize(("value", "path", "hint"), [
-    (argparse.Namespace(lr=0.1), "client_state['args']", "vars(args)"),
-    (datetime.datetime(2026, 1, 1), "client_state['args']", "isoformat()"),
-    ({"inner": [1, object()]}, "client_state['args']['inner'][1]", "builtins.object"),
-    (np.array(["a", "b"]), "client_state['args']", "numpy.ndarray"),
-])
-def test_client_state_that_would_not_load_is_refused_by_key_path(value: Any, path: str, hint: str) -> None:
-    with pytest.raises(CheckpointError) as err:
-        prepare_client_state({"args": value})
-    assert f"{path} is a " in str(err.value) and hint in str(err.value) and "Nothing was written" in str(err.value)
-
-
-def test_a_refused_client_state_writes_nothing_on_any_rank(tmp_path: Path) -> None:
-    results = run_distributed(_save_client_state, 2, args=(str(tmp_path), {"args": argparse.Namespace(lr=0.1)}))
-    for out in results:
-        assert "client_state['args'] is a argparse.Namespace" in out["saved"]
-        assert out["path"].endswith("first")  # latest untouched, the earlier checkpoint loads
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "latest"]
 
 
 # -------------------------------------------------------------------------- flipped bytes

@@ -143,6 +143,13 @@ def read_manifest(tag_dir: str) -> dict[str, Any]:
     return manifest
 
 
+def unpickling_reason(err: Exception) -> str:
+    """The line of torch's weights_only message that names the refused global, not its preamble."""
+    lines = str(err).splitlines()
+    named = [line.strip() for line in lines if "WeightsUnpickler error" in line or "Unsupported global" in line]
+    return (named or lines or [type(err).__name__])[0]
+
+
 def load_file(path: str, expected: dict[str, int] | None = None) -> dict[str, Any]:
     """One rank file, memory-mapped (pieces are read on demand), with a named error when it is bad.
     `expected` is the manifest's {"crc32", "bytes"} for it (None: a checkpoint saved before checksums)."""
@@ -159,7 +166,7 @@ def load_file(path: str, expected: dict[str, int] | None = None) -> dict[str, An
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path} holds an object that torch.load(weights_only=True) refuses "
-                              f"({str(err).splitlines()[0]}); checkpoints written by this engine check client_state "
+                              f"({unpickling_reason(err)}); checkpoints written by this engine check client_state "
                               "when saving, so this file was written elsewhere or by an older version. If you trust "
                               "it, read it with torch.load(weights_only=False) and save it again") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:

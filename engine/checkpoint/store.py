@@ -22,12 +22,13 @@ import torch
 
 from engine import comm
 from engine.atomic_file import atomic_open, atomic_save, fsync_dir
-from engine.checkpoint.client_state import prepare_client_state
+from engine.checkpoint.client_state import prepare_client_state, restore_client_state
 from engine.checkpoint.files import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
     CheckpointError,
+    check_tag,
     load_file,
     model_file,
     optim_file,
@@ -91,9 +92,7 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
          save_latest: bool) -> str:
     stage = eng._require_alive()
     rank, world = comm.get_rank(), comm.get_world_size()
-    tag = str(tag) if tag is not None else f"global_step{eng.global_steps}"
-    if os.sep in tag or tag in ("", ".", "..") or tag.startswith("."):
-        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    tag = check_tag(str(tag) if tag is not None else f"global_step{eng.global_steps}", "save_checkpoint")
     # Checked on every rank before anything is written, and agreed on, so a refusal is raised by every
     # rank (none waits in the barrier below) and the previous checkpoint and `latest` stay as they were.
     try:
@@ -375,7 +374,7 @@ def load(eng: Engine, load_dir: str, tag: str | None, load_module_strict: bool, 
     if rank == 0:
         logger.info("loaded checkpoint %s (saved at world size %d, stage %d) in %.2f s", tag_dir,
                     manifest["world_size"], manifest["stage"], time.perf_counter() - started)
-    return tag_dir, dict(head.get("client_state") or {})
+    return tag_dir, restore_client_state(dict(head.get("client_state") or {}), os.path.join(tag_dir, model_file(0)))
 
 
 def _find_scalars(reader: PieceReader, manifest: dict[str, Any], opt_group: int) -> dict[str, Any]:
