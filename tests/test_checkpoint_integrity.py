@@ -18,6 +18,7 @@ from distributed import run_distributed
 from test_checkpoint import make_engine, train
 
 from engine.checkpoint import CheckpointError
+from engine.checkpoint.consolidate import consolidate, write_safetensors
 
 
 # -------------------------------------------------------------------------- flipped bytes
@@ -69,7 +70,8 @@ def test_flipped_bytes_are_found_at_load_and_in_consolidate(saved: Path, tmp_pat
     assert not (tmp_path / "m.pt").exists()
 
 
-def _edit(manifest: dict[str, Any], how: str) -> None:
+def _edit(manifest: dict[str, Any], how: str) -> str:
+    """The manifest's text after a hand edit."""
     if how == "missing key":
         del manifest["pieces"]
     elif how == "wrong type":
@@ -80,25 +82,66 @@ def _edit(manifest: dict[str, Any], how: str) -> None:
         manifest["pieces"].pop()
     elif how == "checksum type":
         manifest["checksums"]["rank_0_model_states.pt"]["crc32"] = "abc"
+    elif how == "checksum removed":  # would leave that file unchecked
+        del manifest["checksums"]["rank_1_optim_states.pt"]
+    elif how == "alias target":
+        manifest["aliases"]["out.weight"] = "missing.weight"
+    elif how == "shape":
+        manifest["params"]["inp.weight"]["shape"] = [3, 3]
+    elif how == "bad json":
+        return json.dumps(manifest)[:-40]
+    return json.dumps(manifest)
 
 
 @pytest.mark.parametrize(("how", "said"), [
     ("missing key", "key (top level): 'pieces' is a required property"),
     ("wrong type", "key world_size: 'two' is not of type 'integer'"),
     ("bad piece", "key pieces.0.0.2: -5 is less than the minimum of 0"),
-    ("rank count", "'pieces' lists 1 ranks but world_size is 2"),
+    ("rank count", "key pieces: lists 1 ranks but world_size is 2"),
     ("checksum type", "key checksums.rank_0_model_states.pt.crc32: 'abc' is not of type 'integer'"),
+    ("checksum removed", "key checksums: has no entry for rank_1_optim_states.pt"),
+    ("alias target", "key aliases.out.weight: names 'missing.weight', which is not in params"),
+    ("shape", "key params.inp.weight.shape: [3, 3] holds 9 elements but the pieces listed for 'inp.weight' hold "),
+    ("bad json", "not readable JSON (Expecting value: line 1 column "),
 ])
 def test_hand_edited_manifests_are_refused_by_key(saved: Path, tmp_path: Path, how: str, said: str) -> None:
     edited = tmp_path / "edited"
     shutil.copytree(saved, edited)
     manifest_path = edited / "t" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    _edit(manifest, how)
-    manifest_path.write_text(json.dumps(manifest))
-    for message in run_distributed(_load_message, 2, args=(str(edited),)):
+    manifest_path.write_text(_edit(json.loads(manifest_path.read_text()), how))
+    for message in [*run_distributed(_load_message, 2, args=(str(edited),)), _consolidate_message(edited)]:
         assert message.startswith(f"{manifest_path}: ") and said in message, message
         assert "load another tag" in message
+
+
+def _consolidate_message(ckpt: Path) -> str:
+    try:
+        consolidate(str(ckpt))
+        return "consolidated"
+    except CheckpointError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize(("piece", "said"), [
+    (["model", "ghost", 0, 4], ("key pieces.1 lists 'ghost', which is neither in params nor saved whole in "
+                                "rank_1_model_states.pt")),
+    (["model", "calls", 1, 1], "key pieces: 'calls' is listed with 2 elements, its saved shape [] holds 1"),
+])
+def test_consolidate_refuses_pieces_its_files_do_not_hold(saved: Path, tmp_path: Path, piece: list[Any],
+                                                          said: str) -> None:
+    # Loading reads the pieces of the model's own names; consolidating writes every listed name, with
+    # a safetensors header that must fit the data after it.
+    edited = tmp_path / "edited"
+    shutil.copytree(saved, edited)
+    manifest_path = edited / "t" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["pieces"][1].append(piece)
+    manifest_path.write_text(json.dumps(manifest))
+    for write in (lambda: consolidate(str(edited)), lambda: write_safetensors(str(edited), str(tmp_path / "m.st"))):
+        with pytest.raises(CheckpointError) as err:
+            write()
+        assert str(err.value).startswith(f"{manifest_path}: ") and said in str(err.value), str(err.value)
+    assert not (tmp_path / "m.st").exists()
 
 
 @pytest.mark.parametrize("latest", ["../../etc", "/etc", "t/../..", "..", ".t.partial"])

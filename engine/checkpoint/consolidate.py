@@ -13,13 +13,15 @@ memory. Atomically either way.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 import torch
 from tqdm import tqdm
 
 from engine.atomic_file import atomic_open, atomic_save
-from engine.checkpoint.files import CheckpointError, read_manifest, resolve_tag_dir
+from engine.checkpoint.files import MANIFEST, CheckpointError, model_file, read_manifest, resolve_tag_dir
 from engine.checkpoint.store import PieceReader
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,9 +65,12 @@ def _plan(reader: PieceReader, manifest: dict, dtype: torch.dtype) -> list[tuple
     for name, kinds in reader.where.items():
         kind = "optim" if "optim" in kinds else "model"
         numel = sum(n for _, n, _ in kinds[kind])
+        shape = list(params[name]["shape"]) if name in params else list(reader.whole(name, kinds[kind][0][2]).shape)
         saved = torch.float32 if kind == "optim" else _saved_dtype(reader, name, kinds[kind][0])
-        shape = list(params[name]["shape"]) if name in params else list(
-            reader.file(f"rank_{kinds[kind][0][2]}_model_states.pt")["whole"][name].shape)
+        if math.prod(shape) != numel:  # a safetensors header must fit the data written after it
+            raise CheckpointError(f"{os.path.join(reader.tag_dir, MANIFEST)}: key pieces: {name!r} is listed with "
+                                  f"{numel} elements, its saved shape {shape} holds {math.prod(shape)}; the manifest "
+                                  "was edited or is corrupted; load another tag")
         plan.append((name, name, kind, dtype if saved.is_floating_point else saved, shape, numel))
     by_name = {p[0]: p for p in plan}
     plan += [(alias, *by_name[target][1:]) for alias, target in manifest.get("aliases", {}).items()]
@@ -101,10 +106,14 @@ def write_safetensors(ckpt_dir: str, out: str, tag: str | None = None, dtype: to
 
 
 def _saved_dtype(reader: PieceReader, name: str, where: tuple[int, int, int]) -> torch.dtype:
-    data = reader.file(f"rank_{where[2]}_model_states.pt")
-    if name in data.get("whole", {}):
-        return data["whole"][name].dtype
-    return next(e for e in data["pieces"][name] if e["offset"] == where[0])["model"].dtype
+    fname = model_file(where[2])
+    if name in reader.file(fname).get("whole", {}):
+        return reader.whole(name, where[2]).dtype
+    saved = reader.entry(fname, name, where[0]).get("model")
+    if not torch.is_tensor(saved):
+        raise CheckpointError(f"{os.path.join(reader.tag_dir, fname)} lacks the values of {name!r} at offset {where[0]} "
+                              "that its manifest lists; the checkpoint is corrupted; load another tag")
+    return saved.dtype
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ bytes are a CheckpointError naming the file, never silently wrong weights. A CRC
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import zipfile
@@ -123,7 +124,7 @@ def read_manifest(tag_dir: str) -> dict[str, Any]:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not readable JSON ({err}); the checkpoint is corrupted") from None
+        raise CheckpointError(f"{path}: not readable JSON ({err}); the checkpoint is corrupted; load another tag") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if not isinstance(version, int):
         raise CheckpointError(f"{path} has no integer format_version; it is not a manifest of this engine")
@@ -133,14 +134,43 @@ def read_manifest(tag_dir: str) -> dict[str, Any]:
                               f"{manifest.get('engine_version')}) or upgrade")
     # A hand-edited manifest is refused here, by key, not with a KeyError deep inside loading.
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(_MANIFEST_SCHEMA).iter_errors(manifest))
-    if error is None and len(manifest["pieces"]) != manifest["world_size"]:
-        raise CheckpointError(f"{path}: 'pieces' lists {len(manifest['pieces'])} ranks but world_size is "
-                              f"{manifest['world_size']}; the manifest was edited or is corrupted; load another tag")
     if error is not None:
-        key = ".".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise CheckpointError(f"{path}: key {key}: {error.message}; the manifest was edited or is corrupted "
-                              "(this engine writes it itself); load another tag")
+        _edited(path, ".".join(str(p) for p in error.absolute_path) or "(top level)", error.message)
+    _check_agreement(manifest, path)
     return manifest
+
+
+def _edited(path: str, key: str, what: str) -> None:
+    raise CheckpointError(f"{path}: key {key}: {what}; the manifest was edited or is corrupted (this engine writes it "
+                          "itself); load another tag")
+
+
+def _check_agreement(manifest: dict[str, Any], path: str) -> None:
+    """What the schema cannot say: the keys agree with each other, so that nothing later fails with a
+    KeyError, a shape error, or (consolidating to safetensors) a header that does not fit its data."""
+    world = manifest["world_size"]
+    if len(manifest["pieces"]) != world:
+        _edited(path, "pieces", f"lists {len(manifest['pieces'])} ranks but world_size is {world}")
+    held: dict[str, dict[str, int]] = {}  # name -> kind -> elements listed
+    for entries in manifest["pieces"]:
+        for kind, name, _, numel in entries:
+            held.setdefault(name, {}).setdefault(kind, 0)
+            held[name][kind] += numel
+    for name, spec in manifest["params"].items():
+        kinds = held.get(name)
+        if kinds is not None:  # what load and consolidate read: the fp32 masters of a trainable parameter
+            listed = kinds["optim" if "optim" in kinds else "model"]
+            if listed != math.prod(spec["shape"]):
+                _edited(path, f"params.{name}.shape", f"{spec['shape']} holds {math.prod(spec['shape'])} elements "
+                        f"but the pieces listed for {name!r} hold {listed}")
+    for alias, target in manifest.get("aliases", {}).items():
+        if target not in manifest["params"]:
+            _edited(path, f"aliases.{alias}", f"names {target!r}, which is not in params")
+    if "checksums" in manifest:  # one entry removed would leave that file unchecked
+        missing = sorted({name for r in range(world) for name in (model_file(r), optim_file(r))}
+                         - set(manifest["checksums"]))
+        if missing:
+            _edited(path, "checksums", f"has no entry for {', '.join(missing)}")
 
 
 def unpickling_reason(err: Exception) -> str:

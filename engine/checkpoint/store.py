@@ -243,13 +243,32 @@ class PieceReader:
             self._files[name] = load_file(os.path.join(self.tag_dir, name), expected)
         return self._files[name]
 
+    def entry(self, fname: str, name: str, offset: int) -> dict[str, Any]:
+        """The piece of parameter `name` at `offset` that the manifest says file `fname` holds."""
+        pieces = self.file(fname).get("pieces")
+        entries = pieces.get(name) if isinstance(pieces, dict) else None
+        entry = next((e for e in entries or [] if isinstance(e, dict) and e.get("offset") == offset), None)
+        if entry is None:
+            raise CheckpointError(f"{os.path.join(self.tag_dir, fname)} lacks the piece of parameter {name!r} at offset "
+                                  f"{offset} that {os.path.join(self.tag_dir, MANIFEST)} lists; the checkpoint is "
+                                  "corrupted; load another tag")
+        return entry
+
+    def whole(self, name: str, rank: int) -> torch.Tensor:
+        """A tensor saved whole (a buffer, a frozen parameter at stages 0-2) in `rank`'s model file."""
+        tensor = self.file(model_file(rank)).get("whole", {}).get(name)
+        if not torch.is_tensor(tensor):
+            raise CheckpointError(f"{os.path.join(self.tag_dir, MANIFEST)}: key pieces.{rank} lists {name!r}, which is "
+                                  f"neither in params nor saved whole in {model_file(rank)}; the manifest was edited "
+                                  "or is corrupted; load another tag")
+        return tensor
+
     def state_keys(self, name: str) -> list[str]:
         """Optimizer state keys saved with a trainable parameter's pieces (exp_avg, exp_avg_sq, ...)."""
         offset, _, rank = self.where[name]["optim"][0] if "optim" in self.where.get(name, {}) else (0, 0, -1)
         if rank < 0:
             return []
-        entry = next(e for e in self.file(optim_file(rank))["pieces"][name] if e["offset"] == offset)
-        return [k for k in entry if k not in ("offset", "master")]
+        return [k for k in self.entry(optim_file(rank), name, offset) if k not in ("offset", "master")]
 
     def has(self, name: str, kind: str) -> bool:
         return kind in self.where.get(name, {})
@@ -267,8 +286,8 @@ class PieceReader:
                 src = data["whole"][name].reshape(-1)
                 base = 0
             else:
-                entry = next((e for e in data["pieces"].get(name, []) if e["offset"] == offset), None)
-                if entry is None or key not in entry:
+                entry = self.entry(fname, name, offset)
+                if not torch.is_tensor(entry.get(key)):
                     raise CheckpointError(f"{os.path.join(self.tag_dir, fname)} lacks {key!r} of parameter {name!r} "
                                           f"at offset {offset} that its manifest lists; the checkpoint is corrupted")
                 src, base = entry[key].reshape(-1), offset
