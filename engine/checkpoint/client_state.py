@@ -57,7 +57,7 @@ def prepare_client_state(client_state: Mapping[str, Any] | None) -> dict[str, An
     torch.save(_without_tensor_data(prepared), buffer)
     buffer.seek(0)
     try:
-        restore_client_state(torch.load(buffer, weights_only=True), "client_state")
+        restore_client_state(torch.load(buffer, map_location="cpu", weights_only=True), "client_state")
     except (pickle.UnpicklingError, CheckpointError) as err:
         raise CheckpointError(f"save_checkpoint: client_state would not load back with torch.load(weights_only=True) "
                               f"({unpickling_reason(err)}); keep to numbers, strings, tensors, numpy arrays and "
@@ -83,7 +83,7 @@ def _encode(value: Any, path: str) -> Any:
         return os.fspath(value)
     if isinstance(value, argparse.Namespace):
         return {ENCODED: "argparse.Namespace",
-                "attrs": {k: _encode(v, f"{path}.{k}" if k.isidentifier() else f"{path}[{k!r}]")
+                "attrs": {k: _encode(v, f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]")
                           for k, v in vars(value).items()}}
     if isinstance(value, Mapping):
         out = {}
@@ -116,7 +116,7 @@ def _without_tensor_data(value: Any) -> Any:
     """The structure to round-trip, with plain tensors' data left out (a client_state may hold a model's
     worth of EMA weights, on the GPU: their dtype, not their bytes, decides whether they load)."""
     if type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout == torch.strided:
-        return torch.empty(0, dtype=value.dtype)
+        return torch.empty(0, dtype=value.dtype, device=value.device)
     if isinstance(value, dict):
         return type(value)({k: _without_tensor_data(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
