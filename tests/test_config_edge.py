@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +232,35 @@ def test_a_valid_config_loads_after_each_refused_one(tmp_path: Path) -> None:
         refused(hostile)
         assert load(good).optimizer is not None
         assert load({**BASE, **adam()}).optimizer is not None
+
+
+def _with_stack_left(frames: int, call: Callable[[], Any]) -> Any:
+    """Run `call` with only about `frames` Python frames left below the recursion limit, as in a caller
+    that is already deep in its own stack (a framework's hooks, a recursive launcher)."""
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+
+    def descend(levels: int) -> Any:
+        return descend(levels - 1) if levels > 0 else call()
+
+    return descend(sys.getrecursionlimit() - depth - frames)
+
+
+def test_stack_running_out_while_reading_a_config_within_the_limit_is_a_config_error(tmp_path: Path) -> None:
+    # A config at the nesting limit needs ~3 frames a level in hjson and ~2 in deepcopy; with less stack
+    # left than that, RecursionError used to escape with a traceback hundreds of frames long.
+    for kind, source in sources(tmp_path, _deep_dict(MAX_DEPTH)).items():
+        for read in (load, zero_stage):
+            with pytest.raises(ConfigError) as info:
+                _with_stack_left(150, lambda: read(source))  # noqa: B023 (called before the loop moves on)
+            message = str(info.value)
+            where = {"dict": "<dict config>", "file": str(source), "base64": "<base64 config>"}[kind]
+            assert message.startswith(where), message
+            assert "ran out of Python's stack" in message and "fix:" in message, message
+            assert len(message) < 1000
+            assert info.value.__cause__ is None and info.value.__suppress_context__
+        assert load(source).optimizer is not None, kind  # the same process reads it with a normal stack
 
 
 # --- other hostile files ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from engine.config.batch import GAS, MICRO, TRAIN, BatchSizes, resolve_batch_siz
 from engine.config.build import build_engine_config
 from engine.config.errors import ConfigError
 from engine.config.finite import check_finite
-from engine.config.source import DICT_SOURCE, ConfigSource, read_source
+from engine.config.source import DICT_SOURCE, ConfigSource, read_source, stack_backstop
 from engine.config.support import check_support
 from engine.config.types import EngineConfig
 from engine.config.validate import check_schema
@@ -27,6 +27,7 @@ from engine.config.warn import warn_once
 logger = logging.getLogger("engine.config")
 
 
+@stack_backstop
 def load_config(source: ConfigSource, *, world_size: int, world_size_source: str) -> EngineConfig:
     """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` data-parallel ranks.
 

@@ -8,6 +8,7 @@ a file and a base64 string (levels count containers; the root object is level 1)
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from engine.config.paths import KeyPath, dotted
@@ -20,6 +21,17 @@ FIX = "fix: check the program that wrote this config; no DeepSpeed config needs 
 def too_deep(where: str) -> str:
     """The message for a config whose containers nest past MAX_DEPTH; `where` says at which key or line."""
     return f"the config nests deeper than {MAX_DEPTH} levels ({where}); {FIX}"
+
+
+def out_of_stack() -> str:
+    """The message for a config within MAX_DEPTH whose reading still hit Python's recursion limit:
+    parsing and copying take a few frames a level, which a caller already deep in its stack may lack."""
+    return (
+        f"reading the config ran out of Python's stack (recursion limit {sys.getrecursionlimit()}): "
+        f"parsing and copying take a few frames per nesting level (up to {MAX_DEPTH} levels are allowed) "
+        "and the call came from an already deep stack; fix: nest the config less deeply, or load it "
+        "from a shallower call or after raising sys.setrecursionlimit"
+    )
 
 
 def first_too_deep(value: Any) -> KeyPath | None:

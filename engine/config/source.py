@@ -12,9 +12,11 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import functools
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import hjson
 
@@ -24,6 +26,10 @@ from engine.config.hjson_decoder import ConfigDecoder, TooDeep, is_blank
 
 ConfigSource = str | os.PathLike[str] | dict[str, Any]
 DICT_SOURCE = "<dict config>"
+BASE64_SOURCE = "<base64 config>"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class _DuplicateKey(Exception):
@@ -102,6 +108,38 @@ def _decode_base64(text: str) -> str | None:
     return None
 
 
+def source_name(source: object) -> str:
+    """How messages name a source: its path, "<dict config>" or "<base64 config>"."""
+    if isinstance(source, dict):
+        return DICT_SOURCE
+    if isinstance(source, os.PathLike):
+        return os.fspath(source)
+    if isinstance(source, str) and os.path.exists(source):
+        return source
+    return BASE64_SOURCE if isinstance(source, str) else type(source).__name__
+
+
+def stack_backstop(read: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Turn a RecursionError inside `read(source, ...)` into a ConfigError naming the source.
+
+    The nesting limit keeps recursion bounded, but parsing, deepcopy and jsonschema recurse a few
+    frames per level, so a caller already deep in its stack can still run out. The config is the only
+    deep structure these functions recurse into, so the error is about it; the stack has unwound by
+    the time this runs, and the process can load another config.
+    """
+
+    @functools.wraps(read)
+    def guarded(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return read(*args, **kwargs)
+        except RecursionError:
+            source = args[0] if args else kwargs.get("source")
+            raise ConfigError(f"{source_name(source)}: {nesting.out_of_stack()}") from None
+
+    return guarded
+
+
+@stack_backstop
 def read_source(source: ConfigSource) -> tuple[dict[str, Any], str]:
     """(config dict, where it came from); a dict is deep-copied so the caller's object is never changed."""
     if isinstance(source, dict):
@@ -119,7 +157,7 @@ def read_source(source: ConfigSource) -> tuple[dict[str, Any], str]:
             return _read_file(source), source
         decoded = _decode_base64(source)
         if decoded is not None:
-            return parse_text(decoded, "<base64 config>"), "<base64 config>"
+            return parse_text(decoded, BASE64_SOURCE), BASE64_SOURCE
         shown = source if len(source) <= 200 else source[:200] + "..."
         raise ConfigError(
             f"config file not found: {shown!r} (looked for {os.path.abspath(source)!r}; "
