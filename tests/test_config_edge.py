@@ -128,6 +128,26 @@ def test_number_too_large_for_a_float_names_the_key(tmp_path: Path, text: str, e
         assert "1e400" in message  # the message says why a finite-looking number reads as Infinity
 
 
+def test_integer_beyond_float_range_in_a_dict_reads_as_infinity_as_in_a_file(tmp_path: Path) -> None:
+    # A file's 10**400 literal reads as Infinity; the same int in a dict crashed build's float() with
+    # a raw OverflowError. Both now mean the same: refused by key, or a documented meaning.
+    for value, spelled in ((10**400, "Infinity"), (-(10**400), "-Infinity")):
+        for extra, key in (({"gradient_clipping": value}, "gradient_clipping"),
+                           (adam(lr=value), "optimizer.params.lr"),
+                           ({"zero_optimization": {"stage": 2, "reduce_bucket_size": value}},
+                            "zero_optimization.reduce_bucket_size")):
+            config = {**BASE, **extra}
+            path = tmp_path / "ds.json"
+            path.write_text(json.dumps(config))
+            for source in (config, path):
+                message = refused(source)
+                assert f"{key}: {spelled} is not a finite number" in message and NOT_FINITE_FIX in message, message
+    config = {**BASE, "steps_per_print": 10**400}
+    assert load(config).steps_per_print is None and config["steps_per_print"] == 10**400
+    big = 2**62  # an int a float can hold (if not exactly) stays the int it was
+    assert load({**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_size": big}}).zero.reduce_bucket_size == big
+
+
 def test_steps_per_print_infinity_means_never_from_every_source(tmp_path: Path) -> None:
     # Accelerate / the HF Trainer put float("inf") here; json.dumps writes it as Infinity.
     for kind, source in sources(tmp_path, {**BASE, "steps_per_print": INF}).items():

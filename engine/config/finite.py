@@ -8,7 +8,8 @@ the schema cannot see into. The one exception is declared in schema.json: a key 
 because Accelerate and the Hugging Face Trainer put float("inf") there and DeepSpeed accepts it).
 
 A dict holding float("inf") and a file holding `Infinity` (what json.dumps writes for it) or `1e400`
-(too large for a float) reach this check as the same float, so every source behaves the same.
+(too large for a float) reach this check as the same float, so every source behaves the same; an int
+beyond a float's range (10**400, which a file's reader also turns into Infinity) counts as +-Infinity.
 """
 
 from __future__ import annotations
@@ -46,18 +47,26 @@ def _walk(value: Any, node: dict[str, Any], path: KeyPath, problems: list[str]) 
     if isinstance(value, list):
         items = [_walk(item, _items(node), (*path, i), problems) for i, item in enumerate(value)]
         return [None if item is _DROPPED else item for item in items]
-    if not _is_non_finite(value):
+    number = _as_float(value)
+    if number is None or math.isfinite(number):
         return value
     meaning = _infinity_meaning(node)
-    if value > 0 and meaning is not _NO_MEANING:
+    if number > 0 and meaning is not _NO_MEANING:
         return meaning
-    problems.append(_message(path, float(value), meaning))
+    problems.append(_message(path, number, meaning))
     return _DROPPED
 
 
-def _is_non_finite(value: Any) -> bool:
+def _as_float(value: Any) -> float | None:
+    """The float a config number means (None for other values and booleans); an int too large for a
+    float means +-Infinity, as the same digits in a file do, instead of an OverflowError at float()."""
     # numbers.Real also covers numpy's float32, which is not a float subclass
-    return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and not math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _message(path: KeyPath, value: float, meaning: Any) -> str:
