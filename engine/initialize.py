@@ -134,8 +134,11 @@ def _build_scheduler(cfg: EngineConfig, optimizer: torch.optim.Optimizer | None,
             else lr_scheduler
     if cfg.scheduler is not None:
         if optimizer is None:
-            raise ConfigError(f"scheduler.type {cfg.scheduler.type!r} needs an optimizer; add an "
-                              "\"optimizer\" section or pass optimizer= to initialize()")
+            # DeepSpeed builds the schedule only with an optimizer: HF Trainer's ZeRO inference
+            # (evaluate before train) deletes "optimizer" from the training config but keeps "scheduler".
+            logger.info("scheduler.type %r not built: this engine has no optimizer (evaluation only; "
+                        "backward()/step() would say so)", cfg.scheduler.type)
+            return None
         return build_scheduler(cfg.scheduler, optimizer)
     return None
 
