@@ -23,6 +23,7 @@ from engine.monitor.csv_monitor import CsvMonitor
 from engine.monitor.log import get_logger
 from engine.monitor.timers import WallClockTimers
 from engine.precision import Precision
+from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
 
 logger = get_logger()
@@ -107,6 +108,11 @@ class Engine:
         if module is None:
             raise AttributeError(name)
         return getattr(module, name)
+
+    def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
+        """DeepSpeedEngine.compile (Accelerate calls it for torch_compile): refused by name, never the
+        wrapped module's nn.Module.compile reached through the fall-through."""
+        refuse_compile(backend, compile_kwargs, **kwargs)
 
     # ---------------------------------------------------------------------------- training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,59 @@
+"""DeepSpeed entry points for features this engine does not implement, so a client that reaches for
+one (Hugging Face Trainer/Accelerate with a TP or sequence-parallel size above 1, or torch_compile)
+stops at once with an error naming the setting that asked for it and what to do instead, never an
+AttributeError or ImportError from inside a `deepspeed` alias package.
+
+The config keys themselves (`tensor_parallel.autotp_size`, `sequence_parallel_size`, NVMe offload)
+are refused by engine/config/support.py when the config is loaded; these are the code paths that run
+before a config reaches initialize.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+
+class UnsupportedFeatureError(NotImplementedError):
+    """A DeepSpeed feature this engine does not implement; the message names the setting and the fix."""
+
+
+def tp_model_init(model: Any = None, tp_size: int = 1, dtype: Any = None, config: Any = None, **_: Any) -> NoReturn:
+    """`deepspeed.tp_model_init`: AutoTP tensor parallelism. Not implemented here."""
+    raise UnsupportedFeatureError(
+        f"tensor_parallel.autotp_size = {tp_size}: tensor parallelism (DeepSpeed AutoTP, "
+        "deepspeed.tp_model_init) is not implemented by this engine; remove tensor_parallel from the "
+        "DeepSpeed config (or set autotp_size to 1; for HF TrainingArguments, drop tp_size) and train "
+        "data-parallel with ZeRO stage 3 to fit a large model")
+
+
+def _refuse_sequence_parallel(*_: Any, **kwargs: Any) -> NoReturn:
+    size = kwargs.get("sequence_parallel_size")
+    raise UnsupportedFeatureError(
+        f"sequence parallelism (Ulysses/ALST{f', sequence_parallel_size = {size}' if size else ''}) is not "
+        "implemented by this engine; set sp_size to 1 in Accelerate's ParallelismConfig (or "
+        "TrainingArguments' parallelism_config) and train data-parallel")
+
+
+class UlyssesSPAttentionHF:
+    """`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`: refused when used."""
+
+    register_with_transformers = staticmethod(_refuse_sequence_parallel)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_sequence_parallel(*args, **kwargs)
+
+
+class UlyssesSPDataLoaderAdapter:
+    """`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter`: refused when used."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_sequence_parallel(*args, **kwargs)
+
+
+def refuse_compile(backend: Any = None, compile_kwargs: Any = None, **_: Any) -> NoReturn:
+    """`DeepSpeedEngine.compile`: compiling through the engine is not implemented."""
+    raise UnsupportedFeatureError(
+        f"engine.compile(backend={backend!r}) (torch_compile through DeepSpeed) is not implemented by this "
+        "engine: its ZeRO hooks run around the module, not inside a compiled graph. Train without "
+        "torch_compile (TrainingArguments(torch_compile=False), Accelerate's dynamo_backend 'no'), or "
+        "compile submodules yourself before initialize (block.compile() for each transformer block)")
