@@ -21,6 +21,10 @@ DEEPSPEED_SCHEDULES: dict[str, type[BatchSchedule]] = {
     cls.__name__.lower(): cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)
 }
 
+VALID_LR_SCHEDULES: list[str] = [cls.__name__ for cls in DEEPSPEED_SCHEDULES.values()]
+"""DeepSpeed's schedule class names (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`): Accelerate
+tells a DeepSpeed schedule from a torch one by `type(scheduler).__name__ in VALID_LR_SCHEDULES`."""
+
 
 def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer) -> Scheduler:
     """Build the schedule named by `cfg.type` (case-insensitive) over `optimizer`.

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine import comm
+from engine.accelerator import get_accelerator  # noqa: F401 - DeepSpeed's partition_parameters has it; transformers calls pp.get_accelerator()
 from engine.config import zero_stage
 from engine.monitor.log import get_logger
 
