@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
+
+logger = get_logger()
 
 # Optimizers whose update is elementwise, so running them on a flat shard equals running them per
 # parameter. Optimizers with per-tensor statistics (LAMB's trust ratio, LARS, Adafactor's factored
@@ -107,7 +110,24 @@ def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
             masters.append(group.master)
         opt_group["params"] = masters
     optimizer.state.clear()
+    unfuse_strided(optimizer)
     return groups
+
+
+def unfuse_strided(optimizer: torch.optim.Optimizer) -> None:
+    """Run `fused=True` param groups whose shards are strided views without the fused kernel.
+
+    An fp32 shard is a (num_buckets, slice) view of the flat parameter buffer, strided whenever there
+    are several buckets and ranks. torch's fused CPU Adam/AdamW kernels assume contiguous parameters
+    and write past each row into the neighbouring ranks' slices (torch 2.13: every weight of one
+    rank's half of the shard off by one Adam step after one HF Trainer step, Trainer's default
+    optimizer being AdamW(fused=True)). Such groups run torch's per-tensor path (same update, to
+    rounding); a copy to make the shard contiguous would cost another 4 bytes per shard element."""
+    for gi, group in enumerate(optimizer.param_groups):
+        if group.get("fused") and not all(p.is_contiguous() for p in group["params"]):
+            group["fused"] = False
+            logger.info("optimizer param group %d: fused=True turned off (its shard is a strided view of the "
+                        "flat buffer, which torch's fused kernels mis-handle); torch's per-tensor path runs it", gi)
 
 
 def _flatten(index: int, opt_group: int, params: list[torch.nn.Parameter], names: list[str], *, world_size: int,
