@@ -44,3 +44,12 @@ def ext() -> Iterator[ModuleType]:
             yield module
         finally:
             builder.reset_for_tests()
+
+
+@pytest.fixture(scope="session")
+def deepspeed_compat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """compat/deepspeed installed with pip into a folder of its own (put it on PYTHONPATH): the
+    `deepspeed` distribution Hugging Face's clients look for, without touching this environment."""
+    from hf_clients import install_compat
+
+    return install_compat(tmp_path_factory.mktemp("deepspeed_compat"))

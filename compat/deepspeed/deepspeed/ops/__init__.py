@@ -1,0 +1,5 @@
+"""`deepspeed.ops` -> the engine's optimizers under DeepSpeed's class names."""
+
+from deepspeed.ops import adagrad, adam, lion
+
+__all__ = ["adagrad", "adam", "lion"]
