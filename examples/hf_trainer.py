@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +31,9 @@ from transformers import (
     HfArgumentParser,
     PreTrainedModel,
     Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
     TrainingArguments,
     set_seed,
 )
@@ -50,6 +55,9 @@ class ModelArguments:
         "help": "only trainer.evaluate() (ZeRO inference at stage 3: no optimizer, parameters partitioned)"})
     report_file: str | None = field(default=None, metadata={
         "help": "write the run's log history and how the model was built (partitioned or not) as JSON"})
+    metrics_file: str | None = field(default=None, metadata={
+        "help": "every rank writes FILE.rank{R}.json: {rank, step_times (s, perf_counter from one optimizer "
+                "step's end to the next, the first from train begin), peak_rss_mib (ru_maxrss at exit)}"})
 
 
 class CausalBytes(torch.utils.data.Dataset):
@@ -65,6 +73,24 @@ class CausalBytes(torch.utils.data.Dataset):
         x, y = self.windows[i]
         ids = torch.cat([x, y[-1:]])
         return {"input_ids": ids, "labels": ids}
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of every optimizer step, end to end (forward, backward, step, logging, the next batch)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.step_times: list[float] = []
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: object) -> None:
+        self.last = time.perf_counter()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: object) -> None:
+        now = time.perf_counter()
+        self.step_times.append(now - self.last)
+        self.last = now
 
 
 def build_model(margs: ModelArguments) -> PreTrainedModel:
@@ -101,7 +127,9 @@ def main() -> None:
     if partitioned and targs.process_index == 0:
         print(f"model built partitioned (ZeRO-3 zero.Init): {partitioned} of {len(params)} parameters hold "
               f"1/{targs.world_size} of their elements on each rank")
-    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=val)
+    timer = StepTimer()
+    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=val,
+                      callbacks=[timer] if margs.metrics_file else None)
     if not margs.evaluate_only:
         trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
     trainer.evaluate()
@@ -111,6 +139,11 @@ def main() -> None:
         with open(margs.report_file, "w") as f:
             json.dump({"log_history": trainer.state.log_history, "params": len(params),
                        "partitioned_at_build": partitioned}, f)
+    if margs.metrics_file:
+        # ru_maxrss: KiB on Linux; the whole process's peak (model build, training, evaluation, save).
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        with open(f"{margs.metrics_file}.rank{targs.process_index}.json", "w") as f:
+            json.dump({"rank": targs.process_index, "step_times": timer.step_times, "peak_rss_mib": peak_mib}, f)
 
 
 if __name__ == "__main__":
