@@ -45,6 +45,18 @@ class NoOptimizerError(RuntimeError):
             "add an \"optimizer\" section to the config or pass optimizer= to engine.initialize()")
 
 
+class DestroyedEngineError(RuntimeError):
+    """A call on an engine after destroy() (or Accelerate's free_memory(), which calls it)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this engine was destroyed (engine.destroy(), or Accelerate's free_memory(), which HF Trainer calls "
+            "at the start of every train()); create a new one with engine.initialize(). With HF Trainer at "
+            "ZeRO stage 3, trainer.evaluate() before trainer.train() builds an evaluation-only engine that "
+            "train() destroys and then reuses (transformers 5.x; DeepSpeed fails there too, with an "
+            "AttributeError): train first, or evaluate with a separate Trainer")
+
+
 class Engine:
     """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface."""
 
@@ -386,7 +398,7 @@ class Engine:
     # ------------------------------------------------------------------------------ teardown
     def _require_alive(self) -> ZeroStage:
         if self._stage is None:
-            raise RuntimeError("this engine was destroyed; create a new one with engine.initialize()")
+            raise DestroyedEngineError()
         return self._stage
 
     def destroy(self) -> None:

@@ -9,9 +9,10 @@ import resource
 
 import pytest
 import torch
+from models import make_model
 
 import engine
-from models import make_model
+from engine.engine import DestroyedEngineError
 
 CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 0}, "steps_per_print": 1000}
@@ -55,7 +56,7 @@ def test_destroyed_engine_refuses_use_and_destroy_is_idempotent() -> None:
     eng, _, _, _ = engine.initialize(model=make_model(), config=CONFIG)
     eng.destroy()
     eng.destroy()
-    with pytest.raises(RuntimeError, match="destroyed"):
+    with pytest.raises(DestroyedEngineError, match=r"this engine was destroyed \(engine.destroy\(\), or Accelerate's "):
         _one_step(eng)
 
 

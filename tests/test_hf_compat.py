@@ -118,6 +118,23 @@ def test_trainer_nvme_offload_is_refused_naming_the_key(env: dict[str, str], tmp
     assert "ConfigError" in stderr and "zero_optimization.offload_param.device" in stderr and "nvme" in stderr
 
 
+def test_trainer_evaluate_then_train_at_stage3_names_the_destroyed_engine(env: dict[str, str], tmp_path: Path) -> None:
+    """transformers 5.24 trains with the evaluation-only engine that its own train() just destroyed
+    (DeepSpeed: AttributeError 'NoneType' object has no attribute 'backward'): the engine's error says
+    what happened and what to do."""
+    from hf_clients import free_port
+
+    script = ROOT / "tests" / "hf_scripts" / "evaluate_then_train.py"
+    done = subprocess.run([sys.executable, "-m", "launcher.zrun", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), str(ROOT / "configs" / "hf" / "zero3.json"),
+                           str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode != 0 and "trainer.train()" in done.stderr  # evaluate() went through
+    assert "DestroyedEngineError: this engine was destroyed" in done.stderr, done.stderr[-3000:]
+    assert "train first, or evaluate with a separate Trainer" in done.stderr
+    assert "AttributeError: " not in done.stderr
+
+
 # ----------------------------------------------------------------- DeepSpeed's optimizer classes
 def _steps(make: type[torch.optim.Optimizer] | object, steps: int = 3, **kwargs: object) -> torch.Tensor:
     torch.manual_seed(0)
