@@ -132,7 +132,9 @@ def main() -> None:
                       callbacks=[timer] if margs.metrics_file else None)
     if not margs.evaluate_only:
         trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
-    trainer.evaluate()
+    metrics = trainer.evaluate()
+    if trainer.is_world_process_zero():
+        print(f"validation loss {metrics['eval_loss']:.4f} nats/byte after {trainer.state.global_step} steps")
     if not margs.evaluate_only:
         trainer.save_model()  # every rank: at stage 3 the weights are gathered from all of them
     if margs.report_file and trainer.is_world_process_zero():
