@@ -54,6 +54,5 @@ def refuse_compile(backend: Any = None, compile_kwargs: Any = None, **_: Any) ->
     """`DeepSpeedEngine.compile`: compiling through the engine is not implemented."""
     raise UnsupportedFeatureError(
         f"engine.compile(backend={backend!r}) (torch_compile through DeepSpeed) is not implemented by this "
-        "engine: its ZeRO hooks run around the module, not inside a compiled graph. Train without "
-        "torch_compile (TrainingArguments(torch_compile=False), Accelerate's dynamo_backend 'no'), or "
-        "compile submodules yourself before initialize (block.compile() for each transformer block)")
+        "engine; train without it: TrainingArguments(torch_compile=False), or Accelerate's dynamo_backend "
+        "'no' (unset ACCELERATE_DYNAMO_BACKEND)")
