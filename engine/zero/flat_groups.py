@@ -99,6 +99,7 @@ def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     order = arrival_order(module)
     names = {id(p): n for n, p in module.named_parameters()}
     groups: list[FlatGroup] = []
+    shards: list[list[torch.Tensor]] = []
     for gi, opt_group in enumerate(optimizer.param_groups):
         params = sorted((p for p in opt_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
         masters: list[torch.Tensor] = []
@@ -108,21 +109,25 @@ def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              world_size=world_size, rank=rank, bucket_size=bucket_size)
             groups.append(group)
             masters.append(group.master)
-        opt_group["params"] = masters
-    optimizer.state.clear()
-    unfuse_strided(optimizer)
+        shards.append(masters)
+    bind_shards(optimizer, shards)
     return groups
 
 
-def unfuse_strided(optimizer: torch.optim.Optimizer) -> None:
-    """Run `fused=True` param groups whose shards are strided views without the fused kernel.
+def bind_shards(optimizer: torch.optim.Optimizer, shards: list[list[torch.Tensor]]) -> None:
+    """Point each param group of `optimizer` at its fp32 shards, in place (a scheduler bound to the
+    optimizer keeps working), with no state yet. Every partitioned stage binds its shards here.
 
-    An fp32 shard is a (num_buckets, slice) view of the flat parameter buffer, strided whenever there
-    are several buckets and ranks. torch's fused CPU Adam/AdamW kernels assume contiguous parameters
-    and write past each row into the neighbouring ranks' slices (torch 2.13: every weight of one
+    `fused=True` groups whose shards are strided views run without the fused kernel: an fp32 shard
+    of stages 1-2 is a (num_buckets, slice) view of the flat parameter buffer, strided whenever there
+    are several buckets and ranks, and torch's fused CPU Adam/AdamW kernels assume contiguous
+    parameters: they wrote past each row into the neighbouring ranks' slices (torch 2.13: every weight of one
     rank's half of the shard off by one Adam step after one HF Trainer step, Trainer's default
     optimizer being AdamW(fused=True)). Such groups run torch's per-tensor path (same update, to
     rounding); a copy to make the shard contiguous would cost another 4 bytes per shard element."""
+    for group, params in zip(optimizer.param_groups, shards, strict=True):
+        group["params"] = params
+    optimizer.state.clear()
     for gi, group in enumerate(optimizer.param_groups):
         if group.get("fused") and not all(p.is_contiguous() for p in group["params"]):
             group["fused"] = False

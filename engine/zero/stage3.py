@@ -55,7 +55,7 @@ from engine.zero import init as zero_init
 from engine.zero import linear as memory_efficient_linear
 from engine.zero import released, shard_reduce
 from engine.zero.base import StepOutcome
-from engine.zero.flat_groups import check_elementwise, unfuse_strided
+from engine.zero.flat_groups import bind_shards, check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
 from engine.zero.stage3_memory import Stage3Memory, UnitBytes, auto_capacity
@@ -181,11 +181,8 @@ class Stage3:
         for unit in self.units:
             for g in unit.trainable:
                 masters[g.opt_group].append(g.master)
-        for gi, opt_group in enumerate(opt_groups):
-            opt_group["params"] = masters[gi]
         if optimizer is not None:
-            optimizer.state.clear()
-            unfuse_strided(optimizer)
+            bind_shards(optimizer, [masters[gi] for gi in range(len(opt_groups))])
 
         self._where = {id(p): (u, g, i) for u in self.units for g in u.trainable for i, p in enumerate(g.params)}
         # Optimizer offload: masters are the only persistent copy of trainable parameters (or the fp32
