@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import machine_facts
+
+from launcher.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "hf_trainer.py")
@@ -73,12 +74,6 @@ class Run:
 
 
 # ---------------------------------------------------------------------------------------------- setup
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def install_compat(target: str) -> None:
     """compat/deepspeed as a real distribution named deepspeed, into `target` only."""
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPAT = ROOT / "compat" / "deepspeed"
@@ -46,12 +47,6 @@ def client_env(compat_dir: Path) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_script(script: Path, args: list[str], world: int, env: dict[str, str], cwd: Path,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_clients import EXAMPLE, ROOT, client_env, write_config
+from hf_clients import EXAMPLE, ROOT, client_env, free_port, write_config
 
 import engine
 from engine.engine import NoOptimizerError
@@ -87,8 +87,6 @@ def _trainer_fails(env: dict[str, str], tmp_path: Path, world: int, config: Path
            "--n_layer", "1", "--n_embd", "32", "--seq_len", "16", "--output_dir", str(tmp_path / "out"),
            "--deepspeed", str(config), *args]
     if world > 1:
-        from hf_clients import free_port
-
         cmd[1:1] = ["-m", "launcher.zrun", "--nproc_per_node", str(world), "--master_port", str(free_port())]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode != 0, done.stdout[-2000:]
@@ -122,8 +120,6 @@ def test_trainer_evaluate_then_train_at_stage3_names_the_destroyed_engine(env: d
     """transformers 5.24 trains with the evaluation-only engine that its own train() just destroyed
     (DeepSpeed: AttributeError 'NoneType' object has no attribute 'backward'): the engine's error says
     what happened and what to do."""
-    from hf_clients import free_port
-
     script = ROOT / "tests" / "hf_scripts" / "evaluate_then_train.py"
     done = subprocess.run([sys.executable, "-m", "launcher.zrun", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), str(script), str(ROOT / "configs" / "hf" / "zero3.json"),
