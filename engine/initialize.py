@@ -17,7 +17,7 @@ from engine.monitor.log import get_logger
 from engine.optim import build_optimizer, build_scheduler
 from engine.param_groups import normalize_param_groups
 from engine.precision import Precision
-from engine.zero import init as zero_init
+from engine.zero import partitioned_init
 from engine.zero.base import ZeroStage
 from engine.zero.forward_only import ForwardOnly
 from engine.zero.stage0 import Stage0
@@ -183,7 +183,7 @@ def initialize(
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
-        if cfg.zero.stage != 3 and (gathered := zero_init.materialize(model)):
+        if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
             logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
                         "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)
         model.to(device)

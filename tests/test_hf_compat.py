@@ -23,7 +23,7 @@ from engine.optim.deepspeed_classes import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam
 
 ALIASES = """
 import importlib, importlib.metadata, json
-import deepspeed, engine, engine.engine, engine.zero, engine.zero.init, engine.comm, engine.accelerator
+import deepspeed, engine, engine.engine, engine.zero, engine.zero.partitioned_init, engine.comm, engine.accelerator
 import engine.checkpoint.clone, engine.optim.deepspeed_classes as classes
 from transformers.integrations import is_deepspeed_available
 from accelerate.utils import compare_versions, is_deepspeed_available as accelerate_sees
@@ -38,7 +38,7 @@ checks = {
     "comm": all(getattr(deepspeed.comm, n) is getattr(engine.comm, n)
                 for n in ("init_distributed", "is_initialized", "get_rank", "get_world_size", "barrier")),
     "zero": deepspeed.zero.Init is engine.zero.Init and deepspeed.zero.GatheredParameters is engine.zero.GatheredParameters,
-    "partition_parameters": importlib.import_module("deepspeed.runtime.zero.partition_parameters") is engine.zero.init,
+    "partition_parameters": importlib.import_module("deepspeed.runtime.zero.partition_parameters") is engine.zero.partitioned_init,
     "utils": deepspeed.utils.set_z3_leaf_modules is engine.zero.set_z3_leaf_modules
         and deepspeed.utils.logger.name == "engine",
     "ops": importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam is classes.DeepSpeedCPUAdam

@@ -147,7 +147,7 @@ def _hf_prevent_arange_dtype_change(pp: object) -> tuple[object, object]:
 
 
 def _constructors_under_init() -> dict[str, object]:
-    from engine.zero import init as pp
+    from engine.zero import partitioned_init as pp
 
     with engine.zero.Init(dtype=torch.bfloat16):
         model = _Rope()

@@ -114,7 +114,7 @@ class ZeroConfig:
     until it reaches this size (fewer, larger collectives); 0 (DeepSpeed's default) merges nothing."""
     memory_efficient_linear: bool = True
     """Stage 3: F.linear saves stage-3 weights themselves for backward, not views that keep their
-    gathered unit alive (engine/zero/linear.py), as DeepSpeed's key of the same name."""
+    gathered unit alive (engine/zero/memory_efficient_linear.py), as DeepSpeed's key of the same name."""
     stage3_arena_bytes: int = 0
     """Our key (DeepSpeed has none): bytes of the pre-touched arena that stage 3 takes gathered units
     and gradient buckets from on CPU (engine/zero/stage3_memory.py); ARENA_AUTO ("auto" in the JSON)

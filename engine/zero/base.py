@@ -1,11 +1,18 @@
-"""The interface every ZeRO stage implements; the Engine calls only these methods."""
+"""The interface every ZeRO stage implements: the Engine and the checkpoint store call only these.
+
+`ZeroStage` is what a stage is to its callers. `MasterOwner` is what `engine.zero.GatheredParameters`
+needs from a flat stage (0-2) that keeps fp32 masters of whole parameters; stage 3 registers a
+`UnitHandle` per parameter instead (engine/zero/owners.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+
+from engine.checkpoint.records import ShardRecord
 
 
 @dataclass(frozen=True)
@@ -19,7 +26,10 @@ class StepOutcome:
 class ZeroStage(Protocol):
     """One data-parallel strategy. The Engine never branches on the stage number beyond choosing it."""
 
-    optimizer: torch.optim.Optimizer
+    stage: int
+    """zero_optimization.stage this object implements (0-3)."""
+    optimizer: torch.optim.Optimizer | None
+    """None for an evaluation-only engine (the Engine refuses backward and step before they get here)."""
 
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
         """Called before each backward: is this micro-step an accumulation boundary, and may it
@@ -33,13 +43,25 @@ class ZeroStage(Protocol):
         step the optimizer (unless fp16 overflowed), zero the gradients."""
 
     def zero_grad(self) -> None:
-        """Zero the accumulated gradients (keeps their storage)."""
+        """Zero the accumulated gradients (start a new accumulation window)."""
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held by this stage per buffer kind, for logs and benchmarks."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """The stage's own state beyond the optimizer's (nothing for stage 0)."""
+    def checkpoint_shards(self) -> list[ShardRecord]:
+        """What this rank saves and loads: its fp32 masters (with their optimizer state) and frozen
+        shards, as named pieces (engine/checkpoint/records.py)."""
+
+    def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
+        """The module's full state dict on rank 0 ({} elsewhere), copied to `device` (None: where each
+        tensor lives). Every rank must call it."""
 
     def destroy(self) -> None:
-        """Remove hooks and release every buffer the stage allocated."""
+        """Remove hooks and release every buffer the stage allocated; the module keeps whole parameters."""
+
+
+class MasterOwner(Protocol):
+    """A stage that keeps fp32 masters of whole parameters (the flat stages 0-2)."""
+
+    def refresh_masters(self) -> None:
+        """The parameters were changed by the user, identically on every rank: copy them into the masters."""

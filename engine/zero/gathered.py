@@ -16,12 +16,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engine.zero import init as zero_init
-
-
-def owner_of(param: torch.Tensor) -> tuple[object, object] | None:
-    """(stage, unit) of a stage-3 parameter, or None."""
-    return getattr(param, "_zero_owner", None)
+from engine import comm
+from engine.zero import owners, partitioned_init
+from engine.zero.base import MasterOwner
+from engine.zero.owners import UnitHandle
 
 
 @contextlib.contextmanager
@@ -34,33 +32,35 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
         yield
         return
     params = [params] if torch.is_tensor(params) else list(params)
-    units: dict[int, tuple[object, object]] = {}
+    units: dict[int, UnitHandle] = {}
     for p in params:
-        owner = owner_of(p)
-        if owner is not None:
-            units.setdefault(id(owner[1]), owner)
+        handle = owners.unit_of(p)
+        if handle is not None:
+            units.setdefault(id(handle), handle)
     # Built under engine.zero.Init and not yet given to an engine: partitioned one by one.
-    loose = [p for p in {id(p): p for p in params}.values() if zero_init.is_partitioned(p)]
+    loose = [p for p in {id(p): p for p in params}.values() if partitioned_init.is_partitioned(p)]
     for p in loose:
-        zero_init.unpartition(p)
-    opened = []
+        partitioned_init.unpartition(p)
+    opened: list[UnitHandle] = []
     try:
-        for stage, unit in units.values():
-            if stage.gather_for_user(unit):  # type: ignore[attr-defined]
-                opened.append((stage, unit))
+        for handle in units.values():
+            if handle.gather():
+                opened.append(handle)
         yield
         if modifier_rank is not None:
-            for stage, unit in units.values():
-                stage.scatter_from(unit, modifier_rank)  # type: ignore[attr-defined]
-            whole = [p for p in params if owner_of(p) is None and not any(p is q for q in loose)]
+            for handle in units.values():
+                handle.scatter_from(modifier_rank)
+            whole = [p for p in params if owners.unit_of(p) is None and not any(p is q for q in loose)]
             if whole:
-                from engine import comm
-
                 comm.broadcast_coalesced([p.data for p in whole], src=modifier_rank)
-                for stage in {id(s): s for s in (getattr(p, "_zero_masters", None) for p in whole) if s}.values():
-                    stage.refresh_masters()
-        zero_init.partition(loose, src=modifier_rank)
+                masters: dict[int, MasterOwner] = {}
+                for p in whole:
+                    if (owner := owners.masters_of(p)) is not None:
+                        masters.setdefault(id(owner), owner)
+                for owner in masters.values():
+                    owner.refresh_masters()
+        partitioned_init.partition(loose, src=modifier_rank)
     finally:
-        zero_init.partition(loose, src=None)  # after an error: no collective, only this rank's slices
-        for stage, unit in opened:
-            stage.release_for_user(unit)  # type: ignore[attr-defined]
+        partitioned_init.partition(loose, src=None)  # after an error: no collective, only this rank's slices
+        for handle in opened:
+            handle.release()

@@ -30,7 +30,7 @@ from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
-from engine.zero import bucket_sizes, shard_reduce
+from engine.zero import bucket_sizes, owners, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import FlatGroup, arrival_order, build_flat_groups, check_elementwise
 from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
@@ -143,7 +143,7 @@ class PartitionedStage:
         self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
         for g in self.groups:
             for p in g.params:
-                p._zero_masters = self  # GatheredParameters(modifier_rank=...) refreshes masters through it
+                owners.set_masters(p, self)  # GatheredParameters(modifier_rank=...) refreshes masters through it
         self._next_launch = 0
         self._reduce_in_backward = False
         self._late: dict[int, torch.Tensor] = {}  # bucket order -> late gradient parts; see the Note
@@ -373,8 +373,8 @@ class PartitionedStage:
         for g in self.groups:
             for p in g.params:
                 p.grad = None
-                if getattr(p, "_zero_masters", None) is self:
-                    del p._zero_masters
+                if owners.masters_of(p) is self:
+                    owners.set_masters(p, None)
             g.master.grad = None
         self.buckets.clear()
         self._bucket.clear()

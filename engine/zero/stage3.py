@@ -51,9 +51,9 @@ from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.precision import Precision
-from engine.zero import init as zero_init
-from engine.zero import linear as memory_efficient_linear
-from engine.zero import released, shard_reduce
+from engine.zero import partitioned_init
+from engine.zero import memory_efficient_linear
+from engine.zero import owners, released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import bind_shards, check_elementwise
 from engine.zero.layout import GroupLayout, build_layout
@@ -175,8 +175,11 @@ class Stage3:
                       for (opt_group, _), idx in keys.items()]
             unit = Unit(len(self.units), plan.name, plan.modules, groups)
             self.units.append(unit)
+            handle = owners.UnitHandle(gather=lambda unit=unit: self.gather_for_user(unit),
+                                       release=lambda unit=unit: self.release_for_user(unit),
+                                       scatter_from=lambda src, unit=unit: self.scatter_from(unit, src))
             for p in plan.params:
-                p._zero_owner = (self, unit)  # for engine.zero.GatheredParameters
+                owners.set_unit(p, handle)  # for engine.zero.GatheredParameters
         masters: dict[int, list[torch.Tensor]] = {gi: [] for gi in range(len(opt_groups))}
         for unit in self.units:
             for g in unit.trainable:
@@ -229,7 +232,7 @@ class Stage3:
                opt_group: int | None) -> ShardedGroup:
         members = [params[i] for i in idx]
         for p in members:
-            if not zero_init.is_partitioned(p):
+            if not partitioned_init.is_partitioned(p):
                 p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()  # DeepSpeed's names for the full shape
         layout = build_layout([p.ds_shape for p in members], world_size=self._world,
                               bucket_size=max(1, sum(p.ds_numel for p in members)),
@@ -239,7 +242,7 @@ class Stage3:
         flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         for p, span in zip(members, layout.params):
             # Built under engine.zero.Init: re-laid from its own partition (one parameter at a time).
-            value = zero_init.full_value(p, dtype).to(device) if zero_init.is_partitioned(p) else p.data
+            value = partitioned_init.full_value(p, dtype).to(device) if partitioned_init.is_partitioned(p) else p.data
             flat[span.offset:span.end].copy_(value.reshape(-1))
             del value
         start, end = layout.slice_range(0, self._rank)
@@ -248,7 +251,7 @@ class Stage3:
         group = ShardedGroup(members, [names[i] for i in idx], layout, shard, opt_group, dtype=dtype, device=device)
         for p, name in zip(members, group.names):
             p.data = torch.empty(0, dtype=dtype, device=device)
-            if zero_init.is_partitioned(p):
+            if partitioned_init.is_partitioned(p):
                 del p._zero_init_shard
             released.adopt(p, name)
         if opt_group is not None:
@@ -647,7 +650,7 @@ class Stage3:
             for g in unit.groups:
                 for p in g.params:
                     p.data = p.data.clone()
-                    del p._zero_owner
+                    owners.set_unit(p, None)
                     released.give_back(p)
                 g.full = None
                 if g.master is not None:

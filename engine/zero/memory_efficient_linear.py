@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.zero import owners
+
 _original_linear = F.linear
 _lock = threading.Lock()
 _users = 0
@@ -49,7 +51,7 @@ class _LinearSavingWeight(torch.autograd.Function):
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if getattr(weight, "_zero_owner", None) is not None and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and owners.unit_of(weight) is not None:
         return _LinearSavingWeight.apply(input, weight, bias)
     return _original_linear(input, weight, bias)
 
