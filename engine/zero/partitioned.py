@@ -120,8 +120,7 @@ class PartitionedStage:
         self._world = comm.get_world_size()
         self._rank = comm.get_rank() if partitioned else 0
         zero = config.zero
-        self._prescale = config.prescale_gradients
-        self._predivide = config.gradient_predivide_factor
+        self._averaging = shard_reduce.Averaging.from_config(config, comm.get_world_size())
         self._use_reduce_scatter = zero.reduce_scatter
         self._allgather_partitions = zero.allgather_partitions
         wire_size = max((precision.wire_dtype(p.dtype).itemsize for p in module.parameters()), default=4)
@@ -195,8 +194,7 @@ class PartitionedStage:
         assert bk.data is not None
         g = bk.group
         bk.pending = shard_reduce.start(
-            bk.data, g.shard_grad[bk.b], written=g.grad_written[bk.b], rank=self._rank, world=self._world,
-            prescale=self._prescale, predivide=self._predivide,
+            bk.data, g.shard_grad[bk.b], written=g.grad_written[bk.b], rank=self._rank, averaging=self._averaging,
             scatter=self.partitioned and self._use_reduce_scatter, key=bk.order)
 
     def _finish(self, bk: Bucket) -> None:
@@ -276,7 +274,7 @@ class PartitionedStage:
             for b, written in enumerate(g.grad_written):
                 if not written:  # no gradient reached this bucket in the whole window
                     g.shard_grad[b].zero_()
-        average = 1.0 if self._prescale else self._predivide / self._world  # what was not divided before
+        average = self._averaging.after
         norm, applied = self.precision.step_shards([g.shard_grad for g in self.groups], self.optimizer,
                                                    max_grad_norm=max_grad_norm, average=average,
                                                    partitioned=self.partitioned,

@@ -1,11 +1,13 @@
-"""Reducing one bucket of gradients into this rank's fp32 shard-gradient row: the part every sharded
-stage shares (stages 1-2 per bucket, stage 3 per unit).
+"""Reducing one bucket of gradients into this rank's fp32 shard-gradient row, and the averaging rule:
+the part every stage shares (stages 0-2 per bucket, stage 3 per unit).
 
-DeepSpeed's scaling: prescale_gradients divides by N before the sum; otherwise the sum is divided by
-gradient_predivide_factor before and the rest of the averaging happens at the step. The reduce-scatter
-writes straight into the row (float32): the first reduction of a window overwrites it, later ones
-(gradient accumulation) add to it, and a low-precision bucket (bf16/fp16 gradients or
-communication_data_type) travels in its own dtype while the sum is taken in float32 (engine/comm.py).
+DeepSpeed's scaling (`Averaging`): prescale_gradients divides by N before the sum; otherwise the sum
+is divided by gradient_predivide_factor before and the rest of the averaging happens at the step,
+folded into the one multiply that also unscales and clips. The reduce-scatter writes straight into
+the row (float32): the first reduction of a window overwrites it, later ones (gradient accumulation)
+add to it, and a low-precision bucket (bf16/fp16 gradients or communication_data_type) travels in
+its own dtype while the sum is taken in float32 (engine/comm.py). A bucket with one slice (stage 0:
+every rank keeps the whole gradient) is all-reduced instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,30 @@ from dataclasses import dataclass
 import torch
 
 from engine import comm
+from engine.config.types import EngineConfig
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How the sum over `world` ranks becomes a mean: the only place prescale/predivide are read."""
+
+    world: int
+    prescale: bool
+    predivide: float
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, world: int) -> Averaging:
+        return cls(world, config.prescale_gradients, config.gradient_predivide_factor)
+
+    @property
+    def before(self) -> float:
+        """Factor applied to the local gradient before it is sent."""
+        return 1.0 / self.world if self.prescale else 1.0 / self.predivide
+
+    @property
+    def after(self) -> float:
+        """Factor still owed after the sum (applied at the step)."""
+        return 1.0 if self.prescale else self.predivide / self.world
 
 
 @dataclass
@@ -24,14 +50,12 @@ class PendingReduce:
     """Where this rank's reduced slice landed, when not straight into the row."""
 
 
-def start(data: torch.Tensor, row: torch.Tensor, *, written: bool, rank: int, world: int, prescale: bool,
-          predivide: float, scatter: bool = True, key: int = 0) -> PendingReduce:
+def start(data: torch.Tensor, row: torch.Tensor, *, written: bool, rank: int, averaging: Averaging,
+          scatter: bool = True, key: int = 0) -> PendingReduce:
     """Start reducing `data` (a whole bucket, every rank's slice) towards `row` (this rank's slice,
-    fp32). scatter=False all-reduces the whole bucket instead (one partition, or reduce_scatter: false)."""
-    if prescale:
-        data.mul_(1.0 / world)
-    elif predivide != 1.0:
-        data.mul_(1.0 / predivide)
+    fp32). scatter=False all-reduces the whole bucket instead (one slice, or reduce_scatter: false)."""
+    if averaging.before != 1.0:
+        data.mul_(averaging.before)
     mine = data[rank * row.numel():(rank + 1) * row.numel()]
     if not scatter:
         return PendingReduce(comm.all_reduce(data, async_op=True), mine)
@@ -45,4 +69,4 @@ def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: st
         if written:
             row.add_(pending.out)
         else:
-            row.copy_(pending.out)
+            row.copy_(pending.out)  # a no-op when the row is the bucket itself (stage 0, fp32)

@@ -140,8 +140,7 @@ class Stage3:
         self.precision = precision
         self._world = comm.get_world_size()
         self._rank = comm.get_rank()
-        self._prescale = config.prescale_gradients
-        self._predivide = config.gradient_predivide_factor
+        self._averaging = shard_reduce.Averaging.from_config(config, comm.get_world_size())
         self._prefetch_numel = config.zero.stage3_prefetch_bucket_size
         self._max_live_numel = config.zero.stage3_max_live_parameters
         self._persist_below = config.zero.stage3_param_persistence_threshold
@@ -471,8 +470,7 @@ class Stage3:
                         g.grad_bucket[span.offset:span.end].zero_()
                 g.grad_bucket[g.layout.numel:].zero_()
             g.pending = shard_reduce.start(g.grad_bucket, g.shard_grad, written=g.grad_written, rank=self._rank,
-                                           world=self._world, prescale=self._prescale, predivide=self._predivide,
-                                           key=unit.index)
+                                           averaging=self._averaging, key=unit.index)
             g.unit_name = unit.name
             self._reducing.append(g)
         unit.reduced = True
@@ -530,7 +528,7 @@ class Stage3:
             for g in u.trainable:
                 if not g.grad_written:
                     g.shard_grad.zero_()
-        average = 1.0 if self._prescale else self._predivide / self._world
+        average = self._averaging.after
         norm, applied = self.precision.step_shards(shards, self.optimizer, max_grad_norm=max_grad_norm,
                                                    average=average, partitioned=True,
                                                    fused_step=self._offload.step if self._offload else None)
