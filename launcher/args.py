@@ -7,6 +7,7 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from typing import NoReturn
 
 from launcher.config import Host, LaunchConfig
 from launcher.errors import LaunchError
@@ -20,7 +21,7 @@ _NOT_BUILT = ("mvapich", "mpich", "impi")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         # argparse's default usage dump buries the one line that matters; say it once, with a hint.
         self.exit(
             2,

@@ -10,6 +10,7 @@ remote side sees the same end of input, so no rank outlives the job on any host.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import shlex
@@ -21,7 +22,7 @@ import threading
 import time
 from collections import deque
 from types import FrameType
-from typing import IO
+from typing import IO, TypedDict
 
 from launcher.backends import BACKEND_PROGRAM, PLANNERS, NodeLaunch
 from launcher.command import SHUTDOWN_TIMEOUT_S
@@ -38,12 +39,26 @@ STOP_GRACE_S = SHUTDOWN_TIMEOUT_S + 5
 TAIL_LINES = 30
 
 
+class _NodeFailure(TypedDict):
+    """A node's NODE_FAILURE_TAG record (launcher/run.py's _report_failure): its root-cause rank
+    (the fields of launcher.report.RankFailure), when that rank last wrote, and its report lines."""
+
+    rank: int
+    local_rank: int
+    exitcode: int  # negative: killed by that signal number
+    host: str
+    time: str
+    agent_root: bool
+    t: float  # the mtime of the rank's newest log file (launcher.report.last_write)
+    tail: list[str]
+
+
 @dataclasses.dataclass
 class _Node:
     plan: NodeLaunch
     proc: subprocess.Popen[bytes]
     tail: deque[str] = dataclasses.field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    failures: list[dict[str, object]] = dataclasses.field(default_factory=list)
+    failures: list[_NodeFailure] = dataclasses.field(default_factory=list)
     relays: list[threading.Thread] = dataclasses.field(default_factory=list)
     stop_sent: float | None = None
 
@@ -66,9 +81,10 @@ class _Node:
             self.proc.kill()
 
 
-def _relay_raw(stream: IO[bytes], out: IO[bytes]) -> None:
+def _relay_raw(stream: io.BufferedReader, out: IO[bytes]) -> None:
     # Node 0's stdout carries global rank 0's raw output (progress bars redraw with '\r').
-    for chunk in iter(lambda: stream.read1(65536), b""):  # type: ignore[attr-defined]
+    # The stream is a buffered Popen pipe: read1 returns what has arrived instead of waiting to fill.
+    for chunk in iter(lambda: stream.read1(65536), b""):
         out.write(chunk)
         out.flush()
 
@@ -130,14 +146,14 @@ def _report(nodes: list[_Node]) -> int:
     # A node's SIGTERMed rank is a victim unless nothing else failed.
     reports = [f for n in nodes for f in n.failures]
     if reports:
-        f = min(reports, key=lambda r: (r.get("exitcode") == -15, float(r.get("t") or 0.0)))  # type: ignore[arg-type]
-        code = int(f["exitcode"])  # type: ignore[call-overload]
+        f = min(reports, key=lambda r: (r.get("exitcode") == -15, float(r.get("t") or 0.0)))
+        code = int(f["exitcode"])
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         say(
             f"[{f['host']} rank {f['rank']}] (local rank {f['local_rank']}) {how}, first of any node; "
             f"every node was stopped"
         )
-        for line in f.get("tail") or []:  # type: ignore[union-attr]
+        for line in f.get("tail") or []:
             say(str(line))
         return code if code > 0 else 128 - code
     first = min(failed, key=lambda n: n.stop_sent or 0.0)

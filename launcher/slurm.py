@@ -32,7 +32,7 @@ def _expand_one(name: str, whole: str) -> list[str]:
     if close_at < 0:
         raise LaunchError(f"SLURM_JOB_NODELIST {whole!r}: unclosed '[' in {name!r}")
     prefix, ranges, rest = name[:open_at], name[open_at + 1 : close_at], name[close_at + 1 :]
-    out = []
+    out: list[str] = []
     for item in ranges.split(","):
         m = _RANGE.match(item)
         if not m:
