@@ -219,7 +219,9 @@ def _count(op: str, tensor: torch.Tensor, factor: float) -> None:
     _sent(op, int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
+               async_op: bool = False) -> Work | None:
+    # op: a member such as ReduceOp.MAX (a RedOpType in torch's stubs) or a ReduceOp instance.
     # A ring all-reduce sends 2(N-1)/N of the buffer per rank.
     _count("all_reduce", tensor, 2.0)
     return dist.all_reduce(tensor, op=op, async_op=async_op)
@@ -230,18 +232,28 @@ class _TorchTransport:
 
     @staticmethod
     def isend(tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return dist.isend(tensor, peer, tag=tag)
+        return _issued(dist.isend(tensor, peer, tag=tag), "isend")
 
     @staticmethod
     def irecv(tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return dist.irecv(tensor, peer, tag=tag)
+        return _issued(dist.irecv(tensor, peer, tag=tag), "irecv")
+
+
+def _issued(work: Work | None, op: str) -> Work:
+    # torch returns no handle only to a rank outside the group, and these calls use the default
+    # group, which holds every rank.
+    if work is None:
+        raise RuntimeError(f"torch.distributed.{op} returned no handle: rank {get_rank()} is not in the default "
+                           "process group")
+    return work
 
 
 class _Finish:
     """Async handle of a native collective plus a local step after it (a cast or an add), once."""
 
-    def __init__(self, work: Work, finish: Callable[[], None] | None = None) -> None:
-        self._work, self._finish = work, finish
+    def __init__(self, work: Work, finish: Callable[[], object] | None = None) -> None:
+        self._work: Work | None = work  # None once waited on
+        self._finish = finish  # called once, after the collective; its result is unused
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._work is not None:

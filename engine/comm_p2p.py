@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NamedTuple, Protocol
@@ -136,7 +136,7 @@ class P2PWork:
     """Handle of one point-to-point collective. wait() checks the peers' signatures, then waits for
     each receive in order and runs its local step (an accumulation), then the sends; once."""
 
-    def __init__(self, signatures: Signatures, steps: list[tuple[PendingWork, Callable[[], None] | None]],
+    def __init__(self, signatures: Signatures, steps: Sequence[tuple[PendingWork, Callable[[], None] | None]],
                  sends: list[PendingWork], release: list[torch.Tensor]) -> None:
         self._signatures, self._steps, self._sends, self._release = signatures, steps, sends, release
         self._done = False
