@@ -218,7 +218,7 @@ class CudaAccelerator(Accelerator):
         return f"cuda:{torch.cuda.current_device()}"
 
     def device(self, device_index: int | str | None = None) -> torch.device:
-        return torch.device("cuda", None if device_index is None else int(device_index))
+        return torch.device("cuda") if device_index is None else torch.device("cuda", int(device_index))
 
     def set_device(self, device_index: int | str) -> None:
         torch.cuda.set_device(int(device_index))

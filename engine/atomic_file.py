@@ -66,7 +66,9 @@ def atomic_save(obj: Any, path: str) -> dict[str, int]:
     would add a second pass)."""
     with atomic_open(path) as f:
         writer = _Crc32Writer(f)
-        torch.save(obj, writer)
+        # torch.save takes any object with write() and flush() (its docstring says so), but its
+        # annotation names only str, PathLike and IO[bytes].
+        torch.save(obj, writer)  # type: ignore[arg-type]
     return {"crc32": writer.crc32, "bytes": writer.size}
 
 
