@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -220,8 +220,16 @@ class CPUAdam(torch.optim.Optimizer):
                 if "step" in p_state and not torch.is_tensor(p_state["step"]):  # pre-1.12 torch saved an int
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
 
+    # torch.optim.Optimizer's overloads (the closure's loss when given one, else None), plus our keywords.
+    @overload
+    def step(self, closure: None = None, *, grad_scale: float = 1.0,
+             lp_params: Sequence[torch.Tensor | None] | None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float], *, grad_scale: float = 1.0,
+             lp_params: Sequence[torch.Tensor | None] | None = None) -> float: ...
+
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], float] | None = None,
         *,
@@ -259,9 +267,11 @@ class CPUAdam(torch.optim.Optimizer):
             batches.setdefault((count, work[i][3] is not None), []).append(i)
         beta1, beta2 = group["betas"]
         for (count, has_lp), members in batches.items():
+            # has_lp is part of the batch key: every member has a copy target, or none has.
+            lp_params = [lp for i in members if (lp := work[i][3]) is not None] if has_lp else None
             adam_step([work[i][0] for i in members], [work[i][1] for i in members],
                       [work[i][2]["exp_avg"] for i in members], [work[i][2]["exp_avg_sq"] for i in members],
-                      [work[i][3] for i in members] if has_lp else None,  # type: ignore[misc]
+                      lp_params,
                       lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                       weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"], step=count,
                       bias_correction=group["bias_correction"], grad_scale=grad_scale)

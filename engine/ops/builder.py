@@ -165,7 +165,8 @@ def _load() -> ModuleType | None:
     _status.compiler = compiler
     problem = _why_not_buildable(files, compiler)
     if problem:
-        return _fail(problem)
+        _fail(problem)
+        return None
     directory = build_dir(NAME, cache_key(files, compiler), compiler)
     _status.cache_dir = str(directory)
     started = time.perf_counter()
@@ -176,7 +177,8 @@ def _load() -> ModuleType | None:
             module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=CPU_FLAGS,
                                         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as error:  # noqa: BLE001 (a compiler error must not take training down: the fallback is exact)
-        return _fail(f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}")
+        _fail(f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}")
+        return None
     _status.seconds = time.perf_counter() - started
     _status.state = "cached" if cached else "compiled"
     _status.simd = module.simd_level()

@@ -231,9 +231,11 @@ def _arch_list() -> str:
 def _load() -> ModuleType | None:
     _status.mode = builder.mode()
     if _status.mode == "fallback":
-        return _unavailable(f"forced by {ENV_MODE}=fallback")
+        _unavailable(f"forced by {ENV_MODE}=fallback")
+        return None
     if not torch.cuda.is_available():
-        return _unavailable(_why_no_cuda())
+        _unavailable(_why_no_cuda())
+        return None
     from torch.utils import cpp_extension
 
     files = sources()
@@ -242,13 +244,17 @@ def _load() -> ModuleType | None:
     compiler = builder.compiler_version()
     _status.compiler = f"{compiler}; {nvcc_version(nvcc)}" if nvcc else compiler
     if not any(f.suffix == ".cu" for f in files):
-        return _fail(f"no CUDA sources under {CUDA_DIR} (an installed copy without csrc/; use an editable install)")
+        _fail(f"no CUDA sources under {CUDA_DIR} (an installed copy without csrc/; use an editable install)")
+        return None
     if nvcc is None or not os.access(nvcc, os.X_OK):
-        return _fail("the CUDA toolkit was not found (no nvcc); install it or set CUDA_HOME")
+        _fail("the CUDA toolkit was not found (no nvcc); install it or set CUDA_HOME")
+        return None
     if not compiler:
-        return _fail(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH); install g++ or set CXX")
+        _fail(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH); install g++ or set CXX")
+        return None
     if not builder.find_ninja():
-        return _fail("ninja is not on PATH; pip install ninja (or apt install ninja-build)")
+        _fail("ninja is not on PATH; pip install ninja (or apt install ninja-build)")
+        return None
     key = _digest(CUDA_DIR, [torch.__version__, str(torch.version.cuda), _status.compiler, _arch_list(),
                              " ".join(CUDA_FLAGS + HOST_FLAGS), sys.version.split()[0]])
     directory = builder.build_dir(NAME, key, _status.compiler)
@@ -259,7 +265,8 @@ def _load() -> ModuleType | None:
             module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=HOST_FLAGS,
                                         extra_cuda_cflags=CUDA_FLAGS, build_directory=str(directory), verbose=False)
     except Exception as error:  # noqa: BLE001 - a compiler error must not take training down: the fallback is exact
-        return _fail(f"the build failed: {_summary(error)}")
+        _fail(f"the build failed: {_summary(error)}")
+        return None
     _status.seconds = time.perf_counter() - started
     _status.state = "cached" if cached else "compiled"
     if not cached:

@@ -9,7 +9,7 @@ that, which also makes it the naive reference path for Adam.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -46,8 +46,14 @@ class ReferenceAdam(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
+    # torch.optim.Optimizer's overloads: the closure's loss when given one, else None.
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

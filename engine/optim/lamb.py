@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -53,8 +53,14 @@ class Lamb(torch.optim.Optimizer):
     def get_lamb_coeffs(self) -> list[float]:
         return list(self.lamb_coeffs)
 
+    # torch.optim.Optimizer's overloads: the closure's loss when given one, else None.
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

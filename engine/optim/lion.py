@@ -6,7 +6,7 @@ torch.optim has no Lion, so this small class stands in for DeepSpeed's fused ker
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -27,8 +27,14 @@ class Lion(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 
+    # torch.optim.Optimizer's overloads: the closure's loss when given one, else None.
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
