@@ -66,7 +66,7 @@ def _as_float(value: Any) -> float | None:
     try:
         return float(value)
     except OverflowError:
-        return math.inf if value > 0 else -math.inf
+        return -math.inf if value < 0 else math.inf
 
 
 def _message(path: KeyPath, value: float, meaning: Any) -> str:

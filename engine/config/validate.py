@@ -90,7 +90,7 @@ def _explain_alternatives(error: ValidationError, path: KeyPath) -> list[tuple[K
         for sub in fitting[0]:
             out.extend(_explain(sub))
         return out
-    expected = []
+    expected: list[str] = []
     for errs in by_branch.values():
         for sub in errs:
             if sub.validator == "type":

@@ -24,7 +24,8 @@ class CsvMonitor:
             if handle is None:
                 path = os.path.join(self.directory, name.replace("/", "_") + ".csv")
                 new = not os.path.exists(path)
-                handle = open(path, "a", newline="")
+                # Open from the event's first write to close(), not for one `with` block.
+                handle = open(path, "a", newline="")  # noqa: SIM115
                 if new:
                     csv.writer(handle).writerow(["step", name])
                 self._files[name] = handle

@@ -15,7 +15,7 @@ class _TqdmHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             tqdm.write(self.format(record), file=sys.stderr)  # where the bars and logging live
-        except Exception:  # logging must never take the training step down
+        except Exception:  # noqa: BLE001 - logging must never take the training step down (as logging.StreamHandler)
             self.handleError(record)
 
 
