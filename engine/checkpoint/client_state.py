@@ -78,7 +78,8 @@ def _encode(value: Any, path: str) -> Any:
     if type(value) in _SCALARS or isinstance(value, _TORCH_LEAVES):
         return value
     if isinstance(value, _SCALARS):  # a subclass of str/int/float (an IntEnum, a str subclass): its base value
-        return next(base for base in _SCALARS if isinstance(value, base))(value)
+        base: type = next(t for t in _SCALARS if isinstance(value, t))
+        return base(value)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, argparse.Namespace):
@@ -95,7 +96,8 @@ def _encode(value: Any, path: str) -> Any:
                 raise CheckpointError(f"save_checkpoint: {path} has the key {ENCODED!r}, which checkpoints reserve "
                                       "to mark numpy values and Namespaces; rename it. Nothing was written")
             out[key] = _encode(item, f"{path}[{key!r}]")
-        return type(value)(out) if type(value) in _KEPT_MAPPINGS else out
+        mapping_type: type = type(value)
+        return mapping_type(out) if mapping_type in _KEPT_MAPPINGS else out
     if isinstance(value, (list, tuple)):
         items = [_encode(item, f"{path}[{i}]") for i, item in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
