@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from engine.atomic_file import atomic_open, atomic_save
 from engine.checkpoint.files import MANIFEST, CheckpointError, model_file, read_manifest, resolve_tag_dir
-from engine.checkpoint.store import PieceReader
+from engine.checkpoint.piece_reader import PieceReader
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from engine import comm
@@ -29,14 +27,15 @@ from engine.checkpoint.files import (
     MANIFEST,
     CheckpointError,
     check_tag,
-    load_file,
     model_file,
     optim_file,
     partial_dir,
     read_manifest,
     resolve_tag_dir,
 )
+from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.records import ShardRecord
+from engine.checkpoint.rng import rng_state, set_rng_state
 from engine.monitor.log import get_logger
 
 if TYPE_CHECKING:
@@ -57,28 +56,6 @@ def _scalar_state(optimizer: torch.optim.Optimizer, record: ShardRecord) -> dict
     state = optimizer.state.get(record.tensor, {})
     return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()
             if not (torch.is_tensor(v) and v.numel() == record.tensor.numel() and v.numel() > 1)}
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuples(state["python"]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuples(value: Any) -> Any:
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _managed_ids(module: torch.nn.Module) -> set[int]:
@@ -137,7 +114,7 @@ def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, An
                 entry.update({k: v[lo:hi].clone() for k, v in states.items()})
                 optim_pieces.setdefault(piece.name, []).append(entry)
                 index.append(("optim", piece.name, piece.param_offset, piece.numel))
-    model_state: dict[str, Any] = {"pieces": model_pieces, "rng": _rng_state()}
+    model_state: dict[str, Any] = {"pieces": model_pieces, "rng": rng_state()}
     if rank == 0:
         managed = _managed_ids(eng.module)
         whole = {n: t.detach().clone() for n, t in eng.module.state_dict(keep_vars=True).items()
@@ -224,83 +201,6 @@ def _write_text(path: str, text: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- load
-class PieceReader:
-    """Reads any element range of a named parameter's saved values, from whichever files hold it."""
-
-    def __init__(self, tag_dir: str, manifest: dict[str, Any]) -> None:
-        self.tag_dir = tag_dir
-        self.manifest = manifest
-        # name -> kind -> [(offset, numel, rank)]
-        self.where: dict[str, dict[str, list[tuple[int, int, int]]]] = {}
-        for r, entries in enumerate(manifest["pieces"]):
-            for kind, name, offset, numel in entries:
-                self.where.setdefault(name, {}).setdefault(kind, []).append((offset, numel, r))
-        self._files: dict[str, dict[str, Any]] = {}
-
-    def file(self, name: str) -> dict[str, Any]:
-        if name not in self._files:
-            expected = self.manifest.get("checksums", {}).get(name)
-            self._files[name] = load_file(os.path.join(self.tag_dir, name), expected)
-        return self._files[name]
-
-    def entry(self, fname: str, name: str, offset: int) -> dict[str, Any]:
-        """The piece of parameter `name` at `offset` that the manifest says file `fname` holds."""
-        pieces = self.file(fname).get("pieces")
-        entries = pieces.get(name) if isinstance(pieces, dict) else None
-        entry = next((e for e in entries or [] if isinstance(e, dict) and e.get("offset") == offset), None)
-        if entry is None:
-            raise CheckpointError(f"{os.path.join(self.tag_dir, fname)} lacks the piece of parameter {name!r} at offset "
-                                  f"{offset} that {os.path.join(self.tag_dir, MANIFEST)} lists; the checkpoint is "
-                                  "corrupted; load another tag")
-        return entry
-
-    def whole(self, name: str, rank: int) -> torch.Tensor:
-        """A tensor saved whole (a buffer, a frozen parameter at stages 0-2) in `rank`'s model file."""
-        tensor = self.file(model_file(rank)).get("whole", {}).get(name)
-        if not torch.is_tensor(tensor):
-            raise CheckpointError(f"{os.path.join(self.tag_dir, MANIFEST)}: key pieces.{rank} lists {name!r}, which is "
-                                  f"neither in params nor saved whole in {model_file(rank)}; the manifest was edited "
-                                  "or is corrupted; load another tag")
-        return tensor
-
-    def state_keys(self, name: str) -> list[str]:
-        """Optimizer state keys saved with a trainable parameter's pieces (exp_avg, exp_avg_sq, ...)."""
-        offset, _, rank = self.where[name]["optim"][0] if "optim" in self.where.get(name, {}) else (0, 0, -1)
-        if rank < 0:
-            return []
-        return [k for k in self.entry(optim_file(rank), name, offset) if k not in ("offset", "master")]
-
-    def has(self, name: str, kind: str) -> bool:
-        return kind in self.where.get(name, {})
-
-    def read(self, name: str, kind: str, key: str, lo: int, numel: int, out: torch.Tensor) -> None:
-        """out (1-D, numel elements) <- elements [lo, lo + numel) of `key` of parameter `name`."""
-        covered = 0
-        for offset, n, rank in self.where.get(name, {}).get(kind, []):
-            a, b = max(lo, offset), min(lo + numel, offset + n)
-            if a >= b:
-                continue
-            fname = model_file(rank) if kind == "model" else optim_file(rank)
-            data = self.file(fname)
-            if kind == "model" and name in data.get("whole", {}):
-                src = data["whole"][name].reshape(-1)
-                base = 0
-            else:
-                entry = self.entry(fname, name, offset)
-                if not torch.is_tensor(entry.get(key)):
-                    raise CheckpointError(f"{os.path.join(self.tag_dir, fname)} lacks {key!r} of parameter {name!r} "
-                                          f"at offset {offset} that its manifest lists; the checkpoint is corrupted")
-                src, base = entry[key].reshape(-1), offset
-            if src.numel() < b - base:
-                raise CheckpointError(f"{os.path.join(self.tag_dir, fname)}: {key!r} of {name!r} holds {src.numel()} "
-                                      f"elements, the manifest says more; the checkpoint is corrupted")
-            out[a - lo:b - lo].copy_(src[a - base:b - base])
-            covered += b - a
-        if covered != numel:
-            raise CheckpointError(f"checkpoint {self.tag_dir} has {covered} of elements [{lo}, {lo + numel}) of "
-                                  f"{key!r} of parameter {name!r}; it was saved from a different model")
-
-
 def load(eng: Engine, load_dir: str, tag: str | None, load_module_strict: bool, load_optimizer_states: bool,
          load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict[str, Any]]:
     stage = eng._require_alive()
@@ -388,7 +288,7 @@ def load(eng: Engine, load_dir: str, tag: str | None, load_module_strict: bool, 
         eng.micro_steps = int(counters.get("micro_steps", 0))
         own = reader.file(model_file(rank)) if rank < manifest["world_size"] else None
         if own is not None and "rng" in own:
-            _set_rng_state(own["rng"])
+            set_rng_state(own["rng"])
     comm.barrier()
     if rank == 0:
         logger.info("loaded checkpoint %s (saved at world size %d, stage %d) in %.2f s", tag_dir,
