@@ -17,7 +17,9 @@ import torch
 
 from engine import comm
 from engine.atomic_file import atomic_save
+from engine.checkpoint import store
 from engine.checkpoint.clone import clone_tensors_for_torch_save
+from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
 from engine.monitor.csv_monitor import CsvMonitor
 from engine.monitor.log import get_logger
@@ -381,19 +383,31 @@ class Engine:
         """DeepSpeed's save_checkpoint: every rank writes its own shard files into save_dir/tag
         (default tag global_step<N>), the tag appears complete or not at all, then `latest` names it.
         Every rank must call it. Returns the tag directory. See engine/checkpoint/."""
-        from engine.checkpoint import store
-
-        return store.save(self, save_dir, tag, client_state, save_latest)
+        return store.save(self._training_state(), save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
         """DeepSpeed's load_checkpoint -> (checkpoint path, client_state). tag None reads `latest`.
         Loads at any world size and ZeRO stage: every piece is found by parameter name and offset."""
-        from engine.checkpoint import store
+        loaded = store.load(self._training_state(), load_dir, tag, load_module_strict, load_optimizer_states,
+                            load_lr_scheduler_states, load_module_only)
+        if loaded.counters is not None:
+            self.global_steps = loaded.counters.global_steps
+            self.global_samples = loaded.counters.global_samples
+            self.skipped_steps = loaded.counters.skipped_steps
+            self.micro_steps = loaded.counters.micro_steps
+        return loaded.path, loaded.client_state
 
-        return store.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                          load_lr_scheduler_states, load_module_only)
+    def _training_state(self) -> TrainingState:
+        """What a checkpoint saves from and loads into (engine/checkpoint/training_state.py)."""
+        stage = self._require_alive()
+        return TrainingState(
+            module=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.precision.scaler, stage=stage, zero_stage=self.zero_optimization_stage(),
+            model_dtype=self.precision.model_dtype,
+            counters=Counters(global_steps=self.global_steps, global_samples=self.global_samples,
+                              skipped_steps=self.skipped_steps, micro_steps=self.micro_steps))
 
     # ------------------------------------------------------------------------------ teardown
     def _require_alive(self) -> ZeroStage:

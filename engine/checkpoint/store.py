@@ -6,15 +6,20 @@ manifest and then makes the tag visible with one rename, and `latest` last. Load
 for each piece it holds now, the saved pieces of the same parameter that overlap it, from whichever
 ranks' files have them (memory-mapped, so a rank never holds more than its own state plus one file's
 index), so a checkpoint saved by 4 ranks at stage 3 loads on 2 ranks at stage 2.
+
+The store never sees the Engine: it saves from and loads into a `TrainingState` (training_state.py),
+and `load` hands the saved counters back for the Engine to set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,26 +41,140 @@ from engine.checkpoint.files import (
 from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.records import ShardRecord
 from engine.checkpoint.rng import rng_state, set_rng_state
+from engine.checkpoint.training_state import Counters, LoadResult, Stateful, TrainingState
 from engine.monitor.log import get_logger
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
 
 logger = get_logger()
 
+PieceIndex = list[tuple[str, str, int, int]]
+"""(file kind "model" or "optim", parameter name, offset, numel) of every piece one rank wrote: its row
+of the manifest's `pieces`."""
+
 
 # ----------------------------------------------------------------------------------------- save
-def _state_tensors(optimizer: torch.optim.Optimizer, record: ShardRecord) -> dict[str, torch.Tensor]:
+def save(state: TrainingState, save_dir: str, tag: str | None, client_state: dict[str, Any] | None,
+         save_latest: bool) -> str:
+    """Every rank writes its files into save_dir/.<tag>.partial; rank 0 writes the manifest, renames the
+    folder to save_dir/<tag> and then writes `latest`. Returns save_dir/<tag>."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    tag = check_tag(str(tag) if tag is not None else f"global_step{state.counters.global_steps}", "save_checkpoint")
+    client_state = _agree_on_client_state(client_state)
+    started = time.perf_counter()
+    records = state.stage.checkpoint_shards()
+    final, partial = os.path.join(save_dir, tag), partial_dir(save_dir, tag)
+    _start_partial(save_dir, partial)
+
+    pieces = _collect_pieces(records, state.optimizer)
+    model_state: dict[str, Any] = {"pieces": pieces.model, "rng": rng_state()}
+    if rank == 0:
+        whole = _whole_tensors(state.module)
+        model_state.update(_rank0_head(state, whole, client_state))
+        pieces.index.extend(("model", name, 0, int(value.numel())) for name, value in whole.items())
+    checksums = _write_rank_files(partial, rank, model_state, pieces)
+
+    gathered = comm.all_gather_object((pieces.index, checksums))
+    if rank == 0:
+        _write_text(os.path.join(partial, MANIFEST), json.dumps(_manifest(state, tag, world, gathered), indent=1))
+        _publish(save_dir, tag, save_latest)
+    comm.barrier()
+    if rank == 0:
+        logger.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
+    return final
+
+
+@dataclass
+class _Pieces:
+    """This rank's share of the checkpoint, by parameter name, as its files hold it."""
+
+    model: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Frozen parameters' pieces, {"offset", "model"}: rank_<r>_model_states.pt."""
+    optim: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """fp32 master pieces with their optimizer state, {"offset", "master", "exp_avg", ...}:
+    rank_<r>_optim_states.pt."""
+    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per optimizer group, the state not shaped like a master (Adam's step), from its first record."""
+    index: PieceIndex = field(default_factory=list)
+
+
+def _agree_on_client_state(client_state: dict[str, Any] | None) -> dict[str, Any]:
+    """client_state as it is written. Checked on every rank before anything is written, and agreed on, so
+    a refusal is raised by every rank (none waits in a barrier) and the previous checkpoint and `latest`
+    stay as they were."""
+    refusal: CheckpointError | None = None
+    try:
+        prepared = prepare_client_state(client_state)
+    except CheckpointError as err:
+        prepared, refusal = {}, err
+    refusals = comm.all_gather_object(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    if any(refusals):
+        first = next(r for r, msg in enumerate(refusals) if msg)
+        raise CheckpointError(f"save_checkpoint refused on rank {first}: {refusals[first]}")
+    return prepared
+
+
+def _start_partial(save_dir: str, partial: str) -> None:
+    """Rank 0 makes the hidden folder every rank writes into (removing dead saves first); all wait for it."""
+    if comm.get_rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        _remove_partial_saves(save_dir)
+        os.makedirs(partial)
+    comm.barrier()
+
+
+def _remove_partial_saves(save_dir: str) -> None:
+    """Hidden .<tag>.partial folders are saves that died before their rename (any tag): never loadable,
+    only taking space."""
+    for entry in os.listdir(save_dir):
+        if entry.startswith(".") and entry.endswith(".partial"):
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+
+
+def _collect_pieces(records: list[ShardRecord], optimizer: torch.optim.Optimizer | None) -> _Pieces:
+    """The records this rank writes, cut into named pieces (cloned: a file holds only its pieces' bytes)."""
+    pieces = _Pieces()
+    for record in records:
+        if record.write:
+            _add_record(pieces, record, optimizer)
+    return pieces
+
+
+def _add_record(pieces: _Pieces, record: ShardRecord, optimizer: torch.optim.Optimizer | None) -> None:
+    flat = record.tensor.detach().reshape(-1)
+    if record.opt_group is None:
+        for piece in record.pieces:
+            lo, hi = piece.tensor_offset, piece.tensor_offset + piece.numel
+            pieces.model.setdefault(piece.name, []).append({"offset": piece.param_offset, "model": flat[lo:hi].clone()})
+            pieces.index.append(("model", piece.name, piece.param_offset, piece.numel))
+        return
+    states = {k: v.detach().reshape(-1) for k, v in _state_tensors(optimizer, record).items()}
+    pieces.scalars.setdefault(record.opt_group, _scalar_state(optimizer, record))
+    for piece in record.pieces:
+        lo, hi = piece.tensor_offset, piece.tensor_offset + piece.numel
+        entry = {"offset": piece.param_offset, "master": flat[lo:hi].clone()}
+        entry.update({k: v[lo:hi].clone() for k, v in states.items()})
+        pieces.optim.setdefault(piece.name, []).append(entry)
+        pieces.index.append(("optim", piece.name, piece.param_offset, piece.numel))
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer | None, record: ShardRecord) -> dict[str, Any]:
+    return optimizer.state.get(record.tensor, {}) if optimizer is not None else {}
+
+
+def _shaped_like_master(value: Any, record: ShardRecord) -> bool:
+    return torch.is_tensor(value) and value.numel() == record.tensor.numel() and value.numel() > 1
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer | None, record: ShardRecord) -> dict[str, torch.Tensor]:
     """The optimizer state tensors shaped like the record's master (exp_avg, exp_avg_sq, ...)."""
-    state = optimizer.state.get(record.tensor, {})
-    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.numel() == record.tensor.numel()
-            and v.numel() > 1}
+    return {k: v for k, v in _optimizer_state(optimizer, record).items() if _shaped_like_master(v, record)}
 
 
-def _scalar_state(optimizer: torch.optim.Optimizer, record: ShardRecord) -> dict[str, Any]:
-    state = optimizer.state.get(record.tensor, {})
-    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()
-            if not (torch.is_tensor(v) and v.numel() == record.tensor.numel() and v.numel() > 1)}
+def _scalar_state(optimizer: torch.optim.Optimizer | None, record: ShardRecord) -> dict[str, Any]:
+    """The rest of the master's optimizer state (Adam's step), saved once per optimizer group."""
+    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in _optimizer_state(optimizer, record).items()
+            if not _shaped_like_master(v, record)}
 
 
 def _managed_ids(module: torch.nn.Module) -> set[int]:
@@ -65,113 +184,51 @@ def _managed_ids(module: torch.nn.Module) -> set[int]:
     return {id(p) for p in module.parameters() if p.requires_grad}
 
 
-def save(eng: Engine, save_dir: str, tag: str | None, client_state: dict[str, Any] | None,
-         save_latest: bool) -> str:
-    stage = eng._require_alive()
-    rank, world = comm.get_rank(), comm.get_world_size()
-    tag = check_tag(str(tag) if tag is not None else f"global_step{eng.global_steps}", "save_checkpoint")
-    # Checked on every rank before anything is written, and agreed on, so a refusal is raised by every
-    # rank (none waits in the barrier below) and the previous checkpoint and `latest` stay as they were.
-    try:
-        client_state, refusal = prepare_client_state(client_state), None
-    except CheckpointError as err:
-        client_state, refusal = {}, err
-    refusals = comm.all_gather_object(None if refusal is None else str(refusal))
-    if refusal is not None:
-        raise refusal
-    if any(refusals):
-        first = next(r for r, msg in enumerate(refusals) if msg)
-        raise CheckpointError(f"save_checkpoint refused on rank {first}: {refusals[first]}")
-    started = time.perf_counter()
-    records = stage.checkpoint_shards()
-    final, partial = os.path.join(save_dir, tag), partial_dir(save_dir, tag)
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        _remove_partial_saves(save_dir)
-        os.makedirs(partial)
-    comm.barrier()
-
-    optim_pieces: dict[str, list[dict[str, Any]]] = {}
-    model_pieces: dict[str, list[dict[str, Any]]] = {}
-    scalars: dict[int, dict[str, Any]] = {}
-    index: list[tuple[str, str, int, int]] = []  # (file kind, name, offset, numel) for the manifest
-    for record in records:
-        if not record.write:
-            continue
-        flat = record.tensor.detach().reshape(-1)
-        states = {k: v.detach().reshape(-1) for k, v in _state_tensors(eng.optimizer, record).items()} \
-            if record.opt_group is not None else {}
-        if record.opt_group is not None:
-            scalars.setdefault(record.opt_group, _scalar_state(eng.optimizer, record))
-        for piece in record.pieces:
-            lo, hi = piece.tensor_offset, piece.tensor_offset + piece.numel
-            if record.opt_group is None:
-                model_pieces.setdefault(piece.name, []).append({"offset": piece.param_offset,
-                                                                 "model": flat[lo:hi].clone()})
-                index.append(("model", piece.name, piece.param_offset, piece.numel))
-            else:
-                entry = {"offset": piece.param_offset, "master": flat[lo:hi].clone()}
-                entry.update({k: v[lo:hi].clone() for k, v in states.items()})
-                optim_pieces.setdefault(piece.name, []).append(entry)
-                index.append(("optim", piece.name, piece.param_offset, piece.numel))
-    model_state: dict[str, Any] = {"pieces": model_pieces, "rng": rng_state()}
-    if rank == 0:
-        managed = _managed_ids(eng.module)
-        whole = {n: t.detach().clone() for n, t in eng.module.state_dict(keep_vars=True).items()
-                 if id(t) not in managed and t.numel() > 0}
-        model_state.update({
-            "whole": whole,
-            "engine": {"global_steps": eng.global_steps, "global_samples": eng.global_samples,
-                       "skipped_steps": eng.skipped_steps, "micro_steps": eng.micro_steps},
-            "lr_scheduler": eng.lr_scheduler.state_dict() if eng.lr_scheduler is not None else None,
-            "loss_scaler": eng.precision.scaler.state_dict() if eng.precision.scaler is not None else None,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in eng.optimizer.param_groups]
-            if eng.optimizer is not None else [],
-            "client_state": client_state,
-        })
-        index.extend(("model", name, 0, int(value.numel())) for name, value in whole.items())
-    checksums = {model_file(rank): atomic_save(model_state, os.path.join(partial, model_file(rank))),
-                 optim_file(rank): atomic_save({"pieces": optim_pieces, "scalars": scalars},
-                                               os.path.join(partial, optim_file(rank)))}
-
-    gathered = comm.all_gather_object((index, checksums))
-    everyone = [entries for entries, _ in gathered]
-    if rank == 0:
-        params = {n: {"shape": list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape),
-                      "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad}
-                  for n, p in eng.module.named_parameters()}
-        manifest = {
-            "format_version": FORMAT_VERSION, "engine_version": _engine_version(), "torch_version": torch.__version__,
-            "tag": tag, "world_size": world, "stage": eng.zero_optimization_stage(),
-            "model_dtype": str(eng.precision.model_dtype).removeprefix("torch.") if eng.precision.model_dtype
-            else "as built", "global_steps": eng.global_steps, "params": params,
-            "aliases": _aliases(eng.module),
-            "files": {"model": [model_file(r) for r in range(world)], "optim": [optim_file(r) for r in range(world)]},
-            "pieces": [[list(entry) for entry in entries] for entries in everyone],
-            "checksums": {name: digest for _, sums in gathered for name, digest in sums.items()},
-        }
-        _write_text(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
-        old = os.path.join(save_dir, f".{tag}.old")
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(partial, final)
-        fsync_dir(save_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            _write_text(os.path.join(save_dir, LATEST), tag)
-    comm.barrier()
-    if rank == 0:
-        logger.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
-    return final
+def _whole_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What rank 0 saves whole: buffers, and frozen parameters at stages 0-2."""
+    managed = _managed_ids(module)
+    return {n: t.detach().clone() for n, t in module.state_dict(keep_vars=True).items()
+            if id(t) not in managed and t.numel() > 0}
 
 
-def _remove_partial_saves(save_dir: str) -> None:
-    """Hidden .<tag>.partial folders are saves that died before their rename (any tag): never loadable,
-    only taking space."""
-    for entry in os.listdir(save_dir):
-        if entry.startswith(".") and entry.endswith(".partial"):
-            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+def _rank0_head(state: TrainingState, whole: dict[str, torch.Tensor], client_state: dict[str, Any]) -> dict[str, Any]:
+    """What only rank 0's model file holds, besides its pieces and RNG states."""
+    optimizer = state.optimizer
+    return {
+        "whole": whole,
+        "engine": dataclasses.asdict(state.counters),
+        "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
+        "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        if optimizer is not None else [],
+        "client_state": client_state,
+    }
+
+
+def _write_rank_files(partial: str, rank: int, model_state: dict[str, Any],
+                      pieces: _Pieces) -> dict[str, dict[str, int]]:
+    """This rank's two files, each written atomically; their checksums, for the manifest."""
+    return {model_file(rank): atomic_save(model_state, os.path.join(partial, model_file(rank))),
+            optim_file(rank): atomic_save({"pieces": pieces.optim, "scalars": pieces.scalars},
+                                          os.path.join(partial, optim_file(rank)))}
+
+
+def _manifest(state: TrainingState, tag: str, world: int,
+              gathered: list[tuple[PieceIndex, dict[str, dict[str, int]]]]) -> dict[str, Any]:
+    """manifest.json (engine/checkpoint/files.py), from every rank's pieces and file checksums."""
+    params = {n: {"shape": list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape),
+                  "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad}
+              for n, p in state.module.named_parameters()}
+    return {
+        "format_version": FORMAT_VERSION, "engine_version": _engine_version(), "torch_version": torch.__version__,
+        "tag": tag, "world_size": world, "stage": state.zero_stage,
+        "model_dtype": str(state.model_dtype).removeprefix("torch.") if state.model_dtype is not None
+        else "as built", "global_steps": state.counters.global_steps, "params": params,
+        "aliases": _aliases(state.module),
+        "files": {"model": [model_file(r) for r in range(world)], "optim": [optim_file(r) for r in range(world)]},
+        "pieces": [[list(entry) for entry in entries] for entries, _ in gathered],
+        "checksums": {name: digest for _, sums in gathered for name, digest in sums.items()},
+    }
 
 
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -195,111 +252,174 @@ def _engine_version() -> str:
         return "unknown"
 
 
+def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
+    """The complete tag appears with one rename, then `latest` names it. A tag saved over is moved aside
+    first and deleted after (files.resolve_tag_dir loads the aside copy if a crash comes between)."""
+    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.old")
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial_dir(save_dir, tag), final)
+    fsync_dir(save_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        _write_text(os.path.join(save_dir, LATEST), tag)
+
+
 def _write_text(path: str, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)
 
 
 # ----------------------------------------------------------------------------------------- load
-def load(eng: Engine, load_dir: str, tag: str | None, load_module_strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict[str, Any]]:
-    stage = eng._require_alive()
+def load(state: TrainingState, load_dir: str, tag: str | None, load_module_strict: bool, load_optimizer_states: bool,
+         load_lr_scheduler_states: bool, load_module_only: bool) -> LoadResult:
+    """Fills the state's module, optimizer, LR scheduler and loss scaler (as the flags say) and this
+    process's RNGs from load_dir/<tag> (tag None: the one `latest` names). The saved counters come back
+    in the result, for the caller to set."""
     rank = comm.get_rank()
     started = time.perf_counter()
     tag_dir = resolve_tag_dir(load_dir, tag)
     manifest = read_manifest(tag_dir)
     reader = PieceReader(tag_dir, manifest)
-    records = stage.checkpoint_shards()
-    with_optimizer = load_optimizer_states and not load_module_only
+    records = state.stage.checkpoint_shards()
+    optimizer = state.optimizer if load_optimizer_states and not load_module_only else None
 
-    # Every record's tensor (and its optimizer state) from the saved pieces of the same names.
+    _fill_records(reader, records, optimizer, load_module_strict)
+    _fill_whole_tensors(reader, state.module, load_module_strict)
+    head = reader.file(model_file(0))
+    if optimizer is not None:
+        _restore_scalar_state(reader, records, optimizer)
+        _restore_param_groups(optimizer, head)
+    if load_lr_scheduler_states and not load_module_only:
+        _restore(state.lr_scheduler, head.get("lr_scheduler"))
+    counters = None
+    if not load_module_only:
+        _restore(state.loss_scaler, head.get("loss_scaler"))
+        counters = _saved_counters(head)
+        _restore_rng(reader, rank)
+    comm.barrier()
+    if rank == 0:
+        logger.info("loaded checkpoint %s (saved at world size %d, stage %d) in %.2f s", tag_dir,
+                    manifest["world_size"], manifest["stage"], time.perf_counter() - started)
+    client_state = restore_client_state(dict(head.get("client_state") or {}), os.path.join(tag_dir, model_file(0)))
+    return LoadResult(tag_dir, client_state, counters)
+
+
+def _fill_records(reader: PieceReader, records: list[ShardRecord], optimizer: torch.optim.Optimizer | None,
+                  strict: bool) -> None:
+    """Every record's tensor (and, given the optimizer, its state) from the saved pieces of the same names."""
     missing: list[str] = []
     for record in records:
-        kind = "optim" if record.opt_group is not None else ("model" if any(
-            reader.has(p.name, "model") for p in record.pieces) else "optim")
-        key = "master" if kind == "optim" else "model"
-        flat = torch.empty(record.tensor.numel(), dtype=record.tensor.dtype)
-        states: dict[str, torch.Tensor] = {}
-        if record.opt_group is not None and with_optimizer and eng.optimizer is not None and record.pieces:
-            # The saved state's keys (torch creates Adam's state at the first step: a fresh engine has none).
-            state = eng.optimizer.state.setdefault(record.tensor, {})
-            for k in reader.state_keys(record.pieces[0].name):
-                if not (torch.is_tensor(state.get(k)) and state[k].shape == record.tensor.shape):
-                    state[k] = torch.zeros_like(record.tensor, memory_format=torch.contiguous_format)
-                states[k] = state[k]
-        state_flats = {k: torch.empty(v.numel(), dtype=v.dtype) for k, v in states.items()}
-        for piece in record.pieces:
-            if not reader.has(piece.name, kind):
-                missing.append(piece.name)
-                continue
-            dst = flat[piece.tensor_offset:piece.tensor_offset + piece.numel]
-            reader.read(piece.name, kind, key, piece.param_offset, piece.numel, dst)
-            for k, sf in state_flats.items():
-                reader.read(piece.name, kind, k, piece.param_offset, piece.numel,
-                            sf[piece.tensor_offset:piece.tensor_offset + piece.numel])
-        with torch.no_grad():
-            record.tensor.copy_(flat.view(record.tensor.shape).to(record.tensor.dtype))
-            for k, v in states.items():
-                v.copy_(state_flats[k].view(v.shape))
-    if missing and load_module_strict:
-        raise CheckpointError(f"checkpoint {tag_dir} has no values for parameters {sorted(set(missing))[:5]}; "
+        missing.extend(_fill_record(reader, record, optimizer))
+    if missing and strict:
+        raise CheckpointError(f"checkpoint {reader.tag_dir} has no values for parameters {sorted(set(missing))[:5]}; "
                               "pass load_module_strict=False to keep their current values")
 
-    # Whole tensors this rank holds outside the records: buffers, frozen parameters at stages 0-2, and
-    # the model-dtype copies of trainable parameters (cast from the loaded fp32 masters' values).
-    managed = _managed_ids(eng.module)
-    for name, tensor in eng.module.state_dict(keep_vars=True).items():
+
+def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.optim.Optimizer | None) -> list[str]:
+    """One record, its pieces read into a flat copy and copied in at once; returns the names of the
+    pieces the checkpoint has no values for."""
+    kind = _saved_kind(reader, record)
+    key = "master" if kind == "optim" else "model"
+    flat = torch.empty(record.tensor.numel(), dtype=record.tensor.dtype)
+    states = _state_to_fill(reader, record, optimizer) \
+        if record.opt_group is not None and optimizer is not None and record.pieces else {}
+    state_flats = {k: torch.empty(v.numel(), dtype=v.dtype) for k, v in states.items()}
+    missing: list[str] = []
+    for piece in record.pieces:
+        if not reader.has(piece.name, kind):
+            missing.append(piece.name)
+            continue
+        window = slice(piece.tensor_offset, piece.tensor_offset + piece.numel)
+        reader.read(piece.name, kind, key, piece.param_offset, piece.numel, flat[window])
+        for k, sf in state_flats.items():
+            reader.read(piece.name, kind, k, piece.param_offset, piece.numel, sf[window])
+    with torch.no_grad():
+        record.tensor.copy_(flat.view(record.tensor.shape).to(record.tensor.dtype))
+        for k, v in states.items():
+            v.copy_(state_flats[k].view(v.shape))
+    return missing
+
+
+def _saved_kind(reader: PieceReader, record: ShardRecord) -> str:
+    """Which files hold a record's values: "optim" (fp32 master pieces) for a trainable record; for a
+    frozen one "model", unless the checkpoint saved those parameters as trainable."""
+    if record.opt_group is not None:
+        return "optim"
+    return "model" if any(reader.has(p.name, "model") for p in record.pieces) else "optim"
+
+
+def _state_to_fill(reader: PieceReader, record: ShardRecord,
+                   optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The master's optimizer state tensors under the saved state's keys, made where missing (torch
+    creates Adam's state at the first step: a fresh engine has none)."""
+    state = optimizer.state.setdefault(record.tensor, {})
+    states: dict[str, torch.Tensor] = {}
+    for k in reader.state_keys(record.pieces[0].name):
+        if not (torch.is_tensor(state.get(k)) and state[k].shape == record.tensor.shape):
+            state[k] = torch.zeros_like(record.tensor, memory_format=torch.contiguous_format)
+        states[k] = state[k]
+    return states
+
+
+def _fill_whole_tensors(reader: PieceReader, module: torch.nn.Module, strict: bool) -> None:
+    """Whole tensors this rank holds outside the records: buffers, frozen parameters at stages 0-2, and
+    the model-dtype copies of trainable parameters (cast from the loaded fp32 masters' values)."""
+    managed = _managed_ids(module)
+    for name, tensor in module.state_dict(keep_vars=True).items():
         if tensor.numel() == 0:
             continue
         kind = "model" if reader.has(name, "model") else "optim" if reader.has(name, "optim") else None
         if kind is None:
-            if load_module_strict and id(tensor) not in managed:
-                raise CheckpointError(f"checkpoint {tag_dir} has no entry {name!r}; pass load_module_strict=False "
-                                      "to keep its current value")
+            if strict and id(tensor) not in managed:
+                raise CheckpointError(f"checkpoint {reader.tag_dir} has no entry {name!r}; pass "
+                                      "load_module_strict=False to keep its current value")
             continue
         flat = torch.empty(tensor.numel(), dtype=torch.float32 if kind == "optim" else tensor.dtype)
         reader.read(name, kind, "master" if kind == "optim" else "model", 0, tensor.numel(), flat)
         with torch.no_grad():
             tensor.data.copy_(flat.view(tensor.shape).to(tensor.dtype))
-    if hasattr(stage, "after_checkpoint_load"):
-        stage.after_checkpoint_load()
-
-    head = reader.file(model_file(0))
-    if with_optimizer and eng.optimizer is not None:
-        for record in records:
-            if record.opt_group is None:
-                continue
-            saved = _find_scalars(reader, manifest, record.opt_group)
-            state = eng.optimizer.state.setdefault(record.tensor, {})
-            for k, v in saved.items():
-                state[k] = v.clone() if torch.is_tensor(v) else v
-        for group, saved in zip(eng.optimizer.param_groups, head.get("param_groups", [])):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-    if load_lr_scheduler_states and not load_module_only and eng.lr_scheduler is not None \
-            and head.get("lr_scheduler") is not None:
-        eng.lr_scheduler.load_state_dict(head["lr_scheduler"])
-    if not load_module_only:
-        if eng.precision.scaler is not None and head.get("loss_scaler") is not None:
-            eng.precision.scaler.load_state_dict(head["loss_scaler"])
-        counters = head.get("engine", {})
-        eng.global_steps = int(counters.get("global_steps", 0))
-        eng.global_samples = int(counters.get("global_samples", 0))
-        eng.skipped_steps = int(counters.get("skipped_steps", 0))
-        eng.micro_steps = int(counters.get("micro_steps", 0))
-        own = reader.file(model_file(rank)) if rank < manifest["world_size"] else None
-        if own is not None and "rng" in own:
-            set_rng_state(own["rng"])
-    comm.barrier()
-    if rank == 0:
-        logger.info("loaded checkpoint %s (saved at world size %d, stage %d) in %.2f s", tag_dir,
-                    manifest["world_size"], manifest["stage"], time.perf_counter() - started)
-    return tag_dir, restore_client_state(dict(head.get("client_state") or {}), os.path.join(tag_dir, model_file(0)))
 
 
-def _find_scalars(reader: PieceReader, manifest: dict[str, Any], opt_group: int) -> dict[str, Any]:
+def _restore_scalar_state(reader: PieceReader, records: list[ShardRecord],
+                          optimizer: torch.optim.Optimizer) -> None:
+    for record in records:
+        if record.opt_group is None:
+            continue
+        state = optimizer.state.setdefault(record.tensor, {})
+        for k, v in _find_scalars(reader, record.opt_group).items():
+            state[k] = v.clone() if torch.is_tensor(v) else v
+
+
+def _find_scalars(reader: PieceReader, opt_group: int) -> dict[str, Any]:
     """The optimizer's per-group scalar state (e.g. Adam's step), from the first rank file that has it."""
-    for r in range(manifest["world_size"]):
+    for r in range(reader.manifest["world_size"]):
         scalars = reader.file(optim_file(r)).get("scalars", {})
         if opt_group in scalars:
             return scalars[opt_group]
     return {}
+
+
+def _restore_param_groups(optimizer: torch.optim.Optimizer, head: dict[str, Any]) -> None:
+    """lr, betas, weight_decay, ... as saved."""
+    for group, saved in zip(optimizer.param_groups, head.get("param_groups", [])):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _restore(target: Stateful | None, saved: dict[str, Any] | None) -> None:
+    """An LR scheduler or loss scaler, where both it and its saved state exist."""
+    if target is not None and saved is not None:
+        target.load_state_dict(saved)
+
+
+def _saved_counters(head: dict[str, Any]) -> Counters:
+    saved = head.get("engine", {})
+    return Counters(**{f.name: int(saved.get(f.name, 0)) for f in dataclasses.fields(Counters)})
+
+
+def _restore_rng(reader: PieceReader, rank: int) -> None:
+    """This rank's saved generator states; a rank beyond the saved world size keeps its own."""
+    own = reader.file(model_file(rank)) if rank < reader.manifest["world_size"] else None
+    if own is not None and "rng" in own:
+        set_rng_state(own["rng"])

@@ -1,0 +1,67 @@
+"""What a checkpoint saves and restores, handed to the store by the Engine (engine/checkpoint/store.py).
+
+The store never sees the Engine: `save` gets a `TrainingState` and `load` fills the objects it names
+and returns the saved `Counters` in a `LoadResult`, for the Engine to set on itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from engine.zero.base import ZeroStage
+
+
+class Stateful(Protocol):
+    """An LR scheduler or a loss scaler: saved and restored through its state dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The Engine's progress counters, saved by rank 0 and restored on every rank."""
+
+    global_steps: int
+    """Optimizer steps taken (skipped fp16 steps included); the default tag is global_step<N>."""
+    global_samples: int
+    """Samples consumed: global_steps * train_batch_size."""
+    skipped_steps: int
+    """Steps skipped because fp16 overflowed."""
+    micro_steps: int
+    """engine.step() calls (micro-batches), which place the next accumulation boundary."""
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """The objects a checkpoint saves from and loads into. Loading changes their values in place."""
+
+    module: torch.nn.Module
+    """The wrapped model: its buffers and frozen tensors are saved whole, its parameters' names and shapes
+    go into the manifest."""
+    optimizer: torch.optim.Optimizer | None
+    """None for an evaluation-only engine. Its per-parameter state travels with the stage's fp32 masters."""
+    lr_scheduler: Stateful | None
+    loss_scaler: Stateful | None
+    """fp16's LossScaler (engine/loss_scaler.py); None for bf16 and fp32."""
+    stage: ZeroStage
+    """Only its checkpoint_shards() is used: what this rank holds, as named pieces (records.py)."""
+    zero_stage: int
+    """zero_optimization.stage, written into the manifest."""
+    model_dtype: torch.dtype | None
+    """The training dtype the model was cast to; None: the model's own dtypes ("as built" in the manifest)."""
+    counters: Counters
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    path: str
+    """The tag directory that was read."""
+    client_state: dict[str, Any]
+    """What save_checkpoint was given as client_state, rebuilt."""
+    counters: Counters | None
+    """The saved counters; None with load_module_only (the Engine keeps its own)."""
