@@ -18,7 +18,6 @@ import torch
 from engine import comm
 from engine.atomic_file import atomic_save
 from engine.checkpoint import store
-from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
 from engine.monitor.csv_monitor import CsvMonitor
@@ -311,13 +310,7 @@ class Engine:
         """The model's full state dict on rank 0 ({} on other ranks), copied to `device` (None: where
         each tensor lives); every rank must call it. At stage 3 it is gathered one unit at a time (never
         the whole model on every rank). Tied weights stay one tensor under each name."""
-        stage = self._require_alive()
-        gather = getattr(stage, "consolidated_state_dict", None)
-        if gather is not None:
-            return gather(device)
-        if self.global_rank != 0:
-            return {}
-        return clone_tensors_for_torch_save(self.module.state_dict(), device)
+        return self._require_alive().consolidated_state_dict(device)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (False when absent):

@@ -26,22 +26,11 @@ from engine.zero.stage2 import Stage2
 from engine.zero.stage3 import Stage3
 
 
-def _stage0(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-            precision: Precision) -> ZeroStage:
-    """Stage 0: the replicated per-parameter optimizer when every trainable parameter is fp32 and no
-    loss scaling is needed; otherwise stage 1's flat machinery with one partition (fp32 masters for
-    low-precision groups, loss scaling), all-reducing instead of scattering."""
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if precision.scaler is None and all(p.dtype == torch.float32 for p in trainable):
-        return Stage0(module, optimizer, config)
-    return Stage1(module, optimizer, config, precision, partitioned=False)
-
-
 logger = get_logger()
 
 # The only place that maps a stage number to its implementation.
 _STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig, Precision], ZeroStage]] = {
-    0: _stage0,
+    0: Stage0,
     1: Stage1,
     2: Stage2,
     3: Stage3,

@@ -47,7 +47,7 @@ def _train_engine(gas: int, clip: float, extra: dict[str, Any]) -> dict[str, Any
            "global_steps": eng.global_steps, "global_samples": eng.global_samples,
            "micro_steps": eng.micro_steps, "norms": norms,
            "launched_from_hooks": eng._stage.launched_from_hooks,
-           "buckets": len(eng._stage._buckets)}
+           "buckets": len(eng._stage.buckets)}
     eng.destroy()
     return out
 

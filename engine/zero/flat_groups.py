@@ -1,7 +1,7 @@
 """Flat parameter groups: the model's parameters moved into flat buffers, and the optimizer rebound
 to one fp32 shard per group (engine/zero/layout.py's Note explains the layout).
 
-Used by the partitioned stages (1, 2, and stage 0 in mixed precision with one "shard" = everything).
+Used by the flat stages: 1 and 2 with one slice per rank, 0 with one slice that every rank keeps.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
+from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
 
 logger = get_logger()
 
@@ -94,24 +96,56 @@ def check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untest
 
 def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
                       bucket_size: int) -> list[FlatGroup]:
-    """Move every trainable parameter of the optimizer into flat buffers and point the optimizer at
-    the fp32 shards, in place (so a scheduler bound to this optimizer keeps working)."""
+    """Move every trainable parameter of the optimizer into flat buffers (in arrival order), one group per
+    optimizer param group and dtype, each with an fp32 master of this rank's shard."""
     order = arrival_order(module)
     names = {id(p): n for n, p in module.named_parameters()}
     groups: list[FlatGroup] = []
-    shards: list[list[torch.Tensor]] = []
     for gi, opt_group in enumerate(optimizer.param_groups):
         params = sorted((p for p in opt_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
-        masters: list[torch.Tensor] = []
         for dtype in dict.fromkeys(p.dtype for p in params):
             members = [p for p in params if p.dtype == dtype]
-            group = _flatten(len(groups), gi, members, [names.get(id(p), "?") for p in members],
-                             world_size=world_size, rank=rank, bucket_size=bucket_size)
-            groups.append(group)
-            masters.append(group.master)
-        shards.append(masters)
-    bind_shards(optimizer, shards)
+            groups.append(_flatten(len(groups), gi, members, [names.get(id(p), "?") for p in members],
+                                   world_size=world_size, rank=rank, bucket_size=bucket_size))
     return groups
+
+
+def bind_optimizer_to_shards(optimizer: torch.optim.Optimizer, groups: list[FlatGroup],
+                             config: EngineConfig) -> OptimizerOffload | None:
+    """Stages 1-2: each optimizer param group steps its flat groups' fp32 shards (check_elementwise
+    says which optimizers may); with optimizer offload, the fused CPU step that also writes the
+    low-precision shard, so no refresh of the parameters follows."""
+    for g in groups:
+        g.master.grad = g.shard_grad
+    bind_shards(optimizer, [[g.master for g in groups if g.opt_group == gi]
+                            for gi in range(len(optimizer.param_groups))])
+    if not offload_enabled(config):
+        return None
+    return OptimizerOffload(optimizer, [OffloadTarget(g.master, g.shard_view(g.flat) if g.owns_master else None)
+                                        for g in groups])
+
+
+def bind_optimizer_per_parameter(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> list[list[torch.Tensor]]:
+    """Stage 0: each optimizer param group steps one fp32 master view per parameter (its .grad a view
+    of the fp32 gradient rows), so per-tensor optimizers (LAMB's trust ratio) see each tensor whole.
+    Needs groups laid out with one slice per bucket (every rank holds the whole master). Returns each
+    group's master views, in the order of its parameters."""
+    per_group: list[list[torch.Tensor]] = []
+    view_of: dict[int, torch.Tensor] = {}
+    for g in groups:
+        assert g.layout.world_size == 1, "per-parameter masters need the whole group on this rank"
+        master, grads = g.master.view(-1), g.shard_grad.view(-1)
+        views = []
+        for p, span in zip(g.params, g.layout.params):
+            view = master[span.offset:span.end].view(p.shape)
+            view.grad = grads[span.offset:span.end].view(p.shape)
+            views.append(view)
+            view_of[id(p)] = view
+        per_group.append(views)
+    # In each param group the user's order (optimizer.param_groups[i]["params"][k] is the k-th they passed).
+    bind_shards(optimizer, [[view_of[id(p)] for p in group["params"] if id(p) in view_of]
+                            for group in optimizer.param_groups])
+    return per_group
 
 
 def bind_shards(optimizer: torch.optim.Optimizer, shards: list[list[torch.Tensor]]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine import comm
+from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import NamedPiece, ShardRecord
 from engine.zero.base import StepOutcome
 
@@ -19,7 +20,7 @@ from engine.zero.base import StepOutcome
 class ForwardOnly:
     def __init__(self, module: torch.nn.Module, stage: int) -> None:
         self.stage = stage
-        self.optimizer = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self._module = module
 
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
@@ -43,8 +44,10 @@ class ForwardOnly:
         return [ShardRecord(p, [NamedPiece(name, 0, 0, p.numel())], None, write)
                 for name, p in self._module.named_parameters()]
 
-    def state_dict(self) -> dict[str, object]:
-        return {}
+    def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
+        if comm.get_rank() != 0:
+            return {}
+        return clone_tensors_for_torch_save(self._module.state_dict(), device)
 
     def destroy(self) -> None:
         pass

@@ -65,8 +65,13 @@ def start(data: torch.Tensor, row: torch.Tensor, *, written: bool, rank: int, av
 def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: str) -> None:
     """Wait for the reduction (failing with `what` if the ranks diverged) and fold it into the row."""
     comm.wait(pending.work, what)
-    if pending.out is not None:
+    if pending.out is not None and not _same_memory(pending.out, row):  # stage 0 in fp32: reduced in place
         if written:
             row.add_(pending.out)
         else:
-            row.copy_(pending.out)  # a no-op when the row is the bucket itself (stage 0, fp32)
+            row.copy_(pending.out)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype and a.is_contiguous() \
+        and b.is_contiguous()

@@ -1,111 +1,30 @@
 """Stage 1: optimizer state (and fp32 masters) partitioned; full parameters and gradients per rank.
 
-Gradients accumulate locally in one full-size flat buffer per group (the same one-copy-per-window
-scheme as stage 0: each parameter's .grad is a view into it). During the backward of the
-accumulation boundary, every bucket is reduce-scattered as soon as all its gradients are in,
-overlapped with the rest of backward, straight into this rank's fp32 gradient shard.
+Gradients accumulate in a full-size flat buffer and are reduce-scattered at the accumulation
+boundary, overlapped with backward, into this rank's fp32 gradient rows (engine/zero/boundary_reduced.py).
+The optimizer steps this rank's shard; the updated slices are all-gathered back into every rank's
+parameters (engine/zero/flat_stage.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine import comm
 from engine.config.types import EngineConfig
 from engine.precision import Precision
-from engine.zero.partitioned import Bucket, PartitionedStage
+from engine.zero.boundary_reduced import BoundaryReducedStage
+from engine.zero.flat_groups import bind_optimizer_to_shards, check_elementwise
 
 
-class Stage1(PartitionedStage):
+class Stage1(BoundaryReducedStage):
     stage = 1
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision, *, partitioned: bool = True) -> None:
-        super().__init__(module, optimizer, config, precision, partitioned=partitioned)
-        self._grad_flat: dict[int, torch.Tensor] = {}
-        self._view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat gradient buffer
-        for g in self.groups:
-            flat = torch.zeros(g.layout.padded_numel, dtype=precision.grad_accum_dtype(g.dtype), device=g.flat.device)
-            self._grad_flat[g.index] = flat
-            if flat.dtype == torch.float32 and partitioned:
-                # The reduce-scatter lands in place in this rank's slices of the buffer, so those
-                # slices are the fp32 gradient shard: no separate 4 Psi/N buffer.
-                g.shard_grad = g.shard_view(flat)
-                g.master.grad = g.shard_grad
-            for p, span in zip(g.params, g.layout.params):
-                self._view[id(p)] = flat[span.offset:span.end].view(p.shape)
-        self._written: set[int] = set()  # id() of params whose view holds this window's gradient
-        self._pending = False  # gradients written that no reduction has consumed
+                 precision: Precision) -> None:
+        check_elementwise(optimizer, self.stage, config.zero_allow_untested_optimizer)
+        self._config = config
+        super().__init__(module, optimizer, config, precision, shards=comm.get_world_size())
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        g, i = self._where[id(param)]
-        grad = param.grad
-        if grad is None:
-            return
-        buckets = [self._bucket[(g.index, b)] for b in g.layout.buckets_of(i)]
-        if self._reduce_in_backward and any(bk.launched for bk in buckets):
-            for bk in buckets:  # accumulated again after its bucket was sent; see partitioned.py's Note
-                self._add_late(bk, i, grad)
-            param.grad = None
-            return
-        view = self._view[id(param)]
-        if grad.data_ptr() != view.data_ptr():
-            # A fresh tensor from autograd: the first gradient of the window (copied once, then the
-            # view becomes .grad and autograd accumulates into it), or any gradient when the buffer's
-            # dtype differs from the parameter's (data_types.grad_accum_dtype).
-            if id(param) in self._written:
-                view.add_(grad)
-            else:
-                view.copy_(grad)
-            param.grad = view if view.dtype == grad.dtype else None
-        self._written.add(id(param))
-        if not self._reduce_in_backward:
-            self._pending = True
-            return
-        for bk in buckets:
-            self._mark_ready(bk, i)
-
-    def _fill(self, bk: Bucket) -> None:
-        g = bk.group
-        flat = self._grad_flat[g.index]
-        for i in bk.params:
-            p = g.params[i]
-            if id(p) not in self._written:  # no gradient on this rank this window: contribute zeros
-                in_bucket, _ = bk.portion(i)
-                g.bucket(flat, bk.b)[in_bucket].zero_()
-            p.grad = None  # a later accumulation in this backward must not write into memory in flight
-        source = g.bucket(flat, bk.b)
-        wire = self.wire_dtype(g)
-        if source.dtype == wire:
-            bk.data, bk.pooled = source, False
-        else:  # communication_data_type differs from the accumulation dtype
-            bk.data = self.pool.acquire(source.numel(), wire, source.device)
-            bk.data.copy_(source)
-            bk.pooled = True
-
-    def _has_unreduced(self) -> bool:
-        return self._pending
-
-    def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
-        if any(any(g.grad_written) for g in self.groups):
-            raise RuntimeError(
-                "backward() ran again after this window's gradients were reduced; call engine.step() after "
-                "each boundary backward (or raise gradient_accumulation_steps to accumulate more micro-batches)")
-        self._reduce_in_backward = boundary and sync
-
-    def finish_backward(self) -> None:
-        if self._reduce_in_backward:
-            self._pending = False
-        super().finish_backward()
-
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        self._written.clear()
-        self._pending = False
-
-    def _gradient_buffers(self) -> list[torch.Tensor]:
-        return list(self._grad_flat.values())
-
-    def destroy(self) -> None:
-        super().destroy()
-        self._grad_flat.clear()
-        self._view.clear()
+    def _bind_optimizer(self) -> None:
+        self._offload = bind_optimizer_to_shards(self._optimizer, self.groups, self._config)

@@ -19,20 +19,30 @@ import torch
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
-from engine.zero.partitioned import Bucket, PartitionedStage
+from engine import comm
+from engine.zero.flat_groups import bind_optimizer_to_shards, check_elementwise
+from engine.zero.flat_stage import Bucket, FlatStage
 
 logger = get_logger()
 
 
-class Stage2(PartitionedStage):
+class Stage2(FlatStage):
     stage = 2
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
-        super().__init__(module, optimizer, config, precision, partitioned=True)
+        check_elementwise(optimizer, self.stage, config.zero_allow_untested_optimizer)
+        self._config = config
+        super().__init__(module, optimizer, config, precision, shards=comm.get_world_size())
         self._max_buffers = 2 if config.zero.overlap_comm else 1
         self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
         self._grew = False
+
+    def _allocate_gradients(self) -> None:
+        pass  # bucket buffers come from the pool as gradients arrive
+
+    def _bind_optimizer(self) -> None:
+        self._offload = bind_optimizer_to_shards(self._optimizer, self.groups, self._config)
 
     # ------------------------------------------------------------------------------- hooks
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -48,7 +58,7 @@ class Stage2(PartitionedStage):
         unsynced = self._unsynced.get(g.index)
         for b in g.layout.buckets_of(i):
             bk = self._bucket[(g.index, b)]
-            if bk.launched:  # accumulated again after its bucket was sent; see partitioned.py's Note
+            if self._launcher.launched(bk.order):  # accumulated again after it was sent; see flat_stage.py's Note
                 self._add_late(bk, i, grad)
                 continue
             data = self._acquire(bk)
@@ -77,7 +87,7 @@ class Stage2(PartitionedStage):
         if bk.data is not None:
             return bk.data
         while self.pool.in_use >= self._max_buffers:
-            in_flight = next((x for x in self.buckets[:self._next_launch] if x.pending is not None), None)
+            in_flight = next((x for x in self.buckets[:self._launcher.next] if x.pending is not None), None)
             if in_flight is None:
                 if not self._grew:
                     logger.debug("stage 2: gradients arrive out of bucket order; bucket pool grows beyond %d",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.ops.arena import BLOCK_ALIGN, Arena
-from engine.zero.partitioned import BucketPool
+from engine.zero.bucket_pool import BucketPool
 
 CONFIG_KEY = "zero_optimization.stage3_arena_bytes"
 

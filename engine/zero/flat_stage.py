@@ -1,16 +1,21 @@
-"""What ZeRO stages 1 and 2 share: flat groups, ordered bucket reduction into fp32 gradient shards,
-the optimizer step on shards, and the all-gather of updated parameters.
+"""What ZeRO stages 0, 1 and 2 share: flat groups, ordered bucket reduction into fp32 gradient rows,
+the optimizer step on them, and (when partitioned) the all-gather of updated parameters.
 
-Subclasses decide only where a bucket's gradient comes from (stage 1: a full-size flat gradient
-buffer, reduced at the accumulation boundary; stage 2: bucket-sized buffers filled by hooks and
-reduced every micro-step). Stage 0 in mixed precision is this class with one partition (the
-"reduce-scatter" is an all-reduce and nothing is gathered).
+Every trainable parameter lives in a flat group (engine/zero/flat_groups.py) laid out by
+engine/zero/layout.py with `shards` slices per bucket: the world size at stages 1-2, one at stage 0,
+where every rank keeps every slice. So one mechanism covers all three stages, and what differs
+follows from the data: a bucket of several slices is reduce-scattered and gathered back after the
+step; a bucket of one slice is all-reduced and nothing is gathered.
 
-# [Note: bucket launch order, again]
-# As at stage 0, collectives must be issued in the same order on every rank. Buckets of all
-# groups get one global order, by the arrival position of the last parameter they hold (so the
-# first complete buckets go first), and are launched strictly in that order.
-#
+Subclasses decide where a bucket's gradient comes from (engine/zero/boundary_reduced.py, stages 0
+and 1: a full-size flat gradient buffer, reduced at the accumulation boundary; stage 2: bucket-sized
+buffers filled by hooks and reduced every micro-step) and how the optimizer sees the fp32 masters
+(stages 1-2: one flat shard per group; stage 0: one view per parameter, so per-tensor optimizers
+such as LAMB keep their meaning).
+
+Buckets of all groups get one global launch order, by the arrival position of the last parameter
+they hold (so the first complete buckets go first); see [Note: launch order] in ordered_launch.py.
+
 # [Note: late gradients]
 # A parameter's gradient can be accumulated twice in one backward (a reentrant activation
 # checkpoint; a module run inside and outside a checkpointed region). If its bucket was already
@@ -26,19 +31,23 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import comm
+from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
-from engine.monitor.log import get_logger
 from engine.precision import Precision
-from engine.zero import bucket_sizes, owners, shard_reduce
+from engine.zero import bucket_sizes, owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
-from engine.zero.flat_groups import FlatGroup, arrival_order, build_flat_groups, check_elementwise
-from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
+from engine.zero.bucket_pool import BucketPool
+from engine.zero.flat_groups import FlatGroup, arrival_order, build_flat_groups
+from engine.zero.offload import OptimizerOffload
+from engine.zero.ordered_launch import LaunchInOrder
 
-logger = get_logger()
+_BACKWARD_AGAIN = (
+    "backward() ran again at an accumulation boundary whose gradients were already reduced; call engine.step() "
+    "after each boundary backward (or raise gradient_accumulation_steps to accumulate more micro-batches)")
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
     """One bucket of one flat group, in the global launch order."""
 
@@ -48,14 +57,17 @@ class Bucket:
     params: list[int]
     """Indices (in the group) of the parameters with elements in this bucket."""
     ready: set[int] = field(default_factory=set)
-    """Parameters whose gradient for this reduction has been written into `data`."""
-    launched: bool = False
+    """Parameters whose gradient for this reduction has been written."""
     pending: shard_reduce.PendingReduce | None = None
     """The reduction in flight, waited for in _finish."""
     data: torch.Tensor | None = None
     """The bucket_numel elements being reduced (wire dtype)."""
     pooled: bool = False
     """`data` came from the bucket pool and goes back to it when the reduction finishes."""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
 
     def portion(self, i: int) -> tuple[slice, slice]:
         """(range in the bucket, range in the flattened parameter) of parameter i's elements here."""
@@ -65,96 +77,63 @@ class Bucket:
         return slice(lo - start, hi - start), slice(lo - span.offset, hi - span.offset)
 
 
-class BucketPool:
-    """Reusable bucket buffers, allocated once (fresh memory costs first-touch page faults).
+class FlatStage:
+    """Base of the flat stages 0-2. See the module docstring."""
 
-    Every buffer of a dtype has the size of the largest bucket (`capacity`), so buckets of
-    different groups share them and the pool's memory is set by the config, not by the model.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> full buffer handed out
-        self.allocated_bytes = 0
-
-    @property
-    def in_use(self) -> int:
-        return len(self._lent)
-
-    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.setdefault((dtype, device), [])
-        fitting = [i for i, b in enumerate(free) if b.numel() >= numel]  # larger requests get their own size
-        if fitting:
-            buf = free.pop(min(fitting, key=lambda i: free[i].numel()))
-        else:
-            buf = torch.empty(max(numel, self.capacity), dtype=dtype, device=device)
-            self.allocated_bytes += buf.numel() * buf.element_size()
-        self._lent[buf.data_ptr()] = buf
-        return buf[:numel]
-
-    def release(self, view: torch.Tensor) -> None:
-        buf = self._lent.pop(view.data_ptr())
-        self._free.setdefault((buf.dtype, buf.device), []).append(buf)
-
-    def clear(self) -> None:
-        self._free.clear()
-        self._lent.clear()
-        self.allocated_bytes = 0
-
-
-class PartitionedStage:
-    """Base of the flat, sharded-optimizer stages. See the module docstring."""
-
-    stage = 1
+    stage: int
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision, *, partitioned: bool = True) -> None:
-        if optimizer is None:
-            raise ValueError(f"zero_optimization.stage {self.stage} needs an optimizer: add an \"optimizer\" "
-                             "section to the config or pass optimizer= to engine.initialize()")
-        check_elementwise(optimizer, self.stage, config.zero_allow_untested_optimizer)
-        self.optimizer = optimizer
+                 precision: Precision, *, shards: int) -> None:
+        self.optimizer: torch.optim.Optimizer | None = optimizer
+        self._optimizer = optimizer  # never None here: flat stages always train
         self.precision = precision
-        self.partitioned = partitioned
-        self._world = comm.get_world_size()
-        self._rank = comm.get_rank() if partitioned else 0
+        self.module = module
+        self._shards = shards
+        """Slices per bucket: every rank owns one (stages 1-2), or one slice that every rank keeps (stage 0)."""
+        self._rank = comm.get_rank() if shards > 1 else 0
         zero = config.zero
         self._averaging = shard_reduce.Averaging.from_config(config, comm.get_world_size())
-        self._use_reduce_scatter = zero.reduce_scatter
+        self._scatter = shards > 1 and zero.reduce_scatter
         self._allgather_partitions = zero.allgather_partitions
         wire_size = max((precision.wire_dtype(p.dtype).itemsize for p in module.parameters()), default=4)
-        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size)
-        self.groups: list[FlatGroup] = build_flat_groups(
-            module, optimizer, world_size=self._world if partitioned else 1, rank=self._rank,
-            bucket_size=reduce_size)
+        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size, gathers=shards > 1)
+        self.groups: list[FlatGroup] = build_flat_groups(module, optimizer, world_size=shards, rank=self._rank,
+                                                         bucket_size=reduce_size)
+        self._offload: OptimizerOffload | None = None
+        self._allocate_gradients()
+        self._bind_optimizer()
 
         order = arrival_order(module)
-        buckets: list[tuple[int, int, int, list[int]]] = []
+        keyed: list[tuple[int, int, int, list[int]]] = []
         for g in self.groups:
             for b in range(g.layout.num_buckets):
                 members = [i for i in g.layout.params_in(b) if g.layout.params[i].numel]  # 0-element: no data
                 last = max((order[id(g.params[i])] for i in members), default=-1)
-                buckets.append((last, g.index, b, members))
-        buckets.sort(key=lambda t: (t[0], t[1], t[2]))
-        self.buckets = [Bucket(n, self.groups[gi], b, members) for n, (_, gi, b, members) in enumerate(buckets)]
+                keyed.append((last, g.index, b, members))
+        keyed.sort(key=lambda t: (t[0], t[1], t[2]))
+        self.buckets = [Bucket(n, self.groups[gi], b, members) for n, (_, gi, b, members) in enumerate(keyed)]
         self._bucket = {(bk.group.index, bk.b): bk for bk in self.buckets}
+        self._launcher = LaunchInOrder(self.buckets, complete=lambda bk: bk.complete, launch=self._launch)
         self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
         for g in self.groups:
             for p in g.params:
                 owners.set_masters(p, self)  # GatheredParameters(modifier_rank=...) refreshes masters through it
-        self._next_launch = 0
         self._reduce_in_backward = False
         self._late: dict[int, torch.Tensor] = {}  # bucket order -> late gradient parts; see the Note
         self.pool = BucketPool(max(g.layout.bucket_numel for g in self.groups) if self.groups else 0)
         self.launched_from_hooks = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
-        # Optimizer offload: one fused pass also writes the low-precision shard (no refresh_params).
-        self._offload = OptimizerOffload(optimizer, [
-            OffloadTarget(g.master, g.shard_view(g.flat) if g.owns_master else None) for g in self.groups
-        ]) if offload_enabled(config) else None
 
     # ------------------------------------------------------------------- subclass interface
+    def _allocate_gradients(self) -> None:
+        """The gradient buffers; may make the groups' fp32 gradient rows (shard_grad) views of them."""
+        raise NotImplementedError
+
+    def _bind_optimizer(self) -> None:
+        """Point the optimizer at the fp32 masters (as shards or as per-parameter views), their .grad at
+        the fp32 gradient rows; set self._offload when the optimizer step is offloaded."""
+        raise NotImplementedError
+
     def _on_grad(self, param: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -166,36 +145,32 @@ class PartitionedStage:
         """Local gradients exist that no reduction has consumed yet (no_sync, or no boundary backward)."""
         raise NotImplementedError
 
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        """Gradient memory beyond the fp32 rows, for memory_report."""
+        raise NotImplementedError
+
+    def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
+        raise NotImplementedError
+
     # ---------------------------------------------------------------------------- reduction
     def wire_dtype(self, g: FlatGroup) -> torch.dtype:
         return self.precision.wire_dtype(g.dtype)
 
     def _mark_ready(self, bk: Bucket, i: int) -> None:
         bk.ready.add(i)
-        if len(bk.ready) == len(bk.params) and self._reduce_in_backward:
-            before = self._next_launch
-            self._launch_in_order(complete_only=True)
-            self.launched_from_hooks += self._next_launch - before
-
-    def _launch_in_order(self, *, complete_only: bool) -> None:
-        while self._next_launch < len(self.buckets):
-            bk = self.buckets[self._next_launch]
-            if complete_only and len(bk.ready) < len(bk.params):
-                return
-            self._launch(bk)
+        if bk.complete and self._reduce_in_backward:
+            self.launched_from_hooks += self._launcher.launch_ready()
 
     def _launch(self, bk: Bucket) -> None:
         self._fill(bk)
         self._start_reduction(bk)
-        bk.launched = True
-        self._next_launch = bk.order + 1
 
     def _start_reduction(self, bk: Bucket) -> None:
         assert bk.data is not None
         g = bk.group
         bk.pending = shard_reduce.start(
             bk.data, g.shard_grad[bk.b], written=g.grad_written[bk.b], rank=self._rank, averaging=self._averaging,
-            scatter=self.partitioned and self._use_reduce_scatter, key=bk.order)
+            scatter=self._scatter, key=bk.order)
 
     def _finish(self, bk: Bucket) -> None:
         if bk.pending is None:
@@ -206,6 +181,7 @@ class PartitionedStage:
         bk.pending = None
         g.grad_written[bk.b] = True
         if bk.pooled:
+            assert bk.data is not None
             self.pool.release(bk.data)
             bk.data, bk.pooled = None, False
 
@@ -218,8 +194,7 @@ class PartitionedStage:
         self._finish_all()
         for bk in self.buckets:
             bk.ready.clear()
-            bk.launched = False
-        self._next_launch = 0
+        self._launcher.restart()
 
     def _add_late(self, bk: Bucket, i: int, grad: torch.Tensor) -> None:
         buf = self._late.get(bk.order)
@@ -231,12 +206,13 @@ class PartitionedStage:
 
     def _reduce_late(self) -> None:
         """Reduce late gradient parts; every rank takes part for a bucket any rank has. See the Note."""
-        if self._world == 1 and not self._late:
+        world = comm.get_world_size()
+        if world == 1 and not self._late:
             return
         flags = torch.zeros(len(self.buckets), dtype=torch.float32)
         for order in self._late:
             flags[order] = 1.0
-        if self._world > 1:
+        if world > 1:
             comm.all_reduce(flags, op=comm.ReduceOp.MAX)
         for order in torch.nonzero(flags).flatten().tolist():
             bk = self.buckets[order]
@@ -250,13 +226,14 @@ class PartitionedStage:
             bk.data = None
         self._late.clear()
 
-    # ------------------------------------------------------------------------ stage interface
-    def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
-        raise NotImplementedError
+    def _refuse_second_boundary_backward(self) -> None:
+        if any(any(g.grad_written) for g in self.groups):
+            raise RuntimeError(_BACKWARD_AGAIN)
 
+    # ------------------------------------------------------------------------ stage interface
     def finish_backward(self) -> None:
         if self._reduce_in_backward:
-            self._launch_in_order(complete_only=False)
+            self._launcher.launch_rest()
             self._reset_reduction()
         self._reduce_in_backward = False
 
@@ -270,30 +247,18 @@ class PartitionedStage:
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         self._flush()
-        for g in self.groups:
-            for b, written in enumerate(g.grad_written):
-                if not written:  # no gradient reached this bucket in the whole window
-                    g.shard_grad[b].zero_()
-        average = self._averaging.after
-        norm, applied = self.precision.step_shards([g.shard_grad for g in self.groups], self.optimizer,
-                                                   max_grad_norm=max_grad_norm, average=average,
-                                                   partitioned=self.partitioned,
-                                                   fused_step=self._offload.step if self._offload else None)
-        if not applied:
-            self.zero_grad()
-            return StepOutcome(norm, applied=False)
-        if self._offload is None:
-            for g in self.groups:
-                g.refresh_params()
-        self._gather_params()
+        stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
+        outcome = shard_step.step_on_gradients(
+            self.precision, self._optimizer, [g.shard_grad for g in self.groups], stale=stale,
+            averaging=self._averaging, max_grad_norm=max_grad_norm, partitioned=self._shards > 1,
+            fused_step=self._offload.step if self._offload else None)
+        if outcome.applied:
+            if self._offload is None:
+                for g in self.groups:
+                    g.refresh_params()
+            self._gather_params()
         self.zero_grad()
-        return StepOutcome(norm, applied=True)
-
-    def checkpoint_shards(self) -> list[ShardRecord]:
-        """Each flat group's fp32 master shard; unpartitioned (stage 0 in bf16/fp16): rank 0 writes."""
-        write = self.partitioned or comm.get_rank() == 0
-        return [ShardRecord(g.master, layout_pieces(g.layout, g.rank, g.names), g.opt_group, write)
-                for g in self.groups]
+        return outcome
 
     def refresh_masters(self) -> None:
         """Parameters were changed by the user (the same on every rank): copy them into the fp32 masters."""
@@ -303,8 +268,8 @@ class PartitionedStage:
 
     def _gather_params(self) -> None:
         """All-gather every bucket's updated slices in place into the flat parameter buffers."""
-        if not self.partitioned or self._world == 1:
-            return
+        if self._shards == 1:
+            return  # every rank updated every slice
         in_flight: list[comm.Handle] = []
         in_flight_numel = 0
         for bk in self.buckets:
@@ -314,7 +279,7 @@ class PartitionedStage:
                 mine = full[self._rank * lay.slice_numel:(self._rank + 1) * lay.slice_numel]
                 in_flight.append(comm.all_gather(full, mine, async_op=True))
             else:  # DeepSpeed's allgather_partitions=false: one broadcast per owner
-                for r in range(self._world):
+                for r in range(self._shards):
                     in_flight.append(comm.broadcast(full[r * lay.slice_numel:(r + 1) * lay.slice_numel], src=r,
                                                     async_op=True))
             in_flight_numel += lay.bucket_numel
@@ -333,6 +298,17 @@ class PartitionedStage:
             for p in g.params:
                 p.grad = None
 
+    def checkpoint_shards(self) -> list[ShardRecord]:
+        """Each flat group's fp32 master shard (every rank writes its own)."""
+        return [ShardRecord(g.master, layout_pieces(g.layout, g.rank, g.names), g.opt_group, True)
+                for g in self.groups]
+
+    def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
+        """Every rank holds whole parameters: rank 0 copies the module's state dict."""
+        if comm.get_rank() != 0:
+            return {}
+        return clone_tensors_for_torch_save(self.module.state_dict(), device)
+
     # ------------------------------------------------------------------------------ reports
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank per model-state category; views count once, with their storage."""
@@ -347,7 +323,7 @@ class PartitionedStage:
                     total += storage.nbytes()
             return total
 
-        state = [v for g in self.groups for v in self.optimizer.state.get(g.master, {}).values()
+        state = [v for p in self._optimizer_params() for v in self._optimizer.state.get(p, {}).values()
                  if torch.is_tensor(v) and v.numel() > 1]
         return {
             "params": nbytes([g.flat for g in self.groups]),
@@ -357,11 +333,8 @@ class PartitionedStage:
             "buckets": self.pool.allocated_bytes,
         }
 
-    def _gradient_buffers(self) -> list[torch.Tensor]:
-        return []
-
-    def state_dict(self) -> dict[str, object]:
-        return {}
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        return [p for group in self._optimizer.param_groups for p in group["params"]]
 
     def destroy(self) -> None:
         self._reset_reduction()

@@ -1,0 +1,114 @@
+"""Stages 0 and 1: gradients accumulate locally in one full-size flat buffer per group and are reduced
+once per accumulation window, during the backward of the boundary micro-step.
+
+Each parameter's .grad is a view into the buffer, laid out like the parameters (engine/zero/layout.py).
+A window starts with `.grad = None`, so autograd hands the first gradient over as a fresh tensor;
+the post-accumulate hook copies it into the view once and makes the view the `.grad`, and later
+micro-steps accumulate into it in place: one copy per window instead of a memset plus an in-place
+add (measured 5% of a 34M-parameter step). Parameters that got no gradient this window contribute
+zeros when their bucket is launched. During the boundary backward every bucket is reduced as soon as
+all its gradients are in, overlapped with the rest of backward, in the global launch order. In fp32
+the reduction lands in place in this rank's slices of the buffer, so those slices are the fp32
+gradient rows: no second fp32 buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config.types import EngineConfig
+from engine.precision import Precision
+from engine.zero.flat_stage import Bucket, FlatStage
+
+
+class BoundaryReducedStage(FlatStage):
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
+                 precision: Precision, *, shards: int) -> None:
+        self._grad_flat: dict[int, torch.Tensor] = {}
+        self._view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat gradient buffer
+        super().__init__(module, optimizer, config, precision, shards=shards)
+        self._written: set[int] = set()  # id() of params whose view holds this window's gradient
+        self._pending = False  # gradients written that no reduction has consumed
+
+    def _allocate_gradients(self) -> None:
+        for g in self.groups:
+            flat = torch.zeros(g.layout.padded_numel, dtype=self.precision.grad_accum_dtype(g.dtype),
+                               device=g.flat.device)
+            self._grad_flat[g.index] = flat
+            if flat.dtype == torch.float32:
+                # The reduction lands in place in this rank's slices of the buffer, so those slices
+                # are the fp32 gradient rows.
+                g.shard_grad = g.shard_view(flat)
+            for p, span in zip(g.params, g.layout.params):
+                self._view[id(p)] = flat[span.offset:span.end].view(p.shape)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        g, i = self._where[id(param)]
+        grad = param.grad
+        if grad is None:
+            return
+        buckets = [self._bucket[(g.index, b)] for b in g.layout.buckets_of(i)]
+        if self._reduce_in_backward and any(self._launcher.launched(bk.order) for bk in buckets):
+            for bk in buckets:  # accumulated again after its bucket was sent; see flat_stage.py's Note
+                self._add_late(bk, i, grad)
+            param.grad = None
+            return
+        view = self._view[id(param)]
+        if grad.data_ptr() != view.data_ptr():
+            # A fresh tensor from autograd: the first gradient of the window (copied once, then the
+            # view becomes .grad and autograd accumulates into it), or any gradient when the buffer's
+            # dtype differs from the parameter's (data_types.grad_accum_dtype).
+            if id(param) in self._written:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+            param.grad = view if view.dtype == grad.dtype else None
+        self._written.add(id(param))
+        if not self._reduce_in_backward:
+            self._pending = True
+            return
+        for bk in buckets:
+            self._mark_ready(bk, i)
+
+    def _fill(self, bk: Bucket) -> None:
+        g = bk.group
+        flat = self._grad_flat[g.index]
+        for i in bk.params:
+            p = g.params[i]
+            if id(p) not in self._written:  # no gradient on this rank this window: contribute zeros
+                in_bucket, _ = bk.portion(i)
+                g.bucket(flat, bk.b)[in_bucket].zero_()
+            p.grad = None  # a later accumulation in this backward must not write into memory in flight
+        source = g.bucket(flat, bk.b)
+        wire = self.wire_dtype(g)
+        if source.dtype == wire:
+            bk.data, bk.pooled = source, False
+        else:  # communication_data_type differs from the accumulation dtype
+            bk.data = self.pool.acquire(source.numel(), wire, source.device)
+            bk.data.copy_(source)
+            bk.pooled = True
+
+    def _has_unreduced(self) -> bool:
+        return self._pending
+
+    def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
+        self._refuse_second_boundary_backward()
+        self._reduce_in_backward = boundary and sync
+
+    def finish_backward(self) -> None:
+        if self._reduce_in_backward:
+            self._pending = False
+        super().finish_backward()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._written.clear()
+        self._pending = False
+
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        return list(self._grad_flat.values())
+
+    def destroy(self) -> None:
+        super().destroy()
+        self._grad_flat.clear()
+        self._view.clear()
