@@ -22,6 +22,9 @@ class ReleasedParameterWarning(UserWarning):
     """A partitioned (released) stage-3 parameter was read outside forward."""
 
 
+# The attributes a ZeroParameter carries (set with setattr: torch.nn.Parameter declares neither).
+_NAME, _RELEASED = "_zero_name", "_zero_released"
+
 # Reading these does not touch the (missing) values.
 _METADATA = frozenset({
     "__get__", "__set__", "numel", "nelement", "size", "dim", "element_size", "is_floating_point", "is_complex",
@@ -42,7 +45,7 @@ class ZeroParameter(torch.nn.Parameter):
         with DisableTorchFunctionSubclass():
             if not cls._warned and getattr(func, "__name__", "") not in _METADATA:
                 for arg in args:
-                    if isinstance(arg, ZeroParameter) and getattr(arg, "_zero_released", False):
+                    if isinstance(arg, ZeroParameter) and getattr(arg, _RELEASED, False):
                         cls._warn(arg, func)
                         break
             return func(*args, **(kwargs or {}))
@@ -50,9 +53,10 @@ class ZeroParameter(torch.nn.Parameter):
     @classmethod
     def _warn(cls, param: ZeroParameter, func: Any) -> None:
         cls._warned = True
-        name = getattr(param, "_zero_name", "?")
+        name = getattr(param, _NAME, "?")
+        shape = tuple(getattr(param, "ds_shape", param.shape))
         warnings.warn(
-            f"stage 3: parameter {name!r} (shape {tuple(param.ds_shape)}) was used by "
+            f"stage 3: parameter {name!r} (shape {shape}) was used by "
             f"{getattr(func, '__name__', func)} outside forward while partitioned; here it holds no data "
             "(numel() == 0). Read it inside `with engine.zero.GatheredParameters(param):`, or take the "
             "whole model with engine.consolidated_state_dict(). (Warned once per process.)",
@@ -62,12 +66,17 @@ class ZeroParameter(torch.nn.Parameter):
 def adopt(param: torch.nn.Parameter, name: str) -> None:
     """Make a stage-3 parameter a ZeroParameter (in place: every module and user reference keeps it)."""
     param.__class__ = ZeroParameter
-    param._zero_name = name
-    param._zero_released = True
+    setattr(param, _NAME, name)
+    set_released(param, True)
+
+
+def set_released(param: torch.Tensor, released: bool) -> None:
+    """Stage 3 marks `param` released (its `.data` is empty) or gathered (a view of its unit)."""
+    setattr(param, _RELEASED, released)
 
 
 def give_back(param: torch.nn.Parameter) -> None:
     param.__class__ = torch.nn.Parameter
-    for attr in ("_zero_name", "_zero_released"):
+    for attr in (_NAME, _RELEASED):
         if attr in param.__dict__:
             delattr(param, attr)

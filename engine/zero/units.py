@@ -40,6 +40,9 @@ class UnitPlan:
 
 LeafTest = Callable[[str, torch.nn.Module], bool]
 
+_LEAF = "_z3_leaf"
+"""DeepSpeed's flag on a module that is one stage-3 unit (set_z3_leaf_modules)."""
+
 
 def set_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list[torch.nn.Module]:
     """Make every submodule of `model` of one of `classes` a stage-3 gather unit (DeepSpeed's
@@ -50,20 +53,20 @@ def set_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list
         raise ValueError(f"set_z3_leaf_modules: no submodule of {type(model).__name__} is an instance of "
                          f"{[c.__name__ for c in classes]}")
     for m in marked:
-        m._z3_leaf = True
+        setattr(m, _LEAF, True)
     return marked
 
 
 def unset_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list[torch.nn.Module]:
     classes = tuple(classes)
-    unmarked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, "_z3_leaf", False)]
+    unmarked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, _LEAF, False)]
     for m in unmarked:
-        m._z3_leaf = False
+        setattr(m, _LEAF, False)
     return unmarked
 
 
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if getattr(m, "_z3_leaf", False)]
+    return [m for m in model.modules() if getattr(m, _LEAF, False)]
 
 
 def leaf_test(leaf_module: Mapping[str, Iterable[str]] | None) -> LeafTest:
@@ -75,7 +78,7 @@ def leaf_test(leaf_module: Mapping[str, Iterable[str]] | None) -> LeafTest:
 
     def test(name: str, module: torch.nn.Module) -> bool:
         cls = type(module)
-        return (getattr(module, "_z3_leaf", False) or cls.__name__ in classes
+        return (getattr(module, _LEAF, False) or cls.__name__ in classes
                 or f"{cls.__module__}.{cls.__qualname__}" in classes or name in names
                 or bool(suffixes) and name.endswith(suffixes))
 
@@ -135,7 +138,7 @@ def _run_name(run: list[tuple[str, torch.nn.Module]]) -> str:
 
 def plan_units(model: torch.nn.Module, is_leaf: LeafTest | None = None, merge_below: int = 0) -> list[UnitPlan]:
     """Units in registration order; the root unit (if it has parameters) comes first."""
-    names = {}
+    names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
     runs = _merge_small(_blocks(model, is_leaf or leaf_test(None)), merge_below)
