@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -219,6 +219,10 @@ def _count(op: str, tensor: torch.Tensor, factor: float) -> None:
     _sent(op, int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
 
 
+@overload
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., *, async_op: Literal[True]) -> Work: ...
+@overload
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., async_op: bool = ...) -> Work | None: ...
 def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
                async_op: bool = False) -> Work | None:
     # op: a member such as ReduceOp.MAX (a RedOpType in torch's stubs) or a ReduceOp instance.
@@ -357,6 +361,12 @@ def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> No
         raise ValueError(f"{op}: buffers must be contiguous")
 
 
+@overload
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], key: int = ...,
+                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...) -> Handle: ...
+@overload
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ..., *,
+                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...) -> Handle | None: ...
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0, *,
                    wire_dtype: torch.dtype | None = None, accumulate: bool = False) -> Handle | None:
     """Sum `input` (world_size equal slices) across ranks; rank r receives slice r in `output`.
@@ -404,6 +414,10 @@ def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torc
     return _Finish(work, (lambda: output.add_(target)) if accumulate else (lambda: output.copy_(target)))
 
 
+@overload
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], key: int = ...) -> Handle: ...
+@overload
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ...) -> Handle | None: ...
 def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0) -> Handle | None:
     """Concatenate every rank's `input` into `output` (world_size x input).
 
@@ -533,6 +547,10 @@ def _probe(latency: float, probe_bytes: int) -> LinkSpeed:
     return LinkSpeed.from_probe(float(agreed[0]), probe.numel() * 4 * (n - 1) / n, float(agreed[1]))
 
 
+@overload
+def broadcast(tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True]) -> Work: ...
+@overload
+def broadcast(tensor: torch.Tensor, src: int = ..., async_op: bool = ...) -> Work | None: ...
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work | None:
     _count("broadcast", tensor, 1.0)
     return dist.broadcast(tensor, src=src, async_op=async_op)

@@ -23,10 +23,10 @@ from engine.zero.flat_stage import Bucket, FlatStage
 
 class BoundaryReducedStage(FlatStage):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision, *, shards: int) -> None:
+                 precision: Precision) -> None:
         self._grad_flat: dict[int, torch.Tensor] = {}
         self._view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat gradient buffer
-        super().__init__(module, optimizer, config, precision, shards=shards)
+        super().__init__(module, optimizer, config, precision)
         self._written: set[int] = set()  # id() of params whose view holds this window's gradient
         self._pending = False  # gradients written that no reduction has consumed
 

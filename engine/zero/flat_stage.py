@@ -27,6 +27,7 @@ they hold (so the first complete buckets go first); see [Note: launch order] in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -81,22 +82,26 @@ class FlatStage:
     """Base of the flat stages 0-2. See the module docstring."""
 
     stage: int
+    partitioned: ClassVar[bool]
+    """Each rank owns one slice of every bucket (stages 1-2), or keeps the whole of it (stage 0). Read
+    here only, to lay the groups out and to choose reduce-scatter or all-reduce."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision, *, shards: int) -> None:
+                 precision: Precision) -> None:
         self.optimizer: torch.optim.Optimizer | None = optimizer
         self._optimizer = optimizer  # never None here: flat stages always train
         self.precision = precision
         self.module = module
+        shards = comm.get_world_size() if self.partitioned else 1
         self._shards = shards
-        """Slices per bucket: every rank owns one (stages 1-2), or one slice that every rank keeps (stage 0)."""
-        self._rank = comm.get_rank() if shards > 1 else 0
+        """Slices per bucket."""
+        self._rank = comm.get_rank() if self.partitioned else 0
         zero = config.zero
         self._averaging = shard_reduce.Averaging.from_config(config, comm.get_world_size())
-        self._scatter = shards > 1 and zero.reduce_scatter
+        self._scatter = self.partitioned and zero.reduce_scatter
         self._allgather_partitions = zero.allgather_partitions
         wire_size = max((precision.wire_dtype(p.dtype).itemsize for p in module.parameters()), default=4)
-        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size, gathers=shards > 1)
+        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size, gathers=self.partitioned)
         self.groups: list[FlatGroup] = build_flat_groups(module, optimizer, world_size=shards, rank=self._rank,
                                                          bucket_size=reduce_size)
         self._offload: OptimizerOffload | None = None
@@ -168,9 +173,10 @@ class FlatStage:
     def _start_reduction(self, bk: Bucket) -> None:
         assert bk.data is not None
         g = bk.group
+        start, end = g.layout.bucket_range(bk.b)
         bk.pending = shard_reduce.start(
             bk.data, g.shard_grad[bk.b], written=g.grad_written[bk.b], rank=self._rank, averaging=self._averaging,
-            scatter=self._scatter, key=bk.order)
+            scatter=self._scatter, key=bk.order, real=min(end, g.layout.numel) - start)
 
     def _finish(self, bk: Bucket) -> None:
         if bk.pending is None:
@@ -197,6 +203,7 @@ class FlatStage:
         self._launcher.restart()
 
     def _add_late(self, bk: Bucket, i: int, grad: torch.Tensor) -> None:
+        """A gradient of parameter i arrived after bucket bk was sent (see the Note)."""
         buf = self._late.get(bk.order)
         if buf is None:
             buf = self._late[bk.order] = torch.zeros(bk.group.layout.bucket_numel, dtype=self.wire_dtype(bk.group),

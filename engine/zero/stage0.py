@@ -19,17 +19,33 @@ from engine.config.types import EngineConfig
 from engine.precision import Precision
 from engine.zero.boundary_reduced import BoundaryReducedStage
 from engine.zero.flat_groups import bind_optimizer_per_parameter
+from engine.zero.flat_stage import Bucket
 
 
 class Stage0(BoundaryReducedStage):
     stage = 0
+    partitioned = False
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
-        super().__init__(module, optimizer, config, precision, shards=1)
+        super().__init__(module, optimizer, config, precision)
 
     def _bind_optimizer(self) -> None:
         self._masters = bind_optimizer_per_parameter(self._optimizer, self.groups)
+
+    # Late gradients (flat_stage.py's Note) are refused here, as DDP refuses them: reducing them needs
+    # every rank to agree on which buckets have any, one more collective per step, and stage 0 moves
+    # exactly the 2 Psi bytes of DDP's all-reduce per step and nothing else.
+    def _add_late(self, bk: Bucket, i: int, grad: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"a gradient of parameter {bk.group.names[i]!r} {tuple(grad.shape)} arrived twice in one backward at an "
+            "accumulation boundary, after its bucket was already sent for reduction (reentrant activation "
+            "checkpointing or a second backward over the same graph). Run the extra backward on a non-boundary "
+            "micro-step, use non-reentrant checkpointing, or use zero_optimization.stage 1 or 2, which reduce "
+            "such late gradients at the step")
+
+    def _reduce_late(self) -> None:
+        pass  # none accepted
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """One record per parameter (the optimizer's state is per parameter); rank 0 writes, as every

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from engine import comm
 from engine.config.types import EngineConfig
 from engine.precision import Precision
 from engine.zero.boundary_reduced import BoundaryReducedStage
@@ -19,12 +18,13 @@ from engine.zero.flat_groups import bind_optimizer_to_shards, check_elementwise
 
 class Stage1(BoundaryReducedStage):
     stage = 1
+    partitioned = True
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
         check_elementwise(optimizer, self.stage, config.zero_allow_untested_optimizer)
         self._config = config
-        super().__init__(module, optimizer, config, precision, shards=comm.get_world_size())
+        super().__init__(module, optimizer, config, precision)
 
     def _bind_optimizer(self) -> None:
         self._offload = bind_optimizer_to_shards(self._optimizer, self.groups, self._config)

@@ -19,7 +19,6 @@ import torch
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
-from engine import comm
 from engine.zero.flat_groups import bind_optimizer_to_shards, check_elementwise
 from engine.zero.flat_stage import Bucket, FlatStage
 
@@ -28,12 +27,13 @@ logger = get_logger()
 
 class Stage2(FlatStage):
     stage = 2
+    partitioned = True
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
         check_elementwise(optimizer, self.stage, config.zero_allow_untested_optimizer)
         self._config = config
-        super().__init__(module, optimizer, config, precision, shards=comm.get_world_size())
+        super().__init__(module, optimizer, config, precision)
         self._max_buffers = 2 if config.zero.overlap_comm else 1
         self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
         self._grew = False
