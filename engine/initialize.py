@@ -10,7 +10,7 @@ import torch
 
 from engine import comm, rank_agreement
 from engine.accelerator import get_accelerator
-from engine.config import ConfigError, EngineConfig, load_config
+from engine.config import EngineConfig, load_config, run_checks
 from engine.data import build_dataloader
 from engine.engine import Engine
 from engine.monitor.log import get_logger
@@ -24,7 +24,6 @@ from engine.zero.stage0 import Stage0
 from engine.zero.stage1 import Stage1
 from engine.zero.stage2 import Stage2
 from engine.zero.stage3 import Stage3
-
 
 logger = get_logger()
 
@@ -40,6 +39,7 @@ _STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfi
 def _build_stage(cfg: EngineConfig, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
                  precision: Precision) -> ZeroStage:
     if opt is not None:
+        run_checks.check_optimizer_for_stage(cfg, type(opt).__name__)
         return _STAGES[cfg.zero.stage](model, opt, cfg, precision)
     # No optimizer: an evaluation-only engine (DeepSpeed's ZeRO inference; HF builds one to evaluate
     # before training). Stage 3 keeps its parameters partitioned; at stages 0-2 they are whole on every
@@ -62,23 +62,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _config_source(args: Any, config: Any, config_params: Any) -> Any:
-    if config is not None and config_params is not None:
-        raise ConfigError("initialize() got both config= and config_params=; pass the config once")
-    config = config if config is not None else config_params
-    from_args = None
-    if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
-    if config is not None and from_args is not None:
-        raise ConfigError(f"the config was given twice: as initialize(config=...) and as "
-                          f"args ({from_args!r}); remove one of them")
-    source = config if config is not None else from_args
-    if source is None:
-        raise ConfigError("no config: pass initialize(config='x.json' or a dict), or args with "
-                          "--deepspeed_config x.json")
-    return source
-
-
 def _device() -> torch.device:
     accelerator = get_accelerator()  # DS_ACCELERATOR, else CUDA when available, else CPU
     device = accelerator.device(comm.get_local_rank())
@@ -86,22 +69,8 @@ def _device() -> torch.device:
     return device
 
 
-def _check_offload(cfg: EngineConfig, device: torch.device) -> None:
-    if cfg.zero.offload_optimizer.device != "cpu":
-        return
-    if cfg.zero.stage == 0:
-        raise ConfigError('zero_optimization.offload_optimizer.device "cpu" needs zero_optimization.stage 1, 2 or 3 '
-                          "(ZeRO-Offload steps the partitioned optimizer); raise the stage or remove offload_optimizer")
-    if device.type != "cpu":
-        raise ConfigError(f'zero_optimization.offload_optimizer.device "cpu" while training on {device} is not '
-                          "implemented yet (only CPU training runs the fused offload step); remove offload_optimizer")
-
-
 def _build_optimizer(cfg: EngineConfig, module: torch.nn.Module, optimizer: Any,
                      model_parameters: Iterable[Any] | None) -> torch.optim.Optimizer | None:
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError(f"an optimizer was passed to initialize() and the config also has "
-                          f"optimizer.type {cfg.optimizer.type!r}; remove one of them")
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
         normalize_param_groups(optimizer.param_groups, module)  # same checks as config optimizers
@@ -115,9 +84,6 @@ def _build_optimizer(cfg: EngineConfig, module: torch.nn.Module, optimizer: Any,
 
 
 def _build_scheduler(cfg: EngineConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError(f"an lr_scheduler was passed to initialize() and the config also has "
-                          f"scheduler.type {cfg.scheduler.type!r}; remove one of them")
     if lr_scheduler is not None:
         return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
             else lr_scheduler
@@ -153,9 +119,8 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=<torch.nn.Module>")
-    if mpu is not None:
-        raise ConfigError("mpu= (model parallelism) is not supported; this engine is data-parallel only")
-    source = _config_source(args, config, config_params)
+    run_checks.check_mpu(mpu)
+    source = run_checks.config_source(args, config, config_params)
     owns_group = comm.acquire_process_group(distributed_port, dist_init_required)
     try:
         # Local work first, then one exchange every rank takes part in, failed or not, before any
@@ -165,10 +130,9 @@ def initialize(
             cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
             comm.set_collectives(cfg.collectives)
             device = _device()
-            _check_offload(cfg, device)
-            if cfg.zero.stage not in _STAGES:
-                raise ConfigError(f"zero_optimization.stage: {cfg.zero.stage} is not implemented yet; "
-                                  f"use one of {sorted(_STAGES)}")
+            run_checks.check_offload(cfg, device.type)
+            run_checks.check_stage(cfg, _STAGES)
+            run_checks.check_not_given_twice(cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)

@@ -6,7 +6,6 @@ import base64
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -398,9 +397,8 @@ def test_defaults_match_deepspeed() -> None:
     assert (
         cfg.zero.stage == 0 and cfg.zero.reduce_bucket_size is None and cfg.zero.overlap_comm is False
     )
-    assert cfg.zero.offload_optimizer.buffer_count == 4 and cfg.zero.offload_param.buffer_count == 5
-    assert cfg.zero_force_ds_cpu_optimizer is True and cfg.communication_data_type is None
-    assert cfg.zero.stage3_model_persistence_threshold == sys.maxsize
+    assert cfg.zero.offload_optimizer.device == "none" and cfg.zero.offload_param.device == "none"
+    assert cfg.communication_data_type is None and cfg.zero.stage3_prefetch_bucket_size == 50_000_000
 
 
 def test_world_size_must_be_positive() -> None:

@@ -116,7 +116,7 @@ def _check_retry_results(lines: list[str]) -> None:
         assert len(results) == 9, results
         for i in range(3):
             lamb, alone, ok = results[3 * i: 3 * i + 3]
-            assert lamb.startswith("ValueError: optimizer Lamb at zero_optimization.stage 1"), lamb
+            assert lamb.startswith("ConfigError: optimizer Lamb at zero_optimization.stage 1"), lamb
             if rank == 1:
                 assert alone.startswith("ConfigError: ") and "train_batch_sizee" in alone, alone
             else:

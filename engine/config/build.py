@@ -42,13 +42,9 @@ FIELD_OF_KEY: dict[str, str] = {
     "comms_logger": "comms_logger",
     "steps_per_print": "steps_per_print",
     "wall_clock_breakdown": "wall_clock_breakdown",
-    "memory_breakdown": "memory_breakdown",
-    "dump_state": "dump_state",
     "zero_optimization": "zero",
     "zero_allow_untested_optimizer": "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer": "zero_force_ds_cpu_optimizer",
     "csv_monitor": "csv_monitor",
-    "tensorboard": "tensorboard",
     "dataloader_drop_last": "dataloader_drop_last",
     "seed": "seed",
     "collectives": "collectives",
@@ -83,7 +79,7 @@ def _coerce(value: Any, annotation: Any) -> Any:
 
 def _zero(data: Mapping[str, Any]) -> ZeroConfig:
     offload_optimizer = _section(OffloadConfig, data.get("offload_optimizer"))
-    offload_param = _section(OffloadConfig, {"buffer_count": 5, **(data.get("offload_param") or {})})
+    offload_param = _section(OffloadConfig, data.get("offload_param"))
     return _section(ZeroConfig, data, offload_optimizer=offload_optimizer, offload_param=offload_param)
 
 
@@ -113,10 +109,7 @@ def build_engine_config(
             "gradient_predivide_factor",
             "steps_per_print",
             "wall_clock_breakdown",
-            "memory_breakdown",
-            "dump_state",
             "zero_allow_untested_optimizer",
-            "zero_force_ds_cpu_optimizer",
             "dataloader_drop_last",
             "seed",
             "collectives",
@@ -139,6 +132,5 @@ def build_engine_config(
         comms_logger=bool((config.get("comms_logger") or {}).get("enabled", False)),
         zero=_zero(config.get("zero_optimization") or {}),
         csv_monitor=_section(MonitorConfig, config.get("csv_monitor")),
-        tensorboard=_section(MonitorConfig, config.get("tensorboard")),
         raw=freeze(dict(raw)),
     )

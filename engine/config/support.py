@@ -158,7 +158,8 @@ TABLE: tuple[Entry, ...] = (
         "stage3_model_persistence_threshold and sub_group_size accepted without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
-    Entry("zero_force_ds_cpu_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
+    Entry("zero_force_ds_cpu_optimizer", S.ACCEPTED, PRESENT,
+          "accepted: the offloaded step is always the engine's fused CPU Adam (engine/zero/offload.py)"),
     Entry(
         "dataloader_drop_last",
         S.IMPLEMENTED,

@@ -57,23 +57,12 @@ class BF16Config:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """`zero_optimization.offload_optimizer` / `offload_param`. device "none" means no offload."""
+    """`zero_optimization.offload_optimizer` / `offload_param`. device "none" means no offload. The
+    NVMe keys (nvme_path, buffer_count, ...) are validated and refused or accepted by the support table
+    (engine/config/support.py); nothing here reads them."""
 
     device: str = "none"
-    nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = 4
-    """Buffers in the NVMe swap pool: 4 for offload_optimizer, 5 for offload_param (DeepSpeed's defaults)."""
-    buffer_size: int = 100_000_000
-    """offload_param only: elements per NVMe swap buffer (DeepSpeed default 1e8)."""
-    max_in_cpu: int = 1_000_000_000
-    """offload_param only: elements kept in CPU memory when offloading to NVMe (default 1e9)."""
-    pipeline_read: bool = False
-    """offload_optimizer only: overlap the read of the next tile with the current step (ZeRO-Infinity)."""
-    pipeline_write: bool = False
-    """offload_optimizer only: overlap the write of the previous tile with the current step."""
-    fast_init: bool = False
-    """offload_optimizer only: faster optimizer-state initialisation on NVMe."""
     ratio: float = 1.0
     """offload_optimizer only: fraction of optimizer state offloaded (stage 3 only below 1.0)."""
 
@@ -87,25 +76,20 @@ class ZeroConfig:
     """`zero_optimization` section. Element counts, not bytes, as in DeepSpeed."""
 
     stage: int = 0
-    contiguous_gradients: bool = True
     reduce_scatter: bool = True
     reduce_bucket_size: int | None = None
     """Elements per gradient-reduction bucket; None (absent): sized from the measured link at start
     (engine/zero/bucket_sizes.py). DeepSpeed's default is 5e8."""
     allgather_partitions: bool = True
     allgather_bucket_size: int | None = None
-    """Elements of parameter all-gathers in flight; None: as reduce_bucket_size."""
+    """Elements of stages 1-2's parameter all-gathers in flight after a step; None (absent): sized from
+    the measured link at start, as reduce_bucket_size is (engine/zero/bucket_sizes.py)."""
     overlap_comm: bool = False
     """None in the JSON resolves to True for stage 3 and False otherwise, as DeepSpeed does."""
-    load_from_fp32_weights: bool = True
-    round_robin_gradients: bool = False
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
-    offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
-    """DeepSpeed's offload_param pool has 5 buffers by default, offload_optimizer's 4."""
-    sub_group_size: int = 1_000_000_000
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
-    stage3_model_persistence_threshold: int = 2**63 - 1
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
@@ -123,7 +107,6 @@ class ZeroConfig:
     leaf_module: Mapping[str, tuple[str, ...]] | None = None
     """Stage-3 gather units named by the user: {"classes": [...], "names": [...], "name_suffixes": [...]}
     (class names, module names, module-name suffixes); like engine.zero.set_z3_leaf_modules."""
-    ignore_unused_parameters: bool = True
     zero_hpz_partition_size: int = 1
     """ZeRO++ secondary (hierarchical) partition size; 1 = off. Values > 1 are refused for now."""
     zero_quantized_weights: bool = False
@@ -136,7 +119,7 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """One of `tensorboard`, `csv_monitor` (and the writer-less `wandb`, `comet`)."""
+    """`csv_monitor` (`tensorboard`, `wandb` and `comet` have no writer yet: the support table warns)."""
 
     enabled: bool = False
     output_path: str = ""
@@ -172,19 +155,14 @@ class EngineConfig:
     """Log a progress line every N optimizer steps; None = never. DeepSpeed's code default is None
     (its docs still say 10); we match the code, which is what users' runs do."""
     wall_clock_breakdown: bool = False
-    memory_breakdown: bool = False
-    dump_state: bool = False
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = False
-    zero_force_ds_cpu_optimizer: bool = True
-    """DeepSpeed default True: with optimizer offload, insist on its CPU optimizer. Offload is refused
-    for now, so this is carried for later stages."""
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     dataloader_drop_last: bool = False
     seed: int | None = None
     """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""
     collectives: str = "engine"
-    """Not a DeepSpeed key: "native" makes every reduce-scatter/all-gather torch's own (engine/comm.py)."""
+    """Not a DeepSpeed key: how reduce-scatter and all-gather run (engine/comm.py): "engine" (the default,
+    a direct exchange between ranks), "ring" (pipelined rings), or "native" (torch.distributed's own)."""
     raw: Mapping[str, Any] = field(default_factory=_frozen_mapping, repr=False, compare=False)
     """The validated JSON, read-only, for diagnostics and checkpoint manifests only."""

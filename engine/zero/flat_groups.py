@@ -18,13 +18,6 @@ from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
 
 logger = get_logger()
 
-# Optimizers whose update is elementwise, so running them on a flat shard equals running them per
-# parameter. Optimizers with per-tensor statistics (LAMB's trust ratio, LARS, Adafactor's factored
-# moments) would silently change meaning on a flat shard.
-ELEMENTWISE_OPTIMIZERS = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam",
-                          "Lion", "ReferenceAdam", "ASGD"}
-
-
 @dataclass
 class FlatGroup:
     """One optimizer param group's parameters of one dtype, laid out flat."""
@@ -83,17 +76,6 @@ def arrival_order(module: torch.nn.Module) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(reversed(trainable))}
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untested: bool) -> None:
-    name = type(optimizer).__name__
-    if name not in ELEMENTWISE_OPTIMIZERS and not allow_untested:
-        raise ValueError(
-            f"optimizer {name} at zero_optimization.stage {stage}: the partitioned stages run the optimizer on "
-            f"flat shards that mix parameters, which is only equivalent for elementwise optimizers "
-            f"({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}); {name} may compute per-tensor statistics "
-            "(LAMB's trust ratio does). Use one of those, zero_optimization.stage 0, or set "
-            "\"zero_allow_untested_optimizer\": true if you know it is elementwise")
-
-
 def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
                       bucket_size: int) -> list[FlatGroup]:
     """Move every trainable parameter of the optimizer into flat buffers (in arrival order), one group per
@@ -112,8 +94,8 @@ def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def bind_optimizer_to_shards(optimizer: torch.optim.Optimizer, groups: list[FlatGroup],
                              config: EngineConfig) -> OptimizerOffload | None:
-    """Stages 1-2: each optimizer param group steps its flat groups' fp32 shards (check_elementwise
-    says which optimizers may); with optimizer offload, the fused CPU step that also writes the
+    """Stages 1-2: each optimizer param group steps its flat groups' fp32 shards (engine.initialize
+    checks that the optimizer is elementwise: config/run_checks.py); with optimizer offload, the fused CPU step that also writes the
     low-precision shard, so no refresh of the parameters follows."""
     for g in groups:
         g.master.grad = g.shard_grad

@@ -13,7 +13,7 @@ import torch
 from engine.config.types import EngineConfig
 from engine.precision import Precision
 from engine.zero.boundary_reduced import BoundaryReducedStage
-from engine.zero.flat_groups import bind_optimizer_to_shards, check_elementwise
+from engine.zero.flat_groups import bind_optimizer_to_shards
 
 
 class Stage1(BoundaryReducedStage):
@@ -22,7 +22,6 @@ class Stage1(BoundaryReducedStage):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
-        check_elementwise(optimizer, self.stage, config.zero_allow_untested_optimizer)
         self._config = config
         super().__init__(module, optimizer, config, precision)
 

@@ -19,7 +19,7 @@ import torch
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
-from engine.zero.flat_groups import bind_optimizer_to_shards, check_elementwise
+from engine.zero.flat_groups import bind_optimizer_to_shards
 from engine.zero.flat_stage import Bucket, FlatStage
 
 logger = get_logger()
@@ -31,7 +31,6 @@ class Stage2(FlatStage):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
-        check_elementwise(optimizer, self.stage, config.zero_allow_untested_optimizer)
         self._config = config
         super().__init__(module, optimizer, config, precision)
         self._max_buffers = 2 if config.zero.overlap_comm else 1

@@ -1,0 +1,98 @@
+"""Config checks that need more than the config: the arguments of engine.initialize, the device, the
+optimizer object, the model. Like every other config check they raise ConfigError (engine/config/
+errors.py), naming the key and the fix; engine.initialize and the stages call them, so a config
+problem is never a ValueError from deep inside a stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from engine.config.errors import ConfigError
+from engine.config.types import EngineConfig
+
+ELEMENTWISE_OPTIMIZERS = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam",
+                                    "RAdam", "Lion", "ReferenceAdam", "ASGD"})
+"""Optimizers whose update is elementwise, so running them on a flat shard that mixes parameters equals
+running them per parameter. Per-tensor statistics (LAMB's trust ratio, LARS, Adafactor's factored
+moments) would silently change meaning on a shard."""
+
+
+def config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The one config initialize() was given: config=, config_params=, or args.deepspeed_config/args.config."""
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize() got both config= and config_params=; pass the config once")
+    config = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
+    if config is not None and from_args is not None:
+        raise ConfigError(f"the config was given twice: as initialize(config=...) and as "
+                          f"args ({from_args!r}); remove one of them")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError("no config: pass initialize(config='x.json' or a dict), or args with "
+                          "--deepspeed_config x.json")
+    return source
+
+
+def check_mpu(mpu: Any) -> None:
+    if mpu is not None:
+        raise ConfigError("mpu= (model parallelism) is not supported; this engine is data-parallel only")
+
+
+def check_stage(cfg: EngineConfig, implemented: Collection[int]) -> None:
+    if cfg.zero.stage not in implemented:
+        raise ConfigError(f"zero_optimization.stage: {cfg.zero.stage} is not implemented yet; "
+                          f"use one of {sorted(implemented)}")
+
+
+def check_offload(cfg: EngineConfig, device_type: str) -> None:
+    if cfg.zero.offload_optimizer.device != "cpu":
+        return
+    if cfg.zero.stage == 0:
+        raise ConfigError('zero_optimization.offload_optimizer.device "cpu" needs zero_optimization.stage 1, 2 or 3 '
+                          "(ZeRO-Offload steps the partitioned optimizer); raise the stage or remove offload_optimizer")
+    if device_type != "cpu":
+        raise ConfigError(f'zero_optimization.offload_optimizer.device "cpu" while training on {device_type} is not '
+                          "implemented yet (only CPU training runs the fused offload step); remove offload_optimizer")
+
+
+def check_not_given_twice(cfg: EngineConfig, *, optimizer: Any, lr_scheduler: Any) -> None:
+    """An optimizer or schedule passed to initialize() and also named in the config."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError(f"an optimizer was passed to initialize() and the config also has "
+                          f"optimizer.type {cfg.optimizer.type!r}; remove one of them")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError(f"an lr_scheduler was passed to initialize() and the config also has "
+                          f"scheduler.type {cfg.scheduler.type!r}; remove one of them")
+
+
+def check_optimizer_for_stage(cfg: EngineConfig, optimizer_name: str) -> None:
+    """Stages 1-3 step flat shards that mix parameters: only an elementwise optimizer means the same there."""
+    stage = cfg.zero.stage
+    if stage == 0 or optimizer_name in ELEMENTWISE_OPTIMIZERS or cfg.zero_allow_untested_optimizer:
+        return
+    raise ConfigError(
+        f"optimizer {optimizer_name} at zero_optimization.stage {stage}: the partitioned stages run the optimizer "
+        f"on flat shards that mix parameters, which is only equivalent for elementwise optimizers "
+        f"({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}); {optimizer_name} may compute per-tensor statistics "
+        "(LAMB's trust ratio does). Use one of those, zero_optimization.stage 0, or set "
+        "\"zero_allow_untested_optimizer\": true if you know it is elementwise")
+
+
+def check_leaf_module(leaf_module: Mapping[str, Any] | None, model_name: str, matched: bool) -> None:
+    """zero_optimization.leaf_module must name at least one submodule of the model."""
+    if leaf_module and not matched:
+        raise ConfigError(f"zero_optimization.leaf_module {dict(leaf_module)} matches no submodule of {model_name}; "
+                          "name classes (type(m).__name__), module names or name suffixes as in "
+                          "model.named_modules()")
+
+
+def check_init_stage(stage: int) -> None:
+    """engine.zero.Init(config_dict_or_path=...) builds partitioned parameters, which only stage 3 keeps."""
+    if stage != 3:
+        raise ConfigError(f"engine.zero.Init partitions parameters for zero_optimization.stage 3, but the "
+                          f"config has stage {stage}; set it to 3 or build the model without Init "
+                          "(enabled=False)")
