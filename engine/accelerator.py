@@ -42,7 +42,7 @@ class Accelerator:
     def current_device_name(self) -> str:
         raise NotImplementedError
 
-    def device(self, device_index: int | str | None = None) -> torch.device | None:
+    def device(self, device_index: int | str | None = None) -> torch.device:
         raise NotImplementedError
 
     def set_device(self, device_index: int | str) -> None:

@@ -35,6 +35,12 @@ _SPENT_GRAPH = (
     "to the earlier engine.backward() if the graph must be backpropagated twice")
 
 
+def _set_overflow(optimizer: torch.optim.Optimizer, overflow: bool) -> None:
+    """DeepSpeed's `optimizer.overflow` (was the last step skipped?), set on the user's optimizer object,
+    where torch declares no such attribute."""
+    vars(optimizer)["overflow"] = overflow
+
+
 class NoOptimizerError(RuntimeError):
     """backward() or step() on an engine built without an optimizer (an evaluation-only engine)."""
 
@@ -80,7 +86,7 @@ class Engine:
         if optimizer is not None:
             # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow); Accelerate
             # checks hasattr(optimizer, "overflow") once, when it wraps the optimizer, so it exists now.
-            optimizer.overflow = False
+            _set_overflow(optimizer, False)
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.device = device
@@ -197,7 +203,7 @@ class Engine:
             if self._timers:
                 self._timers.stop("step")
             self._step_applied = outcome.applied
-            self.optimizer.overflow = not outcome.applied
+            _set_overflow(self.optimizer, not outcome.applied)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._after_optimizer_step()
