@@ -1,0 +1,206 @@
+"""Stage 3's gathers: full parameters exist only while the unit that owns them computes (paper 5.3,
+7.2.2). This module runs the all-gathers and releases; which units to prefetch or keep is the
+PrefetchPlan's (engine/zero/prefetch.py, [Note: prefetch]).
+
+Lifecycle of a unit (engine/zero/stage3_units.py, UnitState) in a step:
+
+    forward pre-hook   gather: PARTITIONED -> GATHERED (all-gather into a fresh full buffer, or wait
+                       for the one prefetched: GATHERING -> GATHERED); params' .data become views
+    forward post-hook  release (GATHERED -> PARTITIONED, params' .data empty) unless the plan keeps
+                       it, and wrap the outputs so that
+    backward           the unit is gathered again right before its backward runs
+    grad hooks         when all of the unit's gradients are in and reduced in order
+                       (engine/zero/stage3_grads.py), the unit is released
+
+The root unit (parameters outside the repeated blocks: embeddings, final norm, a tied head) is
+gathered when the model's forward starts and stays gathered until its gradients are reduced.
+
+Gathered buffers are allocated fresh and never recycled while gathered views might still be
+referenced: autograd may have saved a view of a weight (e.g. `w.t()`) for backward, and a recycled
+buffer would silently feed it another unit's numbers. Released storage is freed by refcounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from engine import comm
+from engine.monitor.log import get_logger
+from engine.ops.flatten import copy_into
+from engine.zero import released
+from engine.zero.prefetch import PrefetchPlan, TraceMatch
+from engine.zero.stage3_memory import Stage3Memory
+from engine.zero.stage3_units import ShardedGroup, Unit, UnitState
+
+logger = get_logger()
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class UnitGathers:
+    """Gathers and releases units, and starts the prefetches the plan asks for."""
+
+    def __init__(self, units: Sequence[Unit], plan: PrefetchPlan, memory: Stage3Memory, rank: int,
+                 where: Callable[[], str]) -> None:
+        self.units = units
+        self.plan = plan
+        self._memory = memory
+        self._rank = rank
+        self._where = where
+        """Where training is (optimizer step, backward), for errors."""
+        self._in_flight: dict[int, list[comm.Handle]] = {}
+        """Unit index -> the async all-gathers of a prefetched (GATHERING) unit, in launch order: a use
+        waits for its unit's, the end of a micro-step for those nobody used."""
+        self.prefetched = 0
+        """All-gathers started ahead of use, over the stage's life."""
+        self.gathered_bytes = 0
+        """Bytes of full buffers held now (GATHERING and GATHERED units)."""
+        self.peak_gathered_bytes = 0
+
+    # ------------------------------------------------------------------------- gather/release
+    def live(self) -> set[int]:
+        """Units gathered or gathering."""
+        return {u.index for u in self.units if u.state is not UnitState.PARTITIONED}
+
+    def _start(self, unit: Unit) -> list[comm.Handle]:
+        """PARTITIONED -> GATHERING: start the unit's all-gathers into fresh full buffers."""
+        # Every buffer first: an allocation that fails (a full arena) then fails before any collective
+        # starts, on every rank alike, and leaves nothing allocated.
+        fulls = [self._memory.gathered(g.layout.padded_numel, g.dtype, g.device, unit.name) for g in unit.groups]
+        works = []
+        for g, full in zip(unit.groups, fulls):
+            g.full = full
+            start, end = g.layout.slice_range(0, self._rank)
+            mine = full[start:end]
+            # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
+            # master in the same pass for bf16/fp16), and the all-gather runs in place around it.
+            copy_into(full, [g.stored()], [start])
+            work = comm.all_gather(full, mine, async_op=True, key=unit.index)
+            assert work is not None  # async_op=True always returns a handle
+            works.append(work)
+            self.gathered_bytes += _nbytes(full)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        unit.state = UnitState.GATHERING
+        return works
+
+    def gather(self, unit: Unit) -> None:
+        """Make the unit GATHERED (a use: recorded, and the plan may prefetch what follows)."""
+        if unit.state is UnitState.GATHERED:  # kept since its last use: still a use in the recorded order
+            self._follow_trace(unit)
+            return
+        works = self._in_flight.pop(unit.index, None)
+        if works is None:
+            works = self._start(unit)
+        for work in works:
+            comm.wait(work, f"all-gather of stage-3 unit {unit.name!r} ({self._where()})")
+        for g in unit.groups:
+            full = _full(g)
+            for p, span, shape in zip(g.params, g.layout.params, g.shapes):
+                p.data = full[span.offset:span.end].view(shape)
+                released.set_released(p, False)
+        unit.state = UnitState.GATHERED
+        self._follow_trace(unit)
+
+    def release(self, unit: Unit) -> None:
+        """GATHERED -> PARTITIONED: the parameters' .data become empty and the full buffers are dropped
+        (freed once no autograd-saved view holds them). A unit in any other state is left alone."""
+        if unit.state is not UnitState.GATHERED:
+            return
+        for g in unit.groups:
+            for p in g.params:
+                p.data = torch.empty(0, dtype=g.dtype, device=g.device)
+                released.set_released(p, True)
+            self.gathered_bytes -= _nbytes(_full(g))
+            g.full = None
+        unit.state = UnitState.PARTITIONED
+
+    # -------------------------------------------------------------------------------- prefetch
+    def _follow_trace(self, unit: Unit) -> None:
+        """Record this use and, while the recorded order holds, prefetch the next units."""
+        match = self.plan.record(unit.index, in_training=torch.is_grad_enabled() or in_backward())
+        if match is TraceMatch.FOLLOWED:
+            for index in self.plan.to_prefetch(self.live()):
+                self._in_flight[index] = self._start(self.units[index])
+                self.prefetched += 1
+        elif match is TraceMatch.DIVERGED:
+            logger.debug("stage 3: unit %s gathered out of the recorded order; gathering on demand and "
+                         "re-recording", unit.name)
+
+    def drop_prefetched(self) -> None:
+        """GATHERING -> PARTITIONED for gathers nobody used: wait for them (collectives cannot be
+        cancelled) and free their buffers."""
+        for index, works in list(self._in_flight.items()):
+            for work in works:
+                comm.wait(work, "a prefetched all-gather nobody used")
+            unit = self.units[index]
+            for g in unit.groups:
+                self.gathered_bytes -= _nbytes(_full(g))
+                g.full = None
+            unit.state = UnitState.PARTITIONED
+        self._in_flight.clear()
+
+    def start_micro_step(self) -> None:
+        """The model's forward begins: a new micro-step in the recorded order (unless this is a forward
+        inside a backward, e.g. activation checkpointing's recompute)."""
+        if self.plan.recording_started and not in_backward():
+            self.drop_prefetched()
+            self.plan.new_micro_step()
+
+    def end_micro_step(self) -> None:
+        """After a backward: nothing prefetched stays; the plan keeps or adopts the order."""
+        self.drop_prefetched()
+        self.plan.end_micro_step()
+
+    # ------------------------------------------------------------------------- forward hooks
+    def after_root_forward(self, root: Unit) -> None:
+        if not torch.is_grad_enabled():
+            self.release(root)  # evaluation: nothing will come back for it
+
+    def after_forward(self, unit: Unit, output: Any, last: bool = True) -> Any:
+        """After a member's forward: release the unit unless it is kept (See [Note: prefetch]), and wrap
+        its outputs so that their backward gathers it first."""
+        # A merged unit stays for its next member's forward; an evaluation forward keeps nothing.
+        if last and (not torch.is_grad_enabled() or not self.plan.keep_after_forward(unit.index, self.live())):
+            self.release(unit)
+        if not torch.is_grad_enabled() or not unit.trainable:
+            return output
+        flat, spec = tree_flatten(output)
+        positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not positions:
+            return output
+        wrapped = _GatherBeforeBackward.apply(self, unit, *(flat[i] for i in positions))
+        for i, t in zip(positions, wrapped):
+            flat[i] = t
+        unit.grads_sent = False
+        return tree_unflatten(flat, spec)
+
+
+def _full(g: ShardedGroup) -> torch.Tensor:
+    assert g.full is not None, f"stage-3 unit {g.unit_name!r} has no gathered buffer"
+    return g.full
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward gathers the unit before its backward runs."""
+
+    @staticmethod
+    def forward(ctx: Any, gathers: UnitGathers, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.gathers, ctx.unit = gathers, unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.unit.grads_sent:
+            ctx.gathers.gather(ctx.unit)
+        return (None, None, *grads)

@@ -1,0 +1,153 @@
+"""Stage 3's gradients: each unit's gradients collected into one bucket and reduce-scattered into the
+fp32 shard gradients, unit by unit in one fixed order on every rank.
+
+Each parameter's gradient is copied into its unit's gradient bucket (per trainable group, in the
+wire dtype) as soon as autograd accumulated it, and freed, so no whole gradient outlives its unit's
+backward. When all of a unit's gradients are in, the bucket is reduce-scattered into this rank's
+fp32 shard gradient (shard_reduce: averaging, accumulation over micro-steps) and the unit released.
+Units are reduced strictly in reverse forward order (the last block, whose backward ends first, goes
+first, the root last): see [Note: launch order] in engine/zero/ordered_launch.py. At the end of
+backward the rest are reduced in that order, complete or not (what is missing contributes zeros).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.precision import Precision
+from engine.zero import shard_reduce
+from engine.zero.ordered_launch import LaunchInOrder
+from engine.zero.stage3_memory import Stage3Memory
+from engine.zero.stage3_units import TrainableGroup, Unit
+
+MAX_REDUCES_IN_FLIGHT = 2
+"""Gradient reduce-scatters (one per unit, optimizer group and dtype) in flight before the oldest is
+waited for and its bucket recycled."""
+
+
+class UnitGradients:
+    """Gradient buckets of every unit and their reduction in the fixed unit order."""
+
+    def __init__(self, units: Sequence[Unit], memory: Stage3Memory, precision: Precision,
+                 averaging: shard_reduce.Averaging, rank: int, *, release: Callable[[Unit], None],
+                 where: Callable[[], str]) -> None:
+        self.units = units
+        self._memory = memory
+        self._precision = precision
+        self._averaging = averaging
+        self._rank = rank
+        self._release = release
+        """Release a unit whose gradients were sent (its parameters are not needed in this backward)."""
+        self._where = where
+        """Where training is (optimizer step, backward), for errors."""
+        self._owner = {id(p): (u, g, i) for u in units for g in u.trainable for i, p in enumerate(g.params)}
+        """id(parameter) -> its unit, group and index in the group."""
+        self._order = LaunchInOrder(list(reversed(units)), complete=self._complete, launch=self._launch)
+        """Units reduced in reverse forward order, the same on every rank."""
+        self._reducing: deque[TrainableGroup] = deque()
+        """Groups whose reduce-scatter is in flight, oldest first."""
+
+    def on_grad(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated: move it into its unit's bucket; reduce what is ready."""
+        unit, g, i = self._owner[id(param)]
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        if g.grad_bucket is None:
+            g.grad_bucket = self._memory.bucket(g.layout.padded_numel, self._precision.wire_dtype(grad.dtype),
+                                                grad.device, unit.name)
+        span = g.layout.params[i]
+        if i in g.arrived:
+            g.grad_bucket[span.offset:span.end].add_(grad.reshape(-1))
+        else:
+            g.grad_bucket[span.offset:span.end].copy_(grad.reshape(-1))
+            g.arrived.add(i)
+        if self._complete(unit):
+            self._order.launch_ready()
+
+    def _complete(self, unit: Unit) -> bool:
+        return all(len(g.arrived) == len(g.params) for g in unit.trainable)
+
+    def _launch(self, unit: Unit) -> None:
+        """Start reduce-scattering the unit's buckets, then release the unit."""
+        for g in unit.trainable:
+            bucket = g.grad_bucket
+            if bucket is None:  # no gradient on this rank: contribute zeros
+                bucket = self._memory.bucket(g.layout.padded_numel, self._precision.wire_dtype(g.dtype), g.device,
+                                             unit.name).zero_()
+                g.grad_bucket = bucket
+            else:  # a pooled buffer: whatever no gradient was written to must be zero (padding included)
+                for i, span in enumerate(g.layout.params):
+                    if i not in g.arrived:
+                        bucket[span.offset:span.end].zero_()
+                bucket[g.layout.numel:].zero_()
+            g.pending = shard_reduce.start(bucket, g.shard_grad, written=g.grad_written, rank=self._rank,
+                                           averaging=self._averaging, key=unit.index)
+            self._reducing.append(g)
+        unit.grads_sent = True
+        self._release(unit)
+        # At most MAX_REDUCES_IN_FLIGHT groups' buckets stay alive: the rest of the backward overlaps
+        # them, and the bucket memory is a few units', not the model's.
+        while len(self._reducing) > MAX_REDUCES_IN_FLIGHT:
+            self._finish(self._reducing.popleft())
+
+    def _finish(self, g: TrainableGroup) -> None:
+        """Wait for the group's reduce-scatter and recycle its bucket."""
+        if g.pending is None:
+            return
+        shard_reduce.finish(g.pending, g.shard_grad, written=g.grad_written,
+                            what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})")
+        g.pending = None
+        g.grad_written = True
+        g.arrived.clear()
+        self._recycle_bucket(g)
+
+    def _recycle_bucket(self, g: TrainableGroup) -> None:
+        if g.grad_bucket is not None:
+            self._memory.release_bucket(g.grad_bucket)
+            g.grad_bucket = None
+
+    def _pending(self) -> bool:
+        return any(g.arrived for u in self.units for g in u.trainable)
+
+    def flush(self) -> None:
+        """End of a backward (or a step): reduce every unit not reduced yet in this backward, wait for
+        all, release every unit."""
+        if self._order.started or self._pending():
+            self._order.launch_rest()
+        for unit in self.units:
+            for g in unit.trainable:
+                self._finish(g)
+            self._release(unit)
+        self._reducing.clear()
+        self._order.restart()
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """Every fp32 shard gradient, in the order the optimizer's masters were bound."""
+        return [g.shard_grad for u in self.units for g in u.trainable]
+
+    def stale_rows(self) -> list[torch.Tensor]:
+        """Shard gradients no reduction wrote in this accumulation window (zeroed before the step)."""
+        return [g.shard_grad for u in self.units for g in u.trainable if not g.grad_written]
+
+    def zero_grad(self) -> None:
+        """A new accumulation window: nothing in flight, no bucket held, no gradient written."""
+        for u in self.units:
+            for g in u.trainable:
+                if g.pending is not None:
+                    g.pending.work.wait()
+                    g.pending = None
+                self._recycle_bucket(g)
+                g.grad_written = False
+                g.arrived.clear()
+                for p in g.params:
+                    p.grad = None
+        self._reducing.clear()
+        self._order.restart()
+
+    def clear(self) -> None:
+        self._owner.clear()

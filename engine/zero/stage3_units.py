@@ -1,0 +1,185 @@
+"""Stage 3's gather units as data: their sharded groups, their state, and how they are built.
+
+Each gather unit (which parameters: engine/zero/units.py) keeps, per optimizer param group and dtype,
+one group in the shared flat layout (engine/zero/layout.py) with a single bucket: rank r stores slice
+r (its *shard*, which in fp32 is also the optimizer's master), one all-gather fetches the whole unit
+and one reduce-scatter returns its gradients. A unit is in one `UnitState` at a time; gathering and
+releasing it is engine/zero/stage3_gather.py's, reducing its gradients engine/zero/stage3_grads.py's.
+
+Between uses a parameter's `.data` is empty; its full shape is kept in the group (`shapes`) and, for
+Hugging Face and DeepSpeed-aware code, in `param.ds_shape` / `param.ds_numel`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ConfigError
+from engine.zero import partitioned_init, released, shard_reduce
+from engine.zero.layout import GroupLayout, build_layout
+from engine.zero.units import leaf_test, plan_units
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are (FSDP2's ShardedState)."""
+
+    PARTITIONED = "partitioned"
+    """Only the shards exist: every parameter's `.data` is empty and no gathered buffer is held."""
+    GATHERING = "gathering"
+    """Prefetched: its all-gathers were started into fresh full buffers and not yet waited for; the
+    parameters are still empty until its use waits for them (see [Note: prefetch])."""
+    GATHERED = "gathered"
+    """The full buffers hold the whole unit and every parameter's `.data` is a view into them."""
+
+
+@dataclass(kw_only=True)
+class ShardedGroup:
+    """The parameters of one unit that share an optimizer param group and a dtype."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    """Each parameter's full shape (its `.data` is empty while the unit is partitioned)."""
+    layout: GroupLayout
+    shard: torch.Tensor | None
+    """This rank's slice of the unit's flat buffer in the parameter dtype: the persistent storage of
+    frozen and fp32 parameters. None for trainable low-precision groups, whose only copy is the fp32
+    master (cast while gathering, as FSDP2 does: 4 instead of 2 + 4 bytes per element)."""
+    opt_group: int | None = None
+    """Index of the optimizer param group; None for frozen parameters (gathered, never updated)."""
+    dtype: torch.dtype
+    device: torch.device
+    unit_name: str
+    full: torch.Tensor | None = None
+    """1D, the whole unit's group in the layout (padded): the gathered buffer while the unit is
+    GATHERING or GATHERED, None otherwise."""
+
+    def stored(self) -> torch.Tensor:
+        """What this rank keeps of the group: the shard (frozen groups)."""
+        assert self.shard is not None, "a frozen group always keeps its shard"
+        return self.shard
+
+
+@dataclass(kw_only=True)
+class TrainableGroup(ShardedGroup):
+    """A group the optimizer updates: its fp32 master and gradient state on this rank."""
+
+    opt_group: int
+    master: torch.Tensor
+    """fp32 optimizer parameter: the shard itself in fp32, a copy otherwise."""
+    shard_grad: torch.Tensor
+    """fp32, the master's gradient: this rank's slice of the unit's reduced gradients."""
+    grad_bucket: torch.Tensor | None = None
+    """1D, padded like `full`, in the wire dtype: the unit's local gradients from their arrival until
+    the reduce-scatter reading it finished; None otherwise."""
+    arrived: set[int] = field(default_factory=set)
+    """Indices (in `params`) of the parameters whose gradient is in `grad_bucket`."""
+    grad_written: bool = False
+    """`shard_grad` holds a reduced gradient of this accumulation window (later ones add to it)."""
+    pending: shard_reduce.PendingReduce | None = None
+    """The reduce-scatter of `grad_bucket` in flight."""
+
+    def stored(self) -> torch.Tensor:
+        """The fp32 master: the shard itself for fp32 groups, whose gathers then cast nothing."""
+        return self.master
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str
+    modules: list[torch.nn.Module]
+    """Whose forwards use it (see units.UnitPlan); empty for the root unit."""
+    groups: list[ShardedGroup]
+    state: UnitState = UnitState.PARTITIONED
+    grads_sent: bool = False
+    """Its gradients of this backward were sent to be reduced (and the unit released): a later
+    backward hook of its outputs must not gather it again. Cleared by its next forward."""
+
+    @property
+    def trainable(self) -> list[TrainableGroup]:
+        return [g for g in self.groups if isinstance(g, TrainableGroup)]
+
+    @property
+    def numel(self) -> int:
+        """Elements of its gathered buffers (padded)."""
+        return sum(g.layout.padded_numel for g in self.groups)
+
+
+DS_SHAPE, DS_NUMEL = "ds_shape", "ds_numel"
+"""DeepSpeed's attributes for a partitioned parameter's full shape and size, which Hugging Face reads;
+set by engine.zero.Init (engine/zero/partitioned_init.py) or when the stage shards the parameter."""
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The whole parameter's shape, also when engine.zero.Init has partitioned it (`.data` empty)."""
+    if partitioned_init.is_partitioned(param):
+        return tuple(getattr(param, DS_SHAPE))
+    return tuple(param.shape)
+
+
+def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                leaf_module: Mapping[str, Iterable[str]] | None, merge_below: int, *, world: int,
+                rank: int) -> list[Unit]:
+    """Plan the units (engine/zero/units.py) and shard each: afterwards every parameter is empty and
+    this rank holds its slices (parameters built under engine.zero.Init are re-laid from their own
+    partition, all-gathering one parameter at a time)."""
+    opt_groups = optimizer.param_groups if optimizer is not None else []
+    group_of = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"] if p.requires_grad}
+    is_leaf = leaf_test(leaf_module)
+    if leaf_module and not any(is_leaf(n, m) for n, m in module.named_modules() if m is not module):
+        raise ConfigError(f"zero_optimization.leaf_module {dict(leaf_module)} matches no submodule "
+                          f"of {type(module).__name__}; name classes (type(m).__name__), module names or "
+                          "name suffixes as in model.named_modules()")
+    units: list[Unit] = []
+    for plan in plan_units(module, is_leaf, merge_below=merge_below):
+        keys: dict[tuple[int | None, torch.dtype], list[int]] = {}
+        for i, p in enumerate(plan.params):
+            keys.setdefault((group_of.get(id(p)), p.dtype), []).append(i)
+        groups = [shard_group([plan.params[i] for i in idx], [plan.param_names[i] for i in idx], opt_group,
+                              unit_name=plan.name, world=world, rank=rank)
+                  for (opt_group, _), idx in keys.items()]
+        units.append(Unit(len(units), plan.name, plan.modules, groups))
+    return units
+
+
+def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: int | None, *, unit_name: str,
+                world: int, rank: int) -> ShardedGroup:
+    """Lay `params` (one dtype) out flat, keep this rank's slice, and leave each parameter empty."""
+    shapes = [full_shape(p) for p in params]
+    for p, shape in zip(params, shapes):
+        if not partitioned_init.is_partitioned(p):
+            setattr(p, DS_SHAPE, shape)
+            setattr(p, DS_NUMEL, p.numel())
+    layout = build_layout(shapes, world_size=world, bucket_size=max(1, sum(math.prod(s) for s in shapes)),
+                          element_size=params[0].element_size())
+    assert layout.num_buckets == 1
+    dtype, device = params[0].dtype, params[0].device
+    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    for p, span in zip(params, layout.params):
+        # Built under engine.zero.Init: re-laid from its own partition (one parameter at a time).
+        value = partitioned_init.full_value(p, dtype).to(device) if partitioned_init.is_partitioned(p) else p.data
+        flat[span.offset:span.end].copy_(value.reshape(-1))
+        del value
+    start, end = layout.slice_range(0, rank)
+    shard = flat[start:end].clone()
+    del flat
+    for p, name in zip(params, names):
+        p.data = torch.empty(0, dtype=dtype, device=device)
+        if partitioned_init.is_partitioned(p):
+            delattr(p, "_zero_init_shard")
+        released.adopt(p, name)
+    if opt_group is None:
+        return ShardedGroup(params=params, names=names, shapes=shapes, layout=layout, shard=shard, dtype=dtype,
+                            device=device, unit_name=unit_name)
+    master = shard if dtype == torch.float32 else shard.to(torch.float32)
+    shard_grad = torch.zeros(layout.slice_numel, dtype=torch.float32, device=device)
+    master.grad = shard_grad
+    return TrainableGroup(params=params, names=names, shapes=shapes, layout=layout,
+                          shard=shard if dtype == torch.float32 else None, opt_group=opt_group, dtype=dtype,
+                          device=device, unit_name=unit_name, master=master, shard_grad=shard_grad)
