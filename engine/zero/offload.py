@@ -74,10 +74,11 @@ class OptimizerOffload:
         """The optimizer step on gradients that still need multiplying by `coef`; afterwards every
         low-precision target holds its new master's value."""
         modes = [_adam_mode(self.optimizer, g) for g in self.optimizer.param_groups]
-        if any(m is None for m in modes):
+        fused_modes = [m for m in modes if m is not None]
+        if len(fused_modes) < len(modes):  # a group the fused kernel does not compute exactly
             self._plain_step(coef)
             return
-        for group, (adamw_mode, bias_correction) in zip(self.optimizer.param_groups, modes):
+        for group, (adamw_mode, bias_correction) in zip(self.optimizer.param_groups, fused_modes):
             self._fused_group(group, coef, adamw_mode, bias_correction)
         self.fused_steps += 1
 

@@ -7,9 +7,9 @@
 As in DeepSpeed, every nn.Module subclass's `__init__` is wrapped while the context is open. When
 the outermost `__init__` of a module returns, that module's own parameters (not its children's,
 which were partitioned when *they* were built) are broadcast from rank 0, flattened, padded to a
-multiple of the world size, and rank r keeps slice r (`param._zero_init_shard`); `param.data`
-becomes empty and `param.ds_shape`/`param.ds_numel` keep the full shape. Peak memory while building
-is therefore this rank's shards plus the largest module under construction, never the whole model.
+multiple of the world size, and rank r keeps slice r (its shard); `param.data` becomes empty and
+`param.ds_shape`/`param.ds_numel` keep the full shape. Peak memory while building is therefore this
+rank's shards plus the largest module under construction, never the whole model.
 
 Initialisation equals the unpartitioned model's with the same seed: rank 0 builds every module with
 the same random stream it would have used without Init, and its values are the ones kept.
@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -82,24 +83,59 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
     return wrapped
 
 
+# [Note: what a partitioned parameter carries]
+# `ds_shape`/`ds_numel` are DeepSpeed's public names for the whole shape and size; Hugging Face
+# transformers (and engine/zero/stage3*.py, released.py, checkpoint/store.py) read them on the Parameter,
+# so they are set there, through set_full_shape/full_shape: torch.nn.Parameter declares neither.
+# The shard (this rank's slice) is Init's own state. It stays an attribute of the Parameter rather than
+# an entry of a side table (as engine/zero/owners.py keeps a stage's) only because stage 3 deletes it by
+# name when it re-lays the parameter; every access here goes through _shard/drop_shard, so moving it to
+# a WeakIdKeyDictionary is a change to those two once stage 3 calls drop_shard.
+DS_SHAPE, DS_NUMEL = "ds_shape", "ds_numel"
+_SHARD = "_zero_init_shard"
+
+
+def set_full_shape(param: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Record the whole shape (and size) of `param` under DeepSpeed's names, before `.data` is emptied."""
+    setattr(param, DS_SHAPE, shape)
+    setattr(param, DS_NUMEL, math.prod(shape))
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The whole shape of `param`: `ds_shape` once it was partitioned (its `.data` empty), else its own."""
+    shape = getattr(param, DS_SHAPE, None)
+    return tuple(shape) if shape is not None else tuple(param.shape)
+
+
+def _shard(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's slice of `param` (flat, padded to the world size), or None when not partitioned."""
+    shard: torch.Tensor | None = getattr(param, _SHARD, None)
+    return shard
+
+
+def drop_shard(param: torch.Tensor) -> None:
+    """Forget the partition of `param` once its values live elsewhere (whole again, or re-laid by stage 3)."""
+    delattr(param, _SHARD)
+
+
 def is_partitioned(param: torch.Tensor) -> bool:
-    return getattr(param, "_zero_init_shard", None) is not None
+    return _shard(param) is not None
 
 
 def _slice_numel(numel: int, world: int) -> int:
     return -(-numel // world) if numel else 0
 
 
-def partition(params: list[torch.nn.Parameter], dtype: torch.dtype | None = None, src: int | None = 0) -> None:
+def partition(params: Iterable[torch.Tensor], dtype: torch.dtype | None = None, src: int | None = 0) -> None:
     """Partition `params` (whole, not yet partitioned) from rank `src`'s values (None: each rank's own,
     when they are known to be equal)."""
-    params = [p for p in params if not is_partitioned(p)]
-    if not params:
+    whole = [p for p in params if not is_partitioned(p)]
+    if not whole:
         return
     if src is not None:
-        comm.broadcast_coalesced([p.data for p in params], src=src)
+        comm.broadcast_coalesced([p.data for p in whole], src=src)
     world, rank = comm.get_world_size(), comm.get_rank()
-    for p in params:
+    for p in whole:
         numel = p.numel()
         size = _slice_numel(numel, world)
         flat = p.data.reshape(-1)
@@ -108,8 +144,8 @@ def partition(params: list[torch.nn.Parameter], dtype: torch.dtype | None = None
         shard = torch.zeros(size, dtype=flat.dtype, device=flat.device)
         mine = flat[rank * size:min((rank + 1) * size, numel)]
         shard[:mine.numel()].copy_(mine)
-        p.ds_shape, p.ds_numel = tuple(p.shape), numel  # DeepSpeed's names for the full shape
-        p._zero_init_shard = shard
+        set_full_shape(p, tuple(p.shape))
+        setattr(p, _SHARD, shard)
         p.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
     del flat, mine
     _return_freed_memory()
@@ -139,17 +175,20 @@ _malloc_trim = _find_malloc_trim()
 
 def full_value(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The whole value of a partitioned parameter (an all-gather; every rank must call it)."""
-    shard = param._zero_init_shard
+    shard = _shard(param)
+    if shard is None:
+        raise ValueError("engine.zero.Init: full_value() of a parameter that is not partitioned")
+    shape = full_shape(param)
     full = torch.empty(shard.numel() * comm.get_world_size(), dtype=shard.dtype, device=shard.device)
     comm.all_gather(full, shard)
-    value = full[:param.ds_numel].view(param.ds_shape)
+    value = full[:math.prod(shape)].view(shape)
     return value if dtype is None else value.to(dtype)
 
 
-def unpartition(param: torch.nn.Parameter) -> None:
+def unpartition(param: torch.Tensor) -> None:
     """Make a partitioned parameter whole again, in its current dtype and device."""
     param.data = full_value(param, param.dtype).to(param.device)
-    del param._zero_init_shard
+    drop_shard(param)
 
 
 def materialize(module: torch.nn.Module) -> int:
@@ -160,12 +199,17 @@ def materialize(module: torch.nn.Module) -> int:
     return len(params)
 
 
+_M = TypeVar("_M", bound=torch.nn.Module)
+_Apply = Callable[[torch.nn.Module, Callable[[torch.nn.Module], None]], torch.nn.Module]
+"""torch.nn.Module.apply's signature (Init replaces it while open)."""
+
+
 def _own_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters(recurse=False)]
 
 
-def _all_module_classes() -> Iterator[type]:
-    seen: set[type] = set()
+def _all_module_classes() -> Iterator[type[torch.nn.Module]]:
+    seen: set[type[torch.nn.Module]] = set()
     stack = [torch.nn.Module]
     while stack:
         cls = stack.pop()
@@ -188,9 +232,10 @@ class Init:
 
     # Process-wide patch state: one patch however deeply Init contexts nest.
     _depth: ClassVar[int] = 0
-    _saved_inits: ClassVar[dict[type, Callable[..., None]]] = {}
-    _saved_apply: ClassVar[Callable[..., Any] | None] = None
-    _saved_init_subclass: ClassVar[Any] = None
+    _saved_inits: ClassVar[dict[type[torch.nn.Module], Callable[..., None]]] = {}
+    _saved_apply: ClassVar[_Apply | None] = None
+    _saved_init_subclass: ClassVar[classmethod[Any, ..., None] | None] = None
+    """Module's own `__init_subclass__` (its __dict__ entry), None when it inherits object's."""
     _wrapped_constructors: ClassVar[bool] = False
     _building: ClassVar[set[int]] = set()
     """ids of modules whose outermost __init__ is running."""
@@ -248,43 +293,52 @@ class Init:
 
         saved = cls._saved_init_subclass
 
-        def init_subclass(sub: type, **kwargs: Any) -> None:  # classes defined inside the context
+        # Module subclasses defined inside the context get their __init__ wrapped too.
+        def init_subclass(sub: type[torch.nn.Module], /, **kwargs: Any) -> None:
             if saved is not None:
                 saved.__get__(None, sub)(**kwargs)
             else:
                 super(module_cls, sub).__init_subclass__(**kwargs)
             cls._wrap_init(sub)
 
-        module_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+        # [Note: patching Module] Replacing Module's methods is this context's purpose, which the stubs
+        # cannot express: mypy refuses any assignment to a method ([method-assign]), and it types the
+        # class attribute as the method bound to the class (`() -> None` for __init_subclass__, apply
+        # with Module's `Self`), not as what the class __dict__ holds (a classmethod object, a plain
+        # function), so a correct replacement is also an [assignment] error. Each replacement's own
+        # signature is checked where it is declared (init_subclass above, `apply: _Apply`, _wrap_init's init).
+        module_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[method-assign, assignment]
         cls._saved_apply = module_cls.apply
-        module_cls.apply = cls._partitioned_apply  # type: ignore[method-assign]
+        apply: _Apply = cls._partitioned_apply
+        module_cls.apply = apply  # type: ignore[method-assign, assignment]  # See [Note: patching Module]
         if cls._dtype is not None:
-            for name, original in _CONSTRUCTORS.items():
+            for name, constructor in _CONSTRUCTORS.items():
                 # A global looked up at each __enter__, never bound at import: transformers replaces the
                 # module attribute around Init (see the module docstring). Keywords, as it reads them.
                 setattr(torch, name, zero_wrapper_for_fp_tensor_constructor(
-                    original, target_fp_dtype=cls._dtype, target_device=None))
+                    constructor, target_fp_dtype=cls._dtype, target_device=None))
             cls._wrapped_constructors = True
 
     @classmethod
     def _unpatch(cls) -> None:
-        for sub, original in cls._saved_inits.items():
-            sub.__init__ = original  # type: ignore[misc]
+        for sub, init in cls._saved_inits.items():
+            sub.__init__ = init  # type: ignore[method-assign]  # See [Note: patching Module]
         cls._saved_inits.clear()
         module_cls = torch.nn.Module
         if cls._saved_init_subclass is None:
             del module_cls.__init_subclass__
-        else:
-            module_cls.__init_subclass__ = cls._saved_init_subclass  # type: ignore[assignment]
-        module_cls.apply = cls._saved_apply  # type: ignore[method-assign]
+        else:  # See [Note: patching Module] for these ignores
+            module_cls.__init_subclass__ = cls._saved_init_subclass  # type: ignore[method-assign]
+        if cls._saved_apply is not None:  # See [Note: patching Module]
+            module_cls.apply = cls._saved_apply  # type: ignore[method-assign, assignment]
         if cls._wrapped_constructors:
-            for name, original in _CONSTRUCTORS.items():
-                setattr(torch, name, original)
+            for name, constructor in _CONSTRUCTORS.items():
+                setattr(torch, name, constructor)
             cls._wrapped_constructors = False
         cls._building.clear()
 
     @classmethod
-    def _wrap_init(cls, sub: type) -> None:
+    def _wrap_init(cls, sub: type[torch.nn.Module]) -> None:
         original = sub.__dict__.get("__init__")
         if original is None or sub in cls._saved_inits:
             return
@@ -303,10 +357,10 @@ class Init:
             if outermost:
                 partition(_own_params(self), cls._dtype)
 
-        sub.__init__ = init  # type: ignore[misc]
+        sub.__init__ = init  # type: ignore[method-assign]  # See [Note: patching Module]
 
     @staticmethod
-    def _partitioned_apply(module: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
+    def _partitioned_apply(module: _M, fn: Callable[[torch.nn.Module], None]) -> _M:
         """torch's Module.apply (children first, then the module) with the module's own parameters
         whole while fn runs."""
         for child in module.children():
