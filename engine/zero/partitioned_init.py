@@ -43,7 +43,7 @@ import torch
 
 from engine import comm
 from engine.accelerator import get_accelerator  # noqa: F401 - DeepSpeed's partition_parameters has it; transformers calls pp.get_accelerator()
-from engine.config import zero_stage
+from engine.config import run_checks, zero_stage
 from engine.monitor.log import get_logger
 
 logger = get_logger()
@@ -257,10 +257,8 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         source = config_dict_or_path if config_dict_or_path is not None else config
-        if enabled and source is not None and (stage := zero_stage(source)) != 3:
-            raise ValueError(f"engine.zero.Init partitions parameters for zero_optimization.stage 3, but the "
-                             f"config has stage {stage}; set it to 3 or build the model without Init "
-                             "(enabled=False)")
+        if enabled and source is not None:
+            run_checks.check_init_stage(zero_stage(source))
         if enabled and module is not None:
             comm.init_distributed()
             for m in module.modules():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import run_checks
 from engine.zero import partitioned_init, released, shard_reduce
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.units import leaf_test, plan_units
@@ -111,15 +111,10 @@ class Unit:
         return sum(g.layout.padded_numel for g in self.groups)
 
 
-DS_SHAPE, DS_NUMEL = "ds_shape", "ds_numel"
-"""DeepSpeed's attributes for a partitioned parameter's full shape and size, which Hugging Face reads;
-set by engine.zero.Init (engine/zero/partitioned_init.py) or when the stage shards the parameter."""
-
-
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The whole parameter's shape, also when engine.zero.Init has partitioned it (`.data` empty)."""
     if partitioned_init.is_partitioned(param):
-        return tuple(getattr(param, DS_SHAPE))
+        return partitioned_init.full_shape(param)
     return tuple(param.shape)
 
 
@@ -132,10 +127,9 @@ def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     opt_groups = optimizer.param_groups if optimizer is not None else []
     group_of = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"] if p.requires_grad}
     is_leaf = leaf_test(leaf_module)
-    if leaf_module and not any(is_leaf(n, m) for n, m in module.named_modules() if m is not module):
-        raise ConfigError(f"zero_optimization.leaf_module {dict(leaf_module)} matches no submodule "
-                          f"of {type(module).__name__}; name classes (type(m).__name__), module names or "
-                          "name suffixes as in model.named_modules()")
+    if leaf_module:
+        run_checks.check_leaf_module(leaf_module, type(module).__name__,
+                                     any(is_leaf(n, m) for n, m in module.named_modules() if m is not module))
     units: list[Unit] = []
     for plan in plan_units(module, is_leaf, merge_below=merge_below):
         keys: dict[tuple[int | None, torch.dtype], list[int]] = {}
@@ -154,8 +148,7 @@ def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: i
     shapes = [full_shape(p) for p in params]
     for p, shape in zip(params, shapes):
         if not partitioned_init.is_partitioned(p):
-            setattr(p, DS_SHAPE, shape)
-            setattr(p, DS_NUMEL, p.numel())
+            partitioned_init.set_full_shape(p, shape)  # DeepSpeed's ds_shape/ds_numel, read by Hugging Face
     layout = build_layout(shapes, world_size=world, bucket_size=max(1, sum(math.prod(s) for s in shapes)),
                           element_size=params[0].element_size())
     assert layout.num_buckets == 1
@@ -172,7 +165,7 @@ def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: i
     for p, name in zip(params, names):
         p.data = torch.empty(0, dtype=dtype, device=device)
         if partitioned_init.is_partitioned(p):
-            delattr(p, "_zero_init_shard")
+            partitioned_init.drop_shard(p)
         released.adopt(p, name)
     if opt_group is None:
         return ShardedGroup(params=params, names=names, shapes=shapes, layout=layout, shard=shard, dtype=dtype,
