@@ -163,6 +163,6 @@ class EngineConfig:
     """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""
     collectives: str = "engine"
     """Not a DeepSpeed key: how reduce-scatter and all-gather run (engine/comm.py): "engine" (the default,
-    a direct exchange between ranks), "ring" (pipelined rings), or "native" (torch.distributed's own)."""
+    a direct exchange between ranks), "ring" (pipelined rings), or "native" (torch's own collectives)."""
     raw: Mapping[str, Any] = field(default_factory=_frozen_mapping, repr=False, compare=False)
     """The validated JSON, read-only, for diagnostics and checkpoint manifests only."""
