@@ -80,6 +80,20 @@ def test_build_dir_is_keyed_on_the_torch_installation(monkeypatch, tmp_path) -> 
     assert builder.installation_key("c++ 13", torch_dir="/elsewhere/torch") != builder.installation_key("c++ 13")
 
 
+def test_build_key_is_per_checkout(tmp_path) -> None:
+    """Two checkouts of the same sources (git worktrees) get two builds: ninja names sources by absolute
+    path, so a shared build folder was rebuilt by each checkout in turn."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        root.mkdir()
+        (root / "op.cpp").write_text("int f() { return 1; }\n")
+    key_a = builder.cache_key([a / "op.cpp"], "c++ 13")
+    assert builder.cache_key([a / "op.cpp"], "c++ 13") == key_a
+    assert builder.cache_key([b / "op.cpp"], "c++ 13") != key_a
+    (a / "op.cpp").write_text("int f() { return 2; }\n")
+    assert builder.cache_key([a / "op.cpp"], "c++ 13") != key_a  # and the sources' contents
+
+
 def test_a_killed_builders_lock_is_taken_over_at_once(tmp_path, capsys) -> None:
     build_dir = tmp_path / "ext"
     holder = _start_holder(build_dir, tmp_path / "never")

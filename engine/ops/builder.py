@@ -5,8 +5,11 @@
 
 The first use compiles csrc/cpu/*.cpp with torch.utils.cpp_extension and ninja into a per-user cache,
 `$ZERO_ENGINE_CACHE` or ~/.cache/zero_engine/ops/<name>-<key>-<install>, where the key hashes the
-sources and the flags and <install> the torch installation (its directory and version, Python's version
-and ABI tag, the compiler's version): two virtualenvs get two builds instead of rebuilding each other's.
+sources (their paths too: ninja's build file names them by absolute path, so two checkouts of the same
+code, e.g. git worktrees, sharing one folder rebuilt each other's build on every start, and their ranks
+timed out waiting) and the flags, and <install> the torch installation (its directory and version,
+Python's version and ABI tag, the compiler's version): two virtualenvs get two builds instead of
+rebuilding each other's.
 Later processes load the cached library; concurrent ranks wait on one builder (engine/ops/build_lock.py,
 which says whom it waits for and takes over the lock of a builder that died). `python -m engine.ops.build`
 builds ahead of time (at install).
@@ -85,10 +88,11 @@ def compiler_version() -> str:
 
 
 def cache_key(files: list[Path], compiler: str) -> str:
-    """The sources' and flags' part of the build directory's name (installation_key() is the rest)."""
+    """The sources' and flags' part of the build directory's name (installation_key() is the rest). The
+    sources' absolute paths count: see the module docstring."""
     digest = hashlib.sha256()
     for path in files + sorted((CSRC / "cpu").glob("*.h")):
-        digest.update(path.name.encode())
+        digest.update(str(path.resolve()).encode())
         digest.update(path.read_bytes())
     for part in (torch.__version__, compiler, " ".join(CPU_FLAGS), sys.version.split()[0]):
         digest.update(part.encode())

@@ -83,7 +83,7 @@ def _digest(directory: Path, parts: list[str]) -> str:
     digest = hashlib.sha256()
     files = sources(directory) + sorted(directory.glob("*.cuh")) + sorted(directory.glob("*.h"))
     for path in files:
-        digest.update(path.name.encode())
+        digest.update(str(path.resolve()).encode())  # a checkout's own build: see engine/ops/builder.py
         digest.update(path.read_bytes())
     for part in parts:
         digest.update(part.encode())
