@@ -403,7 +403,7 @@ class Engine:
         stage = self._require_alive()
         return TrainingState(
             module=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            loss_scaler=self.precision.scaler, stage=stage, zero_stage=self.zero_optimization_stage(),
+            loss_scaler=self.precision.scaler, stage=stage,
             model_dtype=self.precision.model_dtype,
             counters=Counters(global_steps=self.global_steps, global_samples=self.global_samples,
                               skipped_steps=self.skipped_steps, micro_steps=self.micro_steps))

@@ -221,7 +221,7 @@ def _manifest(state: TrainingState, tag: str, world: int,
               for n, p in state.module.named_parameters()}
     return {
         "format_version": FORMAT_VERSION, "engine_version": _engine_version(), "torch_version": torch.__version__,
-        "tag": tag, "world_size": world, "stage": state.zero_stage,
+        "tag": tag, "world_size": world, "stage": state.stage.stage,
         "model_dtype": str(state.model_dtype).removeprefix("torch.") if state.model_dtype is not None
         else "as built", "global_steps": state.counters.global_steps, "params": params,
         "aliases": _aliases(state.module),

@@ -49,9 +49,8 @@ class TrainingState:
     loss_scaler: Stateful | None
     """fp16's LossScaler (engine/loss_scaler.py); None for bf16 and fp32."""
     stage: ZeroStage
-    """Only its checkpoint_shards() is used: what this rank holds, as named pieces (records.py)."""
-    zero_stage: int
-    """zero_optimization.stage, written into the manifest."""
+    """Its checkpoint_shards() (what this rank holds, as named pieces: records.py) and its stage number
+    (zero_optimization.stage, written into the manifest) are used."""
     model_dtype: torch.dtype | None
     """The training dtype the model was cast to; None: the model's own dtypes ("as built" in the manifest)."""
     counters: Counters

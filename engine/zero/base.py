@@ -28,8 +28,9 @@ class ZeroStage(Protocol):
 
     stage: int
     """zero_optimization.stage this object implements (0-3)."""
-    optimizer: torch.optim.Optimizer | None
-    """None for an evaluation-only engine (the Engine refuses backward and step before they get here)."""
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """None for an evaluation-only engine (the Engine refuses backward and step before they get here)."""
 
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
         """Called before each backward: is this micro-step an accumulation boundary, and may it

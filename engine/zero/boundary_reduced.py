@@ -92,7 +92,11 @@ class BoundaryReducedStage(FlatStage):
         return self._pending
 
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
-        self._refuse_second_boundary_backward()
+        if any(any(g.grad_written) for g in self.groups):  # this window was reduced already
+            raise RuntimeError(
+                "backward() ran again at an accumulation boundary whose gradients were already reduced; call "
+                "engine.step() after each boundary backward (or raise gradient_accumulation_steps to accumulate "
+                "more micro-batches)")
         self._reduce_in_backward = boundary and sync
 
     def finish_backward(self) -> None:

@@ -39,13 +39,9 @@ from engine.precision import Precision
 from engine.zero import bucket_sizes, owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
-from engine.zero.flat_groups import FlatGroup, arrival_order, build_flat_groups
+from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
 from engine.zero.offload import OptimizerOffload
 from engine.zero.ordered_launch import LaunchInOrder
-
-_BACKWARD_AGAIN = (
-    "backward() ran again at an accumulation boundary whose gradients were already reduced; call engine.step() "
-    "after each boundary backward (or raise gradient_accumulation_steps to accumulate more micro-batches)")
 
 
 @dataclass(eq=False)
@@ -88,8 +84,7 @@ class FlatStage:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
-        self.optimizer: torch.optim.Optimizer | None = optimizer
-        self._optimizer = optimizer  # never None here: flat stages always train
+        self.optimizer = optimizer  # never None: the flat stages always train
         self.precision = precision
         self.module = module
         shards = comm.get_world_size() if self.partitioned else 1
@@ -106,7 +101,7 @@ class FlatStage:
                                                          bucket_size=reduce_size)
         self._offload: OptimizerOffload | None = None
         self._allocate_gradients()
-        self._bind_optimizer()
+        self._bind_optimizer(config)
 
         order = arrival_order(module)
         keyed: list[tuple[int, int, int, list[int]]] = []
@@ -134,10 +129,10 @@ class FlatStage:
         """The gradient buffers; may make the groups' fp32 gradient rows (shard_grad) views of them."""
         raise NotImplementedError
 
-    def _bind_optimizer(self) -> None:
-        """Point the optimizer at the fp32 masters (as shards or as per-parameter views), their .grad at
-        the fp32 gradient rows; set self._offload when the optimizer step is offloaded."""
-        raise NotImplementedError
+    def _bind_optimizer(self, config: EngineConfig) -> None:
+        """Point the optimizer at the fp32 masters, their .grad at the fp32 gradient rows: one shard per
+        group (stages 1-2; stage 0 binds one view per parameter), with the offloaded step if configured."""
+        self._offload = bind_optimizer_to_shards(self.optimizer, self.groups, config)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         raise NotImplementedError
@@ -233,10 +228,6 @@ class FlatStage:
             bk.data = None
         self._late.clear()
 
-    def _refuse_second_boundary_backward(self) -> None:
-        if any(any(g.grad_written) for g in self.groups):
-            raise RuntimeError(_BACKWARD_AGAIN)
-
     # ------------------------------------------------------------------------ stage interface
     def finish_backward(self) -> None:
         if self._reduce_in_backward:
@@ -256,7 +247,7 @@ class FlatStage:
         self._flush()
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
         outcome = shard_step.step_on_gradients(
-            self.precision, self._optimizer, [g.shard_grad for g in self.groups], stale=stale,
+            self.precision, self.optimizer, [g.shard_grad for g in self.groups], stale=stale,
             averaging=self._averaging, max_grad_norm=max_grad_norm, partitioned=self._shards > 1,
             fused_step=self._offload.step if self._offload else None)
         if outcome.applied:
@@ -330,7 +321,7 @@ class FlatStage:
                     total += storage.nbytes()
             return total
 
-        state = [v for p in self._optimizer_params() for v in self._optimizer.state.get(p, {}).values()
+        state = [v for p in self._optimizer_params() for v in self.optimizer.state.get(p, {}).values()
                  if torch.is_tensor(v) and v.numel() > 1]
         return {
             "params": nbytes([g.flat for g in self.groups]),
@@ -341,7 +332,7 @@ class FlatStage:
         }
 
     def _optimizer_params(self) -> list[torch.Tensor]:
-        return [p for group in self._optimizer.param_groups for p in group["params"]]
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def destroy(self) -> None:
         self._reset_reduction()

@@ -16,7 +16,6 @@ import torch
 from engine import comm
 from engine.checkpoint.records import NamedPiece, ShardRecord
 from engine.config.types import EngineConfig
-from engine.precision import Precision
 from engine.zero.boundary_reduced import BoundaryReducedStage
 from engine.zero.flat_groups import bind_optimizer_per_parameter
 from engine.zero.flat_stage import Bucket
@@ -26,12 +25,8 @@ class Stage0(BoundaryReducedStage):
     stage = 0
     partitioned = False
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision) -> None:
-        super().__init__(module, optimizer, config, precision)
-
-    def _bind_optimizer(self) -> None:
-        self._masters = bind_optimizer_per_parameter(self._optimizer, self.groups)
+    def _bind_optimizer(self, config: EngineConfig) -> None:
+        self._masters = bind_optimizer_per_parameter(self.optimizer, self.groups)
 
     # Late gradients (flat_stage.py's Note) are refused here, as DDP refuses them: reducing them needs
     # every rank to agree on which buckets have any, one more collective per step, and stage 0 moves

@@ -19,7 +19,6 @@ import torch
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.precision import Precision
-from engine.zero.flat_groups import bind_optimizer_to_shards
 from engine.zero.flat_stage import Bucket, FlatStage
 
 logger = get_logger()
@@ -31,7 +30,6 @@ class Stage2(FlatStage):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
-        self._config = config
         super().__init__(module, optimizer, config, precision)
         self._max_buffers = 2 if config.zero.overlap_comm else 1
         self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
@@ -39,9 +37,6 @@ class Stage2(FlatStage):
 
     def _allocate_gradients(self) -> None:
         pass  # bucket buffers come from the pool as gradients arrive
-
-    def _bind_optimizer(self) -> None:
-        self._offload = bind_optimizer_to_shards(self._optimizer, self.groups, self._config)
 
     # ------------------------------------------------------------------------------- hooks
     def _on_grad(self, param: torch.Tensor) -> None:
