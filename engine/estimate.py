@@ -1,28 +1,30 @@
 """Model-state memory per rank for each ZeRO stage, in this engine's dtypes (the ZeRO paper's Table 1).
 
-The paper assumes fp16 params and grads plus K = 12 bytes of fp32 Adam state (master copy, momentum,
-variance): (2 + 2 + K) Psi for the baseline down to (2 + 2 + K) Psi / N for P_os+g+p. This engine
-differs in two ways, so the terms are spelled out separately:
+Per rank, with Psi trainable elements (real, no padding), N ranks, and per element: b bytes of the
+parameter dtype, g bytes of the gradient-accumulation dtype (DeepSpeed's `data_types.grad_accum_dtype`,
+default the parameter dtype: bf16 training keeps bf16 gradients), m = 0 in fp32 training (the
+optimizer updates the fp32 parameter storage in place) and 4 otherwise (the fp32 master), s bytes of
+optimizer state (Adam 8):
 
-* fp32 training keeps no master copy: the optimizer updates the fp32 parameter shard in place
-  (see [Note: the flat layout] in engine/zero/layout.py), so m = 0 there and 4 otherwise.
-* gradients are reduced into an fp32 shard, whatever the accumulation dtype. At stages 0-1 the
-  full-size accumulation buffer holds them first; when it is fp32 the shard is a view into it (no
-  extra bytes), otherwise the fp32 shard (all of it at stage 0, Psi/N at stage 1) comes on top.
-  fp32 training at stage 0 accumulates in fp32.
+    stage  params                   gradients  master  optimizer
+    0      b P                      g P        m P     s Psi    (one master view per parameter)
+    1      b P                      g P        m S     s S      (the shard is a view of the full buffer)
+    2      b P                      g S        m S     s S
+    3      4 S in fp32, else 0      g S        m S     s S
 
-Per rank, with Psi trainable elements, N ranks, b / g bytes per param / gradient-accumulation element,
-m master bytes, f = 0 if g = 4 else 4 (the separate fp32 gradient shard), and s optimizer-state bytes
-per element:
+P is the padded element count of the full flat buffers and S that of this rank's shard. For an
+element count, P = Psi and S = ceil(Psi / N) (the largest rank's shard). For a module they come from
+the engine's own layout code (engine/zero/layout.py), so bucket padding is counted exactly: one flat
+group per dtype at stages 0-2 (world size 1 at stage 0, where S = P), one group per gather unit at
+stage 3 (engine/zero/units.py). At stage 3 the fp32 shard is both the parameters and the master in
+fp32 training; in bf16/fp16 no low-precision shard is kept (gathers cast from the fp32 master).
 
-    stage  params    gradients  master    optimizer
-    0      b Psi     g Psi + f Psi    m Psi     s Psi
-    1      b Psi     g Psi + f Psi/N  m Psi/N   s Psi/N
-    2      b Psi     4 Psi/N    m Psi/N   s Psi/N
-    3      b Psi/N   4 Psi/N    m Psi/N   s Psi/N
-
-Psi/N is rounded up (the largest rank's shard). Only model states are counted: constant-size bucket
-buffers, gathered stage-3 units, activations and allocator overhead are not.
+The paper (Table 1) assumes fp16 parameters and gradients, K = 12 bytes of optimizer state (fp32
+master 4 + Adam's moments 8) and an fp16 parameter shard at stage 3: 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N
+and 16 Psi/N for stages 1-3. The same per-state formulas above, fed the paper's byte costs
+(PAPER_COSTS), reproduce all 54 printed cells: `python -m engine.estimate --paper`. This engine in
+bf16 holds 14 Psi/N at stage 3, not 16. Only model states are counted: constant-size bucket buffers,
+gathered stage-3 units, activations and allocator overhead are not.
 
     python -m engine.estimate --params 7.5e9 --world-size 64 --dtype bf16
 """
@@ -30,14 +32,25 @@ buffers, gathered stage-3 units, activations and allocator overhead are not.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
+from typing import overload
 
 import torch
 
+from engine.estimate_paper import PAPER_MODELS, PAPER_STAGES, PAPER_TABLE, PAPER_WORLD_SIZES
+from engine.zero.layout import build_layout
+from engine.zero.partitioned_init import full_shape
+from engine.zero.units import leaf_test, plan_units
+
 STAGES = (0, 1, 2, 3)
+DEFAULT_BUCKET_SIZE = 500_000_000
+"""DeepSpeed's default zero_optimization.reduce_bucket_size, in elements."""
 
 _DTYPE_NAMES: dict[str, str] = {
     "fp32": "fp32",
@@ -61,9 +74,59 @@ _OPTIMIZER_STATE_BYTES: dict[str, int] = {
 
 _EXCLUDED = (
     "Model states only: constant-size bucket buffers, gathered stage-3 units, activations and "
-    "allocator overhead are excluded."
+    "allocator overhead are excluded. P: padded elements of the full flat buffers; S: this rank's shard."
 )
 _STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+
+
+@dataclass(frozen=True)
+class ByteCosts:
+    """What one element costs in each model state: the assumptions behind an estimate."""
+
+    dtype: str
+    """Canonical name of the parameter dtype."""
+    grad_accum_dtype: str
+    """Canonical name of the dtype the gradients are held in."""
+    optimizer: str
+    """Canonical (lower-case) optimizer name."""
+    params: int
+    """Bytes per parameter element (b)."""
+    gradients: int
+    """Bytes per gradient element (g)."""
+    master: int
+    """Bytes of the fp32 master per element (m): 0 when the parameters themselves are updated in place."""
+    optimizer_state: int
+    """Optimizer-state bytes per element (s)."""
+    stage3_param_shard: bool
+    """Whether stage 3 keeps a shard in the parameter dtype (b S bytes) besides the master."""
+
+
+PAPER_COSTS = ByteCosts(
+    dtype="fp16", grad_accum_dtype="fp16", optimizer="adam",
+    params=2, gradients=2, master=4, optimizer_state=8,  # K = 12 = master + Adam's two moments
+    stage3_param_shard=True,  # P_os+g+p keeps 2 Psi/N of fp16 parameters: 16 Psi/N in all
+)
+"""The ZeRO paper's assumptions for Table 1 (section 3.1 and 5)."""
+
+
+def engine_costs(
+    dtype: str | torch.dtype = "fp32",
+    grad_accum_dtype: str | torch.dtype | None = None,
+    optimizer: str = "adam",
+) -> ByteCosts:
+    """This engine's byte costs; `grad_accum_dtype` None means the parameter dtype (DeepSpeed's default)."""
+    param_dtype = _dtype_name(dtype, "dtype")
+    grad_dtype = param_dtype if grad_accum_dtype is None else _dtype_name(grad_accum_dtype, "grad_accum_dtype")
+    opt = _optimizer_name(optimizer)
+    fp32 = param_dtype == "fp32"
+    return ByteCosts(
+        dtype=param_dtype, grad_accum_dtype=grad_dtype, optimizer=opt,
+        params=_DTYPE_BYTES[param_dtype], gradients=_DTYPE_BYTES[grad_dtype],
+        master=0 if fp32 else 4,  # fp32: the optimizer updates the parameter storage in place
+        optimizer_state=_OPTIMIZER_STATE_BYTES[opt],
+        # fp32: the stage-3 shard is the parameters and the master; bf16/fp16: gathers cast from the master.
+        stage3_param_shard=fp32,
+    )
 
 
 @dataclass(frozen=True)
@@ -73,25 +136,176 @@ class MemoryEstimate:
     stage: int
     world_size: int
     numel: int
-    """Psi: trainable elements (shared parameters counted once)."""
+    """Psi: trainable elements (shared parameters counted once, no padding)."""
+    padded_numel: int
+    """P: elements of the full flat buffers, padding included (Psi for an element count)."""
+    shard_numel: int
+    """S: elements of this rank's shard, padding included (ceil(Psi / N) for an element count; P at stage 0)."""
     params: int
-    """Bytes of the model's parameters (a 1/N shard at stage 3)."""
+    """Bytes of the parameters: b P at stages 0-2; at stage 3 the fp32 shard (4 S) or nothing (bf16/fp16)."""
     gradients: int
-    """Bytes of gradients: full accumulation buffer at stages 0-1, an fp32 shard at 2-3."""
+    """Bytes of gradients in the accumulation dtype: the full buffer (g P) at stages 0-1, a shard (g S) from 2."""
     master: int
-    """Bytes of the fp32 master shard; 0 in fp32 training (the shard is updated in place)."""
+    """Bytes of the fp32 master (m P at stage 0, m S from stage 1); 0 in fp32 training (updated in place)."""
     optimizer_state: int
-    """Bytes of optimizer state (e.g. Adam's two moments), sharded from stage 1 on."""
-    dtype: str = "fp32"
-    """Canonical name of the parameter dtype the estimate assumed."""
-    grad_accum_dtype: str = "fp32"
-    """Canonical name of the gradient-accumulation dtype the estimate assumed."""
-    optimizer: str = "adam"
-    """Canonical (lower-case) optimizer name the estimate assumed."""
+    """Bytes of optimizer state (e.g. Adam's two moments): s Psi at stage 0, s S from stage 1."""
+    costs: ByteCosts
+    """The per-element byte costs assumed."""
 
     @property
     def total(self) -> int:
         return self.params + self.gradients + self.master + self.optimizer_state
+
+    @property
+    def dtype(self) -> str:
+        return self.costs.dtype
+
+    @property
+    def grad_accum_dtype(self) -> str:
+        return self.costs.grad_accum_dtype
+
+    @property
+    def optimizer(self) -> str:
+        return self.costs.optimizer
+
+
+def estimate_from_costs(
+    costs: ByteCosts, stage: int, *, world_size: int, numel: int, padded_numel: int, shard_numel: int
+) -> MemoryEstimate:
+    """The per-state formulas of the module docstring: the engine's estimates and the paper's cells both."""
+    full, shard = padded_numel, shard_numel
+    if stage == 3:
+        params = costs.params * shard if costs.stage3_param_shard else 0
+    else:
+        params = costs.params * full
+    return MemoryEstimate(
+        stage=stage,
+        world_size=world_size,
+        numel=numel,
+        padded_numel=padded_numel,
+        shard_numel=shard_numel,
+        params=params,
+        gradients=costs.gradients * (full if stage <= 1 else shard),
+        master=costs.master * (full if stage == 0 else shard),
+        optimizer_state=costs.optimizer_state * (numel if stage == 0 else shard),
+        costs=costs,
+    )
+
+
+# ------------------------------------------------------------------------------------ P and S
+def count_sizes(numel: int, stage: int, world_size: int) -> tuple[int, int]:
+    """(P, S) for a bare element count: no padding, the largest rank's shard."""
+    if stage == 0:
+        return numel, numel
+    return numel, -(-numel // world_size)  # ceil without float rounding
+
+
+def flat_sizes(
+    params: Sequence[torch.nn.Parameter], stage: int, world_size: int, bucket_size: int, element_size: int
+) -> tuple[int, int]:
+    """(P, S) at stages 0-2: all trainable parameters in one flat group, laid out as the flat stages do."""
+    if not params:
+        return 0, 0
+    shapes = [full_shape(p) for p in reversed(params)]  # gradient-arrival order (it doesn't change P or S)
+    layout = build_layout(shapes, world_size=1 if stage == 0 else world_size, bucket_size=bucket_size,
+                          element_size=element_size)
+    return layout.padded_numel, layout.shard_numel
+
+
+def unit_sizes(model: torch.nn.Module, world_size: int, element_size: int) -> tuple[int, int]:
+    """(P, S) at stage 3: one group per gather unit of the default plan, each a single bucket
+    (engine/zero/stage3_units.py: build_units and shard_group). plan_units only reads the module."""
+    padded = shard = 0
+    for plan in plan_units(model, leaf_test(None), merge_below=0):
+        shapes = [full_shape(p) for p in plan.params if p.requires_grad]
+        if not shapes:
+            continue  # frozen parameters only: no model states
+        group_numel = sum(math.prod(s) for s in shapes)
+        layout = build_layout(shapes, world_size=world_size, bucket_size=max(1, group_numel),
+                              element_size=element_size)
+        padded += layout.padded_numel
+        shard += layout.shard_numel
+    return padded, shard
+
+
+def _sizes(model_or_numel: torch.nn.Module | int, stage: int, world_size: int, bucket_size: int,
+           element_size: int) -> tuple[int, int, int]:
+    """(Psi, P, S) of a module or an element count at one stage."""
+    if not isinstance(model_or_numel, torch.nn.Module):
+        return (model_or_numel, *count_sizes(model_or_numel, stage, world_size))
+    params = [p for p in model_or_numel.parameters() if p.requires_grad]  # a tied parameter once
+    numel = sum(math.prod(full_shape(p)) for p in params)
+    if stage == 3:
+        return (numel, *unit_sizes(model_or_numel, world_size, element_size))
+    return (numel, *flat_sizes(params, stage, world_size, bucket_size, element_size))
+
+
+# ------------------------------------------------------------------------------ public API
+@overload
+def estimate_memory(
+    model_or_numel: torch.nn.Module | int,
+    stage: None = None,
+    world_size: int = 1,
+    dtype: str | torch.dtype = "fp32",
+    grad_accum_dtype: str | torch.dtype | None = None,
+    optimizer: str = "adam",
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+) -> list[MemoryEstimate]: ...
+
+
+@overload
+def estimate_memory(
+    model_or_numel: torch.nn.Module | int,
+    stage: int,
+    world_size: int = 1,
+    dtype: str | torch.dtype = "fp32",
+    grad_accum_dtype: str | torch.dtype | None = None,
+    optimizer: str = "adam",
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+) -> MemoryEstimate: ...
+
+
+@overload
+def estimate_memory(
+    model_or_numel: torch.nn.Module | int,
+    stage: int | None = None,
+    world_size: int = 1,
+    dtype: str | torch.dtype = "fp32",
+    grad_accum_dtype: str | torch.dtype | None = None,
+    optimizer: str = "adam",
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+) -> MemoryEstimate | list[MemoryEstimate]: ...
+
+
+def estimate_memory(
+    model_or_numel: torch.nn.Module | int,
+    stage: int | None = None,
+    world_size: int = 1,
+    dtype: str | torch.dtype = "fp32",
+    grad_accum_dtype: str | torch.dtype | None = None,
+    optimizer: str = "adam",
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+) -> MemoryEstimate | list[MemoryEstimate]:
+    """Per-rank model-state bytes at `stage` (0-3), or a list for stages 0..3 when `stage` is None.
+
+    `model_or_numel` is a module (parameters with requires_grad, each shared parameter once, all
+    assumed cast to `dtype` and in one optimizer param group) or an element count. `grad_accum_dtype`
+    None means `dtype` (DeepSpeed's default). `bucket_size` is reduce_bucket_size in elements; it
+    only matters for a module (bucket padding). See the module docstring for the formulas.
+    """
+    _check_int(world_size, "world_size", "the number of data-parallel ranks")
+    _check_int(bucket_size, "bucket_size", "reduce_bucket_size in elements")
+    if stage is not None and (isinstance(stage, bool) or stage not in STAGES):
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3 (or None for all four)")
+    if not isinstance(model_or_numel, torch.nn.Module):
+        _check_count(model_or_numel)
+    costs = engine_costs(dtype, grad_accum_dtype, optimizer)
+    estimates = []
+    for s in STAGES if stage is None else (stage,):
+        numel, padded, shard = _sizes(model_or_numel, s, world_size, bucket_size, costs.params)
+        estimates.append(estimate_from_costs(costs, s, world_size=world_size, numel=numel,
+                                             padded_numel=padded, shard_numel=shard))
+    return estimates[0] if stage is not None else estimates
 
 
 def _dtype_name(dtype: str | torch.dtype, what: str) -> str:
@@ -112,67 +326,109 @@ def _optimizer_name(optimizer: str) -> str:
     return name
 
 
-def _count_trainable(model_or_numel: torch.nn.Module | int) -> int:
-    if isinstance(model_or_numel, torch.nn.Module):
-        # Module.parameters() yields a tied (shared) parameter once.
-        return sum(p.numel() for p in model_or_numel.parameters() if p.requires_grad)
-    if isinstance(model_or_numel, bool) or not isinstance(model_or_numel, int):
-        raise TypeError(f"model_or_numel must be an nn.Module or an int, got {type(model_or_numel).__name__}")
-    if model_or_numel < 0:
-        raise ValueError(f"model_or_numel={model_or_numel} must be >= 0 (a count of trainable elements)")
-    return model_or_numel
+def _check_int(value: object, name: str, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1 ({meaning})")
 
 
-def _stage_estimate(
-    stage: int, numel: int, world_size: int, dtype: str, grad_dtype: str, optimizer: str
-) -> MemoryEstimate:
-    b, g = _DTYPE_BYTES[dtype], _DTYPE_BYTES[grad_dtype]
-    if stage == 0 and dtype == "fp32":
-        g = 4  # the replicated fp32 stage keeps gradients in the parameters' dtype
-    f = 0 if g == 4 else 4
-    m = 0 if dtype == "fp32" else 4
-    s = _OPTIMIZER_STATE_BYTES[optimizer]
-    shard = -(-numel // world_size)  # ceil without float rounding
-    return MemoryEstimate(
-        stage=stage,
-        world_size=world_size,
-        numel=numel,
-        params=b * (shard if stage >= 3 else numel),
-        gradients=4 * shard if stage >= 2 else g * numel + f * (shard if stage == 1 else numel),
-        master=m * (shard if stage >= 1 else numel),
-        optimizer_state=s * (shard if stage >= 1 else numel),
-        dtype=dtype,
-        grad_accum_dtype=grad_dtype,
-        optimizer=optimizer,
+def _check_count(numel: object) -> None:
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise TypeError(f"model_or_numel must be an nn.Module or an int, got {type(numel).__name__}")
+    if numel < 0:
+        raise ValueError(f"model_or_numel={numel} must be >= 0 (a count of trainable elements)")
+
+
+# ------------------------------------------------------------------------- the paper's table
+@dataclass(frozen=True)
+class PaperCell:
+    """One cell of the paper's Table 1 beside the value the formulas give for it."""
+
+    model: str
+    """The paper's model label ("7.5B", "128B", "1T")."""
+    stage: int
+    world_size: int
+    printed: str
+    """The paper's value in GB, as printed."""
+    estimate: MemoryEstimate
+
+    @property
+    def matches(self) -> bool:
+        return matches_printed(self.estimate.total, self.printed)
+
+
+def matches_printed(total_bytes: int, printed: str) -> bool:
+    """Whether `total_bytes` in GB (1e9 bytes) is `printed` within the paper's rounding: rounded
+    half-up, or truncated, to the printed number of decimals (the paper does both)."""
+    decimals = len(printed.partition(".")[2])
+    scaled = Fraction(total_bytes * 10**decimals, 10**9)
+    target = Fraction(printed) * 10**decimals
+    return target in (math.floor(scaled + Fraction(1, 2)), math.floor(scaled))
+
+
+def paper_cells(costs: ByteCosts = PAPER_COSTS) -> list[PaperCell]:
+    """All 54 cells of the paper's Table 1, computed from `costs` (the paper's by default)."""
+    cells = []
+    for (model, stage, world_size), printed in PAPER_TABLE.items():
+        numel = PAPER_MODELS[model]
+        padded, shard = count_sizes(numel, stage, world_size)
+        estimate = estimate_from_costs(costs, stage, world_size=world_size, numel=numel,
+                                       padded_numel=padded, shard_numel=shard)
+        cells.append(PaperCell(model, stage, world_size, printed, estimate))
+    return cells
+
+
+def _gb(total_bytes: int) -> str:
+    """GB to at most 4 decimals, rounded half-up (exact: no binary float in between)."""
+    value = (Decimal(total_bytes) / 10**9).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
+    return f"{value:f}".rstrip("0").rstrip(".")
+
+
+def format_paper_table(cells: Sequence[PaperCell]) -> str:
+    """The paper's Table 1 in its shape (rows N_d, columns model x stage): each cell the computed GB
+    and `= printed` when it matches the paper's value, `!= printed` when not."""
+    by_key = {(c.model, c.stage, c.world_size): c for c in cells}
+    columns = [(model, stage) for model in PAPER_MODELS for stage in PAPER_STAGES]
+    costs = cells[0].estimate.costs
+    lines = [
+        _PAPER_HEADER,
+        "",
+        "| N_d | " + " | ".join(f"{model} {_STAGE_NAMES[stage]}" for model, stage in columns) + " |",
+        "| ---: |" + " ---: |" * len(columns),
+    ]
+    for world_size in PAPER_WORLD_SIZES:
+        row = []
+        for model, stage in columns:
+            cell = by_key[(model, stage, world_size)]
+            row.append(f"{_gb(cell.estimate.total)} {'=' if cell.matches else '!='} {cell.printed}")
+        lines.append(f"| {world_size} | " + " | ".join(row) + " |")
+    matched = sum(c.matches for c in cells)
+    return "\n".join([*lines, "", f"{matched} of {len(cells)} cells match the printed values.",
+                      _assumptions(costs), _ENGINE_DIFFERS])
+
+
+_PAPER_HEADER = (
+    "ZeRO paper, Table 1: per-device model-state memory in GB (1e9 bytes), computed with this engine's "
+    "per-state formulas; '= x' when the paper prints x (rounded half-up or truncated), '!= x' when not."
+)
+_ENGINE_DIFFERS = (
+    "This engine differs: stage 3 keeps no fp16/bf16 parameter shard (gathers cast from the fp32 master: "
+    "14 Psi/N_d in bf16, not 16); gradients are held in the accumulation dtype (default the parameter "
+    "dtype, as in DeepSpeed); fp32 training keeps no master (the optimizer updates the fp32 parameters in "
+    "place). See python -m engine.estimate --params 7.5e9 --world-size 64 --dtype bf16."
+)
+
+
+def _assumptions(costs: ByteCosts) -> str:
+    stage3 = "a parameter shard at stage 3" if costs.stage3_param_shard else "no parameter shard at stage 3"
+    return (
+        f"Assumptions: {costs.dtype} parameters ({costs.params} B/element), {costs.grad_accum_dtype} gradients "
+        f"({costs.gradients} B), K = {costs.master + costs.optimizer_state} B of optimizer state (fp32 master "
+        f"{costs.master} + {costs.optimizer} state {costs.optimizer_state}), {stage3}; Psi/N_d rounded up, "
+        "no padding."
     )
 
 
-def estimate_memory(
-    model_or_numel: torch.nn.Module | int,
-    stage: int | None = None,
-    world_size: int = 1,
-    dtype: str | torch.dtype = "fp32",
-    grad_accum_dtype: str | torch.dtype | None = None,
-    optimizer: str = "adam",
-) -> MemoryEstimate | list[MemoryEstimate]:
-    """Per-rank model-state bytes at `stage` (0-3), or a list for stages 0..3 when `stage` is None.
-
-    `model_or_numel` is a module (parameters with requires_grad, each shared parameter once) or an
-    element count. `grad_accum_dtype` defaults to `dtype`. See the module docstring for the formulas.
-    """
-    numel = _count_trainable(model_or_numel)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1 (the number of data-parallel ranks)")
-    if stage is not None and (isinstance(stage, bool) or stage not in STAGES):
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3 (or None for all four)")
-    param_dtype = _dtype_name(dtype, "dtype")
-    grad_dtype = param_dtype if grad_accum_dtype is None else _dtype_name(grad_accum_dtype, "grad_accum_dtype")
-    opt = _optimizer_name(optimizer)
-    if stage is not None:
-        return _stage_estimate(stage, numel, world_size, param_dtype, grad_dtype, opt)
-    return [_stage_estimate(s, numel, world_size, param_dtype, grad_dtype, opt) for s in STAGES]
-
-
+# ------------------------------------------------------------------------------ formatting
 def format_bytes(n: int) -> str:
     """Binary units: B, KiB, MiB, GiB, TiB."""
     value = float(n)
@@ -188,28 +444,34 @@ def format_table(estimates: MemoryEstimate | Iterable[MemoryEstimate]) -> str:
     rows = [estimates] if isinstance(estimates, MemoryEstimate) else list(estimates)
     if not rows:
         raise ValueError("format_table() needs at least one MemoryEstimate")
-    first = rows[0]
-    master = "fp32" if first.dtype != "fp32" else "none (fp32 shard updated in place)"
+    first, costs = rows[0], rows[0].costs
+    master = "fp32 (4 B)" if costs.master else "none (the optimizer updates the fp32 parameters in place)"
     header = (
         f"Model-state memory per rank: Psi = {first.numel:,} trainable elements, N = {first.world_size}, "
-        f"params {first.dtype} ({_DTYPE_BYTES[first.dtype]} B), grad accumulation {first.grad_accum_dtype} "
-        f"({_DTYPE_BYTES[first.grad_accum_dtype]} B; fp32 shard from stage 2), master {master}, "
-        f"optimizer {first.optimizer} ({_OPTIMIZER_STATE_BYTES[first.optimizer]} B/element)"
+        f"params {costs.dtype} ({costs.params} B), gradients in the accumulation dtype {costs.grad_accum_dtype} "
+        f"({costs.gradients} B; default the parameter dtype, as in DeepSpeed), master {master}, "
+        f"optimizer {costs.optimizer} ({costs.optimizer_state} B/element)"
     )
     lines = [
         header,
         "",
-        "| stage | params | gradients | master | optimizer | total |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| stage | params | gradients | master | optimizer | total | P | S |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for e in rows:
-        cells = [e.params, e.gradients, e.master, e.optimizer_state, e.total]
+        cells = [format_bytes(c) for c in (e.params, e.gradients, e.master, e.optimizer_state, e.total)]
         label = f"{e.stage} ({_STAGE_NAMES[e.stage]})"
-        lines.append("| " + " | ".join([label, *(format_bytes(c) for c in cells)]) + " |")
+        lines.append("| " + " | ".join([label, *cells, f"{e.padded_numel:,}", f"{e.shard_numel:,}"]) + " |")
     lines += ["", _EXCLUDED]
+    if any(e.stage == 3 for e in rows):
+        lines.append(
+            "Stage 3 keeps the fp32 shard as the parameters (no master)." if costs.stage3_param_shard else
+            f"Stage 3 keeps no {costs.dtype} parameter shard: gathers cast from the fp32 master."
+        )
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------- CLI
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
@@ -240,10 +502,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-rank model-state memory for ZeRO stages 0-3 (the ZeRO paper's Table 1, this engine's dtypes).",
     )
     parser.add_argument(
+        "--paper",
+        action="store_true",
+        help="print the paper's Table 1 computed with this engine's formulas under the paper's assumptions, "
+        "each cell checked against the printed value (exit status 1 if any differs); takes no other option",
+    )
+    parser.add_argument(
         "--params",
-        required=True,
         type=_parse_count,
-        help="trainable parameter count Psi (7.5e9, 7500000000, 7.5B, 350M)",
+        help="trainable parameter count Psi (7.5e9, 7500000000, 7.5B, 350M); required without --paper",
     )
     parser.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks N (default 1)")
     dtypes = sorted(_DTYPE_NAMES)
@@ -255,7 +522,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         type=str.lower,
         choices=dtypes,
-        help="gradient accumulation dtype (default: --dtype)",
+        help="dtype the gradients are accumulated and held in (default: --dtype, as in DeepSpeed)",
     )
     parser.add_argument(
         "--optimizer",
@@ -269,7 +536,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.paper:
+        given = [f"--{dest.replace('_', '-')}" for dest in ("params", "world_size", "dtype", "grad_accum_dtype",
+                                                             "optimizer", "stage")
+                 if getattr(args, dest) != parser.get_default(dest)]
+        if given:
+            parser.error(f"--paper prints the paper's fixed table; drop {', '.join(given)}")
+        cells = paper_cells()
+        print(format_paper_table(cells))
+        return 0 if all(c.matches for c in cells) else 1
+    if args.params is None:
+        parser.error("the following arguments are required: --params (or --paper for the paper's Table 1)")
     result = estimate_memory(
         args.params,
         stage=args.stage,
