@@ -311,7 +311,7 @@ def _ranks_cell(values: Sequence[float], fmt: Callable[[float], str]) -> str:
 
 def _main_table(rows: list[Row], psi: int) -> list[str]:
     base = next((r for r in rows if r.variant == BASELINE and r.ranks), None)
-    lines = [("| variant | model states MiB/rank | model states / Psi (B/param) | constant buffers MiB | "
+    lines = [("| variant | model states MiB/rank | model states / Psi (B per param per rank) | constant buffers MiB | "
               "peak RSS MiB | peak RSS - pre-model RSS MiB | peak RSS / DDP's |"),
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -348,14 +348,14 @@ def _breakdown(rows: list[Row]) -> list[str]:
 
 def _estimates(rows: list[Row], ws: int) -> list[str]:
     lines = [("| variant | Psi | measured model states B/rank | estimate_memory(...).total B | measured / estimate | "
-              "measured x N / Psi (B per param, in units of Psi/N) | constant buffers B |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "measured x N / Psi | estimate x N / Psi | constant buffers B |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if r.kind != "engine" or not r.ranks:
             continue
         psi, est, meas = r.ranks[0]["psi"], r.ranks[0]["estimate"], max(r.states())
         lines.append(f"| {LABELS[r.variant]} | {psi:,} | {meas:,} | {est:,} | {meas / est:.3f} | "
-                     f"{meas * ws / psi:.2f} | {max(r.buffers()):,} |")
+                     f"{meas * ws / psi:.2f} | {est * ws / psi:.2f} | {max(r.buffers()):,} |")
     return lines
 
 
@@ -381,9 +381,11 @@ def _goals(rows: list[Row], ws: int) -> list[str]:
     psi = s3.ranks[0]["psi"]
     states, bufs = max(s3.states()), max(s3.buffers())
     bound = 16 * psi / ws + bufs
-    out = [(f"- Model states at stage 3 <= 16 Psi/N + constant buffers: measured {_mib(states)} MiB/rank "
-            f"({states * ws / psi:.2f} bytes x Psi/N) + {_mib(bufs)} MiB of constant buffers, against 16 Psi/N "
-            f"= {_mib(16 * psi / ws)} MiB (+ buffers: {_mib(bound)} MiB): "
+    m = s3.ranks[0]["memory"]
+    split = " + ".join(f"{k} {m[k] * ws / psi:.2f}" for k in STATE_KEYS)
+    out = [(f"- Model states at stage 3 <= 16 Psi/N + constant buffers: measured {_mib(states)} MiB/rank = "
+            f"{states * ws / psi:.2f} Psi/N bytes ({split}), plus {_mib(bufs)} MiB of constant buffers, against "
+            f"16 Psi/N = {_mib(16 * psi / ws)} MiB (+ the buffers: {_mib(bound)} MiB): "
             + ("met" if states + bufs <= bound else "not met")
             + f". 14 Psi/N (bf16 gradient shards) would be {_mib(14 * psi / ws)} MiB.")]
     if ddp is not None:
@@ -450,6 +452,9 @@ def _write(args: argparse.Namespace, cfg: GPTConfig, rows: list[Row], ds_note: s
          f"and their gradients (micro batch {MICRO} x {cfg.seq_len} tokens, the {cfg.vocab_size}-wide logits and "
          "cross-entropy being the largest), gathered stage-3 units, autocast's weight copies, and memory the "
          "allocator keeps after it is freed."),
+        ("- Peak RSS moves by a few tens of MiB between runs of the same code (allocator, timing of the "
+         "communication threads): differences of that size between rows are noise. The optimizer state is "
+         "allocated in the first step, so the peak is normally reached by the second or third."),
         "- MiB = 2^20 bytes; model states / Psi in bytes per parameter per rank (x N for units of Psi/N).",
         "", "Settings:", "",
         f"- model {args.model}: {cfg}",
