@@ -22,10 +22,12 @@ from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
 from engine.monitor.csv_monitor import CsvMonitor
 from engine.monitor.log import get_logger
+from engine.monitor.memory import memory_line
 from engine.monitor.timers import WallClockTimers
 from engine.precision import Precision
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
+from engine.zero.units import full_numel
 
 logger = get_logger()
 
@@ -231,6 +233,8 @@ class Engine:
                             self.skipped_steps)
                 if self._timers:
                     logger.info(self._timers.report())
+                if self.engine_config.memory_breakdown:
+                    logger.info(memory_line(self.memory_report(), self._trainable_numel(), self.global_rank))
                 if self.engine_config.comms_logger:
                     sent, calls = self._last_step_comm["bytes_sent"], self._last_step_comm["calls"]
                     logger.info("comm last step: %s", ", ".join(
@@ -310,7 +314,13 @@ class Engine:
         return self._last_loss
 
     def memory_report(self) -> dict[str, int]:
+        """Bytes held on this rank per category: the model states (params, master, gradients,
+        optimizer_state; `python -m engine.estimate` predicts them) and the stage's buffers."""
         return self._require_alive().memory_report()
+
+    def _trainable_numel(self) -> int:
+        """Psi: elements of the trainable parameters (whole ones, also when stage 3 holds them empty)."""
+        return sum(full_numel(p) for p in self.module.parameters() if p.requires_grad)
 
     def consolidated_state_dict(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The model's full state dict on rank 0 ({} on other ranks), copied to `device` (None: where

@@ -80,22 +80,22 @@ class Precision:
         all-reduce (never a gather). An inf or nan anywhere makes the sum non-finite on every rank,
         so the same collective is the overflow check all ranks agree on.
         """
-        # One fused pass over every shard (engine/ops/overflow.py): the sum of squares in float64
-        # and whether any element is inf/nan, which becomes an inf sum so the all-reduce carries it.
-        local, overflow = sum_squares_and_overflow([s if s.is_contiguous() else s.contiguous() for s in shards])
+        # One fused pass over every shard (engine/ops/overflow.py), in the shards' own dtype: the sum
+        # of squares in float64 and whether any element is inf/nan, which becomes an inf sum so the
+        # all-reduce carries it.
+        local, overflow = sum_squares_and_overflow([row for s in shards for row in _contiguous_rows(s)])
         sumsq = torch.tensor([math.inf if overflow else local], dtype=torch.float32)
         if partitioned and comm.get_world_size() > 1:
             comm.all_reduce(sumsq)
         total = float(sumsq) ** 0.5 * abs(factor)
         return GradNorm(total, overflow=not math.isfinite(total))
 
-    def step_shards(self, shards: list[torch.Tensor], optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
-                    average: float, partitioned: bool,
-                    fused_step: Callable[[float], None] | None = None) -> tuple[float, bool]:
+    def step_shards(self, shards: list[torch.Tensor], update: Callable[[float], None], *, max_grad_norm: float,
+                    average: float, partitioned: bool) -> tuple[float, bool]:
         """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
-        vote), a skip on fp16 overflow, one multiply folding averaging, unscaling and clipping
-        (like torch.nn.utils.clip_grad_norm_), the optimizer step and the loss-scale update.
-        `fused_step(coef)` (optimizer offload) replaces the multiply and the step with one pass.
+        vote), a skip on fp16 overflow, then `update(coef)` (engine/zero/master_step.py), where coef
+        folds averaging, unscaling and clipping (like torch.nn.utils.clip_grad_norm_) into the one
+        factor the optimizer step applies to each gradient as it reads it, and the loss-scale update.
         Returns (global norm before clipping, whether the step was applied)."""
         factor = average / self.loss_scale
         norm = self.global_norm(shards, factor=factor, partitioned=partitioned)
@@ -105,13 +105,17 @@ class Precision:
         coef = factor
         if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
             coef *= max_grad_norm / (norm.norm + 1e-6)
-        if fused_step is not None:
-            fused_step(coef)
-        else:
-            if coef != 1.0:
-                for shard in shards:
-                    shard.mul_(coef)
-            optimizer.step()
+        update(coef)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return norm.norm, True
+
+
+def _contiguous_rows(t: torch.Tensor) -> list[torch.Tensor]:
+    """A gradient shard as contiguous pieces without copying: a (buckets, slice) view of a larger
+    buffer (stage 1) is strided, its rows are not."""
+    if t.is_contiguous():
+        return [t]
+    if t.dim() == 2 and t.stride(1) == 1:
+        return list(t.unbind(0))
+    return [t.contiguous()]

@@ -39,8 +39,7 @@ def _train(stage: int, offload: bool, bf16: bool, optimizer: str) -> dict[str, A
             x, y = rank_micro_batch(batch, rank, ws, MICRO, k)
             eng.backward(torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y))
             eng.step()
-    offload_state = eng._stage._offload
-    fused = offload_state.fused_steps if offload_state is not None else 0
+    fused = eng._stage.master_step.fused_steps
     state = eng.consolidated_state_dict() if stage == 3 else {k: v.clone() for k, v in model.state_dict().items()}
     eng.destroy()
     return {"state": {k: v.float() for k, v in state.items()}, "fused": fused}

@@ -130,12 +130,15 @@ TABLE: tuple[Entry, ...] = (
         "data_types.grad_accum_dtype",
         S.IMPLEMENTED,
         PRESENT,
-        "dtype of the full-size gradient accumulation buffer (stage 1, stage 2 inside no_sync); "
-        "default the parameter dtype",
+        "dtype gradients accumulate and stay in until the optimizer step reads them (the full buffer of "
+        "stages 0-1, the gradient shard of stages 1-3); default the parameter dtype, as DeepSpeed "
+        "(bf16 training: 2 bytes per gradient element); \"fp32\" for fp32 accumulation",
     ),
     Entry("comms_logger", S.IMPLEMENTED, PRESENT, "enabled: bytes sent per collective type at each step log line"),
     Entry("steps_per_print", S.IMPLEMENTED, PRESENT, "period of the progress log line; null or Infinity (what HF Accelerate writes) = never"),
     Entry("wall_clock_breakdown", S.IMPLEMENTED, PRESENT, "per-phase timers in the progress log"),
+    Entry("memory_breakdown", S.IMPLEMENTED, PRESENT,
+          "rank 0's model-state bytes per category (memory_report) and peak RSS at every steps_per_print line"),
     Entry("csv_monitor", S.IMPLEMENTED, PRESENT, "CSV metrics writer (engine/monitor)"),
     Entry(
         "zero_optimization",
@@ -159,7 +162,7 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
     Entry("zero_force_ds_cpu_optimizer", S.ACCEPTED, PRESENT,
-          "accepted: the offloaded step is always the engine's fused CPU Adam (engine/zero/offload.py)"),
+          "accepted: the offloaded step is always the engine's fused CPU Adam (engine/zero/master_step.py)"),
     Entry(
         "dataloader_drop_last",
         S.IMPLEMENTED,
@@ -221,7 +224,7 @@ TABLE: tuple[Entry, ...] = (
         one_of("cpu"),
         "ZeRO-Offload at stages 1-3: the step runs as one fused CPU Adam pass over the fp32 master shards "
         "(averaging, unscale and clip folded in, the bf16/fp16 shard written in the same pass; "
-        "engine/zero/offload.py); CPU training only for now (CUDA training with offload is refused at "
+        "engine/zero/master_step.py); CPU training only for now (CUDA training with offload is refused at "
         "initialize); pin_memory, fast_init and cpuadam_cores_perc accepted without effect",
     ),
     Entry(
@@ -542,9 +545,6 @@ TABLE: tuple[Entry, ...] = (
         "remove it",
     ),
     Entry("dump_state", S.WARNED, TRUE, "state dumping is not implemented", "set it to false"),
-    Entry(
-        "memory_breakdown", S.WARNED, TRUE, "memory breakdown logging is not implemented", "set it to false"
-    ),
     Entry(
         "sparse_gradients",
         S.WARNED,

@@ -147,14 +147,17 @@ class EngineConfig:
     communication_data_type: str | None = None
     """"fp32" | "fp16" | "bf16" | None (= the gradients' own dtype, as DeepSpeed)."""
     grad_accum_dtype: str | None = None
-    """`data_types.grad_accum_dtype`: dtype of full-size gradient accumulation buffers; None = the
-    parameter's dtype."""
+    """`data_types.grad_accum_dtype`: dtype gradients are accumulated and kept in until the optimizer
+    step reads them (the full-size buffer of stages 0-1, the gradient shard of stages 1-3); None = the
+    parameter's dtype, as in DeepSpeed."""
     comms_logger: bool = False
     """`comms_logger.enabled`: log bytes sent per collective type at every step log line."""
     steps_per_print: int | None = None
     """Log a progress line every N optimizer steps; None = never. DeepSpeed's code default is None
     (its docs still say 10); we match the code, which is what users' runs do."""
     wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    """Log rank 0's memory_report() and peak RSS with every progress line."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = False
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)

@@ -1,5 +1,5 @@
 """Flat parameter groups: the model's parameters moved into flat buffers, and the optimizer rebound
-to one fp32 shard per group (engine/zero/layout.py's Note explains the layout).
+to their fp32 masters (engine/zero/layout.py's Note explains the layout).
 
 Used by the flat stages: 1 and 2 with one slice per rank, 0 with one slice that every rank keeps.
 """
@@ -12,9 +12,8 @@ import torch
 
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
-from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
-from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
+from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 
 logger = get_logger()
 
@@ -38,7 +37,8 @@ class FlatGroup:
     """(num_buckets, slice_numel) fp32: the optimizer's parameter. A strided view of `flat` for
     fp32 groups (the shard is the master), a separate contiguous buffer otherwise."""
     shard_grad: torch.Tensor
-    """(num_buckets, slice_numel) fp32, contiguous: the reduced gradient of this rank's shard."""
+    """(num_buckets, slice_numel) in the accumulation dtype: the reduced gradient of this rank's shard.
+    Its own buffer at stage 2; at stages 0-1 a view of the full accumulation buffer."""
     grad_written: list[bool] = field(default_factory=list)
     """Per bucket: shard_grad row holds this window's gradient (else it is stale)."""
 
@@ -61,14 +61,6 @@ class FlatGroup:
         start, end = self.layout.bucket_range(b)
         return buffer[start:end]
 
-    def refresh_params(self) -> None:
-        """Write the updated master shard into this rank's slices of the parameter buffer: every
-        bucket's row cast to the parameter dtype in one parallel pass (engine/ops/flatten.py)."""
-        if self.owns_master:
-            lay = self.layout
-            copy_into(self.flat, list(self.master.unbind(0)),
-                      [lay.bucket_range(b)[0] + self.rank * lay.slice_numel for b in range(lay.num_buckets)])
-
 
 def arrival_order(module: torch.nn.Module) -> dict[int, int]:
     """id(param) -> position in the order gradients are expected (reverse of registration)."""
@@ -79,7 +71,8 @@ def arrival_order(module: torch.nn.Module) -> dict[int, int]:
 def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
                       bucket_size: int) -> list[FlatGroup]:
     """Move every trainable parameter of the optimizer into flat buffers (in arrival order), one group per
-    optimizer param group and dtype, each with an fp32 master of this rank's shard."""
+    optimizer param group and dtype, each with an fp32 master of this rank's shard (the stage gives
+    each its gradient shard)."""
     order = arrival_order(module)
     names = {id(p): n for n, p in module.named_parameters()}
     groups: list[FlatGroup] = []
@@ -93,41 +86,40 @@ def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def bind_optimizer_to_shards(optimizer: torch.optim.Optimizer, groups: list[FlatGroup],
-                             config: EngineConfig) -> OptimizerOffload | None:
+                             config: EngineConfig) -> MasterStep:
     """Stages 1-2: each optimizer param group steps its flat groups' fp32 shards (engine.initialize
-    checks that the optimizer is elementwise: config/run_checks.py); with optimizer offload, the fused CPU step that also writes the
-    low-precision shard, so no refresh of the parameters follows."""
-    for g in groups:
-        g.master.grad = g.shard_grad
+    checks that the optimizer is elementwise: config/run_checks.py). The step writes each updated
+    shard into this rank's slices of the low-precision parameter buffer (engine/zero/master_step.py)."""
     bind_shards(optimizer, [[g.master for g in groups if g.opt_group == gi]
                             for gi in range(len(optimizer.param_groups))])
-    if not offload_enabled(config):
-        return None
-    return OptimizerOffload(optimizer, [OffloadTarget(g.master, g.shard_view(g.flat) if g.owns_master else None)
-                                        for g in groups])
+    return MasterStep(optimizer, [MasterTarget(g.master, g.shard_grad, g.shard_view(g.flat) if g.owns_master else None)
+                                  for g in groups], offload=offload_enabled(config))
 
 
-def bind_optimizer_per_parameter(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> list[list[torch.Tensor]]:
-    """Stage 0: each optimizer param group steps one fp32 master view per parameter (its .grad a view
-    of the fp32 gradient rows), so per-tensor optimizers (LAMB's trust ratio) see each tensor whole.
-    Needs groups laid out with one slice per bucket (every rank holds the whole master). Returns each
-    group's master views, in the order of its parameters."""
+def bind_optimizer_per_parameter(optimizer: torch.optim.Optimizer, groups: list[FlatGroup],
+                                 config: EngineConfig) -> tuple[list[list[torch.Tensor]], MasterStep]:
+    """Stage 0: each optimizer param group steps one fp32 master view per parameter (its gradient a view
+    of the gradient rows), so per-tensor optimizers (LAMB's trust ratio) see each tensor whole. Needs
+    groups laid out with one slice per bucket (every rank holds the whole master). Returns each
+    group's master views, in the order of its parameters, and the step over them."""
     per_group: list[list[torch.Tensor]] = []
     view_of: dict[int, torch.Tensor] = {}
+    targets: list[MasterTarget] = []
     for g in groups:
         assert g.layout.world_size == 1, "per-parameter masters need the whole group on this rank"
-        master, grads = g.master.view(-1), g.shard_grad.view(-1)
+        master, grads, flat = g.master.view(-1), g.shard_grad.view(-1), g.flat.view(-1)
         views = []
         for p, span in zip(g.params, g.layout.params):
             view = master[span.offset:span.end].view(p.shape)
-            view.grad = grads[span.offset:span.end].view(p.shape)
+            targets.append(MasterTarget(view, grads[span.offset:span.end].view(p.shape),
+                                        flat[span.offset:span.end].view(p.shape) if g.owns_master else None))
             views.append(view)
             view_of[id(p)] = view
         per_group.append(views)
     # In each param group the user's order (optimizer.param_groups[i]["params"][k] is the k-th they passed).
     bind_shards(optimizer, [[view_of[id(p)] for p in group["params"] if id(p) in view_of]
                             for group in optimizer.param_groups])
-    return per_group
+    return per_group, MasterStep(optimizer, targets, offload=offload_enabled(config))
 
 
 def bind_shards(optimizer: torch.optim.Optimizer, shards: list[list[torch.Tensor]]) -> None:
@@ -162,12 +154,10 @@ def _flatten(index: int, opt_group: int, params: list[torch.nn.Parameter], names
             view = flat[span.offset:span.end].view_as(p)
             view.copy_(p.data)
             p.data = view
-    shape = (layout.num_buckets, layout.slice_numel)
     group = FlatGroup(index, opt_group, params, names, layout, rank, flat,
                       master=flat,  # placeholder, set below
-                      shard_grad=torch.zeros(shape, dtype=torch.float32, device=device),
+                      shard_grad=torch.empty(0, device=device),  # the stage's _allocate_gradients sets it
                       grad_written=[False] * layout.num_buckets)
     mine = group.shard_view(flat)
     group.master = mine if dtype == torch.float32 else mine.to(torch.float32).contiguous()
-    group.master.grad = group.shard_grad
     return group

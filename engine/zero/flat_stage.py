@@ -1,5 +1,6 @@
-"""What ZeRO stages 0, 1 and 2 share: flat groups, ordered bucket reduction into fp32 gradient rows,
-the optimizer step on them, and (when partitioned) the all-gather of updated parameters.
+"""What ZeRO stages 0, 1 and 2 share: flat groups, ordered bucket reduction into gradient rows (in the
+accumulation dtype), the optimizer step on them, and (when partitioned) the all-gather of updated
+parameters.
 
 Every trainable parameter lives in a flat group (engine/zero/flat_groups.py) laid out by
 engine/zero/layout.py with `shards` slices per bucket: the world size at stages 1-2, one at stage 0,
@@ -35,13 +36,16 @@ from engine import comm
 from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
+from engine.monitor.log import get_logger
 from engine.precision import Precision
 from engine.zero import bucket_sizes, owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
-from engine.zero.offload import OptimizerOffload
+from engine.zero.master_step import MasterStep
 from engine.zero.ordered_launch import LaunchInOrder
+
+logger = get_logger()
 
 
 @dataclass(eq=False)
@@ -99,7 +103,6 @@ class FlatStage:
         reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size, gathers=self.partitioned)
         self.groups: list[FlatGroup] = build_flat_groups(module, optimizer, world_size=shards, rank=self._rank,
                                                          bucket_size=reduce_size)
-        self._offload: OptimizerOffload | None = None
         self._allocate_gradients()
         self._bind_optimizer(config)
 
@@ -121,18 +124,22 @@ class FlatStage:
         self._reduce_in_backward = False
         self._late: dict[int, torch.Tensor] = {}  # bucket order -> late gradient parts; see the Note
         self.pool = BucketPool(max(g.layout.bucket_numel for g in self.groups) if self.groups else 0)
+        self._max_buffers = 2 if zero.overlap_comm else 1
+        """Pooled bucket buffers in flight before the oldest reduction is waited for."""
+        self._grew = False
         self.launched_from_hooks = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
 
     # ------------------------------------------------------------------- subclass interface
     def _allocate_gradients(self) -> None:
-        """The gradient buffers; may make the groups' fp32 gradient rows (shard_grad) views of them."""
+        """The gradient buffers, and each group's gradient rows (shard_grad) in the accumulation dtype:
+        a buffer of their own, or views of a full-size one."""
         raise NotImplementedError
 
     def _bind_optimizer(self, config: EngineConfig) -> None:
-        """Point the optimizer at the fp32 masters, their .grad at the fp32 gradient rows: one shard per
-        group (stages 1-2; stage 0 binds one view per parameter), with the offloaded step if configured."""
-        self._offload = bind_optimizer_to_shards(self.optimizer, self.groups, config)
+        """Point the optimizer at the fp32 masters and set up the step over them and their gradient rows
+        (self.master_step): one shard per group (stages 1-2; stage 0 binds one view per parameter)."""
+        self.master_step: MasterStep = bind_optimizer_to_shards(self.optimizer, self.groups, config)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         raise NotImplementedError
@@ -155,6 +162,26 @@ class FlatStage:
     # ---------------------------------------------------------------------------- reduction
     def wire_dtype(self, g: FlatGroup) -> torch.dtype:
         return self.precision.wire_dtype(g.dtype)
+
+    def _acquire(self, bk: Bucket) -> torch.Tensor:
+        """The bucket's buffer (wire dtype), taking one from the pool; waits for the oldest in-flight
+        reduction when the pool is at its limit (overlap_comm: 2, else 1), so bucket memory stays
+        constant whatever the model's size."""
+        if bk.data is not None:
+            return bk.data
+        while self.pool.in_use >= self._max_buffers:
+            in_flight = next((x for x in self.buckets[:self._launcher.next] if x.pending is not None), None)
+            if in_flight is None:
+                if not self._grew:
+                    logger.debug("stage %d: gradients arrive out of bucket order; bucket pool grows beyond %d",
+                                 self.stage, self._max_buffers)
+                    self._grew = True
+                break
+            self._finish(in_flight)
+        g = bk.group
+        bk.data = self.pool.acquire(g.layout.bucket_numel, self.wire_dtype(g), g.flat.device)
+        bk.pooled = True
+        return bk.data
 
     def _mark_ready(self, bk: Bucket, i: int) -> None:
         bk.ready.add(i)
@@ -247,13 +274,10 @@ class FlatStage:
         self._flush()
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
         outcome = shard_step.step_on_gradients(
-            self.precision, self.optimizer, [g.shard_grad for g in self.groups], stale=stale,
+            self.precision, [g.shard_grad for g in self.groups], stale=stale,
             averaging=self._averaging, max_grad_norm=max_grad_norm, partitioned=self._shards > 1,
-            fused_step=self._offload.step if self._offload else None)
+            update=self.master_step.step)
         if outcome.applied:
-            if self._offload is None:
-                for g in self.groups:
-                    g.refresh_params()
             self._gather_params()
         self.zero_grad()
         return outcome
@@ -322,7 +346,7 @@ class FlatStage:
             return total
 
         state = [v for p in self._optimizer_params() for v in self.optimizer.state.get(p, {}).values()
-                 if torch.is_tensor(v) and v.numel() > 1]
+                 if torch.is_tensor(v) and v.dim() > 0]
         return {
             "params": nbytes([g.flat for g in self.groups]),
             "master": nbytes([g.master for g in self.groups]),

@@ -4,9 +4,9 @@ The same flat layout as every stage (engine/zero/layout.py), with one slice per 
 rank keeps: gradients accumulate in a full-size flat buffer and each bucket is all-reduced during
 the boundary backward (engine/zero/boundary_reduced.py). The optimizer sees one fp32 master per
 parameter, a view into the group's flat master (in fp32 the parameters' own storage), with its
-gradient a view into the fp32 gradient rows: so any torch optimizer runs unchanged, per-tensor ones
-included (LAMB's trust ratio is per parameter), in fp32, bf16 and fp16. bf16/fp16 parameters are
-refreshed from the masters with one cast per group after the step.
+gradient a view into the gradient rows (in the accumulation dtype; engine/zero/master_step.py steps
+them): so any torch optimizer runs unchanged, per-tensor ones included (LAMB's trust ratio is per
+parameter), in fp32, bf16 and fp16. bf16/fp16 parameters are written from the masters by the step.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Stage0(BoundaryReducedStage):
     partitioned = False
 
     def _bind_optimizer(self, config: EngineConfig) -> None:
-        self._masters = bind_optimizer_per_parameter(self.optimizer, self.groups)
+        self._masters, self.master_step = bind_optimizer_per_parameter(self.optimizer, self.groups, config)
 
     # Late gradients (flat_stage.py's Note) are refused here, as DDP refuses them: reducing them needs
     # every rank to agree on which buckets have any, one more collective per step, and stage 0 moves

@@ -2,8 +2,8 @@
 
 There is no full-size gradient buffer. The post-accumulate-grad hook of each parameter copies its
 gradient into the buffer of its bucket (cast to the wire dtype in the same copy) and frees it; a
-complete bucket is reduce-scattered asynchronously and its slice added into this rank's fp32
-gradient shard, on every micro-step. Bucket buffers come from a small pool: with overlap_comm two
+complete bucket is reduce-scattered asynchronously and its slice added into this rank's gradient
+shard (in the accumulation dtype, as DeepSpeed accumulates), on every micro-step. Bucket buffers come from a small pool: with overlap_comm two
 may be in flight, so backward keeps filling one while the other reduces; without it, one. Only
 when gradients arrive far out of layout order does the pool grow (logged once at debug level).
 
@@ -17,11 +17,8 @@ from __future__ import annotations
 import torch
 
 from engine.config.types import EngineConfig
-from engine.monitor.log import get_logger
 from engine.precision import Precision
 from engine.zero.flat_stage import Bucket, FlatStage
-
-logger = get_logger()
 
 
 class Stage2(FlatStage):
@@ -31,12 +28,13 @@ class Stage2(FlatStage):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
                  precision: Precision) -> None:
         super().__init__(module, optimizer, config, precision)
-        self._max_buffers = 2 if config.zero.overlap_comm else 1
         self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
-        self._grew = False
 
     def _allocate_gradients(self) -> None:
-        pass  # bucket buffers come from the pool as gradients arrive
+        # Only the shard's rows; bucket buffers come from the pool as gradients arrive.
+        for g in self.groups:
+            g.shard_grad = torch.zeros((g.layout.num_buckets, g.layout.slice_numel),
+                                       dtype=self.precision.grad_accum_dtype(g.dtype), device=g.flat.device)
 
     # ------------------------------------------------------------------------------- hooks
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -74,25 +72,6 @@ class Stage2(FlatStage):
                                                       dtype=self.precision.grad_accum_dtype(g.dtype))
         span = g.layout.params[i]
         buf[span.offset:span.end].add_(grad.reshape(-1))
-
-    def _acquire(self, bk: Bucket) -> torch.Tensor:
-        """The bucket's buffer, taking one from the pool; waits for the oldest in-flight reduction
-        when the pool is at its limit (overlap_comm: 2, else 1)."""
-        if bk.data is not None:
-            return bk.data
-        while self.pool.in_use >= self._max_buffers:
-            in_flight = next((x for x in self.buckets[:self._launcher.next] if x.pending is not None), None)
-            if in_flight is None:
-                if not self._grew:
-                    logger.debug("stage 2: gradients arrive out of bucket order; bucket pool grows beyond %d",
-                                 self._max_buffers)
-                    self._grew = True
-                break
-            self._finish(in_flight)
-        g = bk.group
-        bk.data = self.pool.acquire(g.layout.bucket_numel, self.wire_dtype(g), g.flat.device)
-        bk.pooled = True
-        return bk.data
 
     def _fill(self, bk: Bucket) -> None:
         data = self._acquire(bk)

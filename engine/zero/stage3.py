@@ -31,7 +31,7 @@ from engine.precision import Precision
 from engine.zero import memory_efficient_linear, owners, released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import bind_shards
-from engine.zero.offload import OffloadTarget, OptimizerOffload, offload_enabled
+from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.prefetch import PrefetchPlan
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3_gather import UnitGathers
@@ -58,7 +58,8 @@ class Stage3:
 
         self.units: list[Unit] = build_units(module, optimizer, config.zero.leaf_module,
                                              config.zero.stage3_module_granularity_threshold,
-                                             world=comm.get_world_size(), rank=self._rank)
+                                             world=comm.get_world_size(), rank=self._rank,
+                                             grad_dtype=precision.grad_accum_dtype)
         for unit in self.units:
             handle = owners.UnitHandle(gather=partial(self.gather_for_user, unit),
                                        release=partial(self.release_for_user, unit),
@@ -70,10 +71,10 @@ class Stage3:
         if optimizer is not None:
             bind_shards(optimizer, [[g.master for g in trainable if g.opt_group == gi]
                                     for gi in range(len(optimizer.param_groups))])
-        # Optimizer offload: masters are the only persistent copy of trainable parameters (or the fp32
-        # shard itself), gathering casts, so the fused step has no low-precision copy to write.
-        self._offload = OptimizerOffload(optimizer, [OffloadTarget(g.master, None) for g in trainable]) \
-            if offload_enabled(config) and optimizer is not None else None
+        # The masters are the only persistent copy of trainable parameters (or the fp32 shard itself):
+        # gathering casts, so the step has no low-precision copy to write.
+        self.master_step = MasterStep(optimizer, [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
+                                      offload=offload_enabled(config)) if optimizer is not None else None
 
         zero = config.zero
         # Which units to prefetch or keep (pure bookkeeping); the gathers and the gradient reduction
@@ -148,14 +149,14 @@ class Stage3:
     def step(self, max_grad_norm: float) -> StepOutcome:
         if self.optimizer is None:
             raise RuntimeError("stage 3 was built without an optimizer (evaluation only): it has nothing to step")
-        # Every gradient of the window reduced into the fp32 shard gradients, nothing left gathered.
+        # Every gradient of the window reduced into the shard gradients, nothing left gathered.
         self._grads.flush()
         self._gathers.drop_prefetched()
         # Norm, clipping, the optimizer step on the shards (rows no reduction wrote are zeroed first).
-        outcome = step_on_gradients(self.precision, self.optimizer, self._grads.shard_grads(),
-                                    stale=self._grads.stale_rows(), averaging=self._averaging,
-                                    max_grad_norm=max_grad_norm, partitioned=True,
-                                    fused_step=self._offload.step if self._offload else None)
+        assert self.master_step is not None
+        outcome = step_on_gradients(self.precision, self._grads.shard_grads(), stale=self._grads.stale_rows(),
+                                    averaging=self._averaging, max_grad_norm=max_grad_norm, partitioned=True,
+                                    update=self.master_step.step)
         # A new accumulation window.
         self.zero_grad()
         self.steps += 1
@@ -172,7 +173,7 @@ class Stage3:
         trainable = [g for u in self.units for g in u.trainable]
         opt_state = self.optimizer.state if self.optimizer is not None else {}
         state = sum(nbytes(v) for g in trainable
-                    for v in opt_state.get(g.master, {}).values() if torch.is_tensor(v) and v.numel() > 1)
+                    for v in opt_state.get(g.master, {}).values() if torch.is_tensor(v) and v.dim() > 0)
         return {
             "params": sum(nbytes(g.shard) for g in groups),
             "master": sum(nbytes(g.master) for g in trainable if g.shard is None),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +73,7 @@ class TrainableGroup(ShardedGroup):
     master: torch.Tensor
     """fp32 optimizer parameter: the shard itself in fp32, a copy otherwise."""
     shard_grad: torch.Tensor
-    """fp32, the master's gradient: this rank's slice of the unit's reduced gradients."""
+    """The master's gradient, in the accumulation dtype: this rank's slice of the unit's reduced gradients."""
     grad_bucket: torch.Tensor | None = None
     """1D, padded like `full`, in the wire dtype: the unit's local gradients from their arrival until
     the reduce-scatter reading it finished; None otherwise."""
@@ -120,10 +120,10 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                 leaf_module: Mapping[str, Iterable[str]] | None, merge_below: int, *, world: int,
-                rank: int) -> list[Unit]:
+                rank: int, grad_dtype: Callable[[torch.dtype], torch.dtype]) -> list[Unit]:
     """Plan the units (engine/zero/units.py) and shard each: afterwards every parameter is empty and
     this rank holds its slices (parameters built under engine.zero.Init are re-laid from their own
-    partition, all-gathering one parameter at a time)."""
+    partition, all-gathering one parameter at a time). Gradient shards are in grad_dtype(param dtype)."""
     opt_groups = optimizer.param_groups if optimizer is not None else []
     group_of = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"] if p.requires_grad}
     is_leaf = leaf_test(leaf_module)
@@ -136,14 +136,14 @@ def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
         for i, p in enumerate(plan.params):
             keys.setdefault((group_of.get(id(p)), p.dtype), []).append(i)
         groups = [shard_group([plan.params[i] for i in idx], [plan.param_names[i] for i in idx], opt_group,
-                              unit_name=plan.name, world=world, rank=rank)
-                  for (opt_group, _), idx in keys.items()]
+                              unit_name=plan.name, world=world, rank=rank, grad_dtype=grad_dtype(dtype))
+                  for (opt_group, dtype), idx in keys.items()]
         units.append(Unit(len(units), plan.name, plan.modules, groups))
     return units
 
 
 def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: int | None, *, unit_name: str,
-                world: int, rank: int) -> ShardedGroup:
+                world: int, rank: int, grad_dtype: torch.dtype) -> ShardedGroup:
     """Lay `params` (one dtype) out flat, keep this rank's slice, and leave each parameter empty."""
     shapes = [full_shape(p) for p in params]
     for p, shape in zip(params, shapes):
@@ -171,8 +171,7 @@ def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: i
         return ShardedGroup(params=params, names=names, shapes=shapes, layout=layout, shard=shard, dtype=dtype,
                             device=device, unit_name=unit_name)
     master = shard if dtype == torch.float32 else shard.to(torch.float32)
-    shard_grad = torch.zeros(layout.slice_numel, dtype=torch.float32, device=device)
-    master.grad = shard_grad
+    shard_grad = torch.zeros(layout.slice_numel, dtype=grad_dtype, device=device)
     return TrainableGroup(params=params, names=names, shapes=shapes, layout=layout,
                           shard=shard if dtype == torch.float32 else None, opt_group=opt_group, dtype=dtype,
                           device=device, unit_name=unit_name, master=master, shard_grad=shard_grad)
