@@ -253,10 +253,11 @@ def _issued(work: Work | None, op: str) -> Work:
 
 
 class _Finish:
-    """Async handle of a native collective plus a local step after it (a cast or an add), once."""
+    """Async handle of a collective plus a local step after it (a cast or an add), once."""
 
-    def __init__(self, work: Work, finish: Callable[[], object] | None = None) -> None:
-        self._work: Work | None = work  # None once waited on
+    def __init__(self, work: Work | comm_p2p.P2PWork | comm_ring.RingWork,
+                 finish: Callable[[], object] | None = None) -> None:
+        self._work: Work | comm_p2p.P2PWork | comm_ring.RingWork | None = work  # None once waited on
         self._finish = finish  # called once, after the collective; its result is unused
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -374,8 +375,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     `output` may be rank r's slice of `input` itself (in place), or a tensor of another dtype (the sum is
     taken in output's dtype: float32 output from bf16 gradients sums in float32). `wire_dtype` (default:
     input's dtype) is what travels: bf16 halves the bytes of a float32 input and each contribution is
-    rounded to it once. `accumulate` adds the sum to what output holds instead of overwriting it.
-    `input` must not be touched until the handle is waited for; its contents are unchanged only when
+    rounded to it once. `accumulate` adds the sum, rounded to output's dtype once, to what output holds
+    instead of overwriting it: `output += reduce(...)`, DeepSpeed's order for gradient accumulation
+    (round(acc + round(a + b)) in bf16, never round(round(acc + a) + b)). `input` must not be touched until the handle is waited for; its contents are unchanged only when
     the wire dtype is its own and output is not its slice.
     """
     n = get_world_size()
@@ -388,8 +390,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     if impl != "native":
         _sent("reduce_scatter", wire_bytes * (n - 1) // n)
         schedule = comm_ring if impl == "ring" else comm_p2p
-        work: Handle = schedule.reduce_scatter(_TorchTransport, output, input, rank=get_rank(), n=n,
-                                               seq=_next_seq(), key=key, wire=wire, accumulate_into=accumulate)
+        target = torch.empty_like(output) if accumulate else output  # the sum, added into output after
+        started = schedule.reduce_scatter(_TorchTransport, target, input, rank=get_rank(), n=n, seq=_next_seq(),
+                                          key=key, wire=wire)
+        work: Handle = _Finish(started, lambda: output.add_(target)) if accumulate else started
     else:
         # gloo emulates it with an all-reduce (2(N-1)/N of the buffer); NCCL runs a real one.
         factor = 2 if get_backend() == "gloo" and n > 1 else 1

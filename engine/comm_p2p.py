@@ -218,14 +218,12 @@ class ReduceScatterStart(NamedTuple):
 
 
 def open_reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-                        seq: int, key: int, wire: torch.dtype, accumulate_into: bool) -> ReduceScatterStart:
+                        seq: int, key: int, wire: torch.dtype) -> ReduceScatterStart:
     """What every reduce-scatter schedule does first: check the arguments, send the signature, and
     round every contribution (this rank's own included) to the wire dtype once."""
     c = input.numel() // n
     chunks = input.view(n, c)
     in_place = output.data_ptr() == chunks[rank].data_ptr() and output.dtype == input.dtype
-    if in_place and accumulate_into:
-        raise ValueError("reduce_scatter: accumulating into output is impossible when output is the input's own slice")
     signatures = exchange_signatures(transport, Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key),
                                      rank, n)
     if wire == input.dtype:
@@ -248,11 +246,10 @@ def open_all_gather(transport: Transport, output: torch.Tensor, input: torch.Ten
 
 
 def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-                   seq: int, key: int, wire: torch.dtype, accumulate_into: bool) -> P2PWork:
-    """Start: output (=, or += with accumulate_into) the sum over ranks of slice `rank` of their
-    inputs, each contribution rounded to `wire`, summed in output's dtype. See the module docstring."""
-    start = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq, key=key, wire=wire,
-                                accumulate_into=accumulate_into)
+                   seq: int, key: int, wire: torch.dtype) -> P2PWork:
+    """Start: output = the sum over ranks of slice `rank` of their inputs, each contribution rounded
+    to `wire`, summed in output's dtype. See the module docstring."""
+    start = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq, key=key, wire=wire)
     c, source, in_place, signatures, release = start
     mine = signatures.mine
     sends: list[PendingWork] = []
@@ -272,10 +269,7 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
     # Our own contribution goes in first, while the transfers run.
     own = source[rank]
     if not in_place:
-        if accumulate_into:
-            add_into(output, own)
-        else:
-            assign(output, own)
+        assign(output, own)
     elif wire != input.dtype:
         assign(output, own)  # the wire-rounded value, as every peer's contribution is
 

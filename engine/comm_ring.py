@@ -110,11 +110,11 @@ PROGRESS = _Progress()
 
 
 def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-                   seq: int, key: int, wire: torch.dtype, accumulate_into: bool) -> RingWork:
-    """Start: output (=, or += with accumulate_into) the sum over ranks of slice `rank` of their
-    inputs, summed around the ring (see the module docstring)."""
+                   seq: int, key: int, wire: torch.dtype) -> RingWork:
+    """Start: output = the sum over ranks of slice `rank` of their inputs, summed around the ring (see
+    the module docstring)."""
     c, source, _, signatures, release = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq,
-                                                            key=key, wire=wire, accumulate_into=accumulate_into)
+                                                            key=key, wire=wire)
     sends: list[PendingWork] = []
     left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
     segments = split_segments(c, torch.empty((), dtype=wire).element_size())
@@ -123,7 +123,7 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
     recvs = [[transport.irecv(partial[s, a:b], left, tag) for a, b in segments] for s in range(n - 1)]
     first = (rank - 1) % n
     sends += [transport.isend(source[first, a:b], right, tag) for a, b in segments]  # step 0: our own
-    direct = wire == output.dtype and not accumulate_into  # finish in the wire buffer, then copy
+    direct = wire == output.dtype  # finish in the wire buffer, then copy
 
     def run() -> None:
         signatures.check()
@@ -139,10 +139,7 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
                     add_into(got, own)
                     output[a:b].copy_(got)
                 else:
-                    if accumulate_into:
-                        add_into(output[a:b], got)
-                    else:
-                        assign(output[a:b], got)
+                    assign(output[a:b], got)
                     add_into(output[a:b], own)
         for work in sends:
             work.wait()

@@ -227,7 +227,6 @@ def test_warned_key_is_warned_once_per_process() -> None:
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint"),
         ({"dump_state": True}, "dump_state"),
-        ({"memory_breakdown": True}, "memory_breakdown"),
         ({"sparse_gradients": True}, "sparse_gradients"),
         ({"aio": {"queue_depth": 32}}, "aio"),
         ({"timers": {"throughput": {"enabled": False}}}, "timers"),

@@ -26,6 +26,7 @@ BUCKET = 300
 PRECISIONS = [("fp32", None), ("bf16", None), ("bf16", "fp32"), ("fp16", None), ("fp16", "fp32")]
 """(model dtype, data_types.grad_accum_dtype): None is DeepSpeed's default, the model dtype."""
 STAGE3_BUFFERS = {"gathered", "peak_gathered"}
+NUMEL = 5 * WIDTH + WIDTH + 3 * (WIDTH * WIDTH + WIDTH)
 
 
 class Blocks(torch.nn.Module):
@@ -92,8 +93,8 @@ def test_memory_report_equals_the_estimate(world_size: int) -> None:
             report = row["report"]
             measured = {k: report[k] for k in MODEL_STATES}
             assert measured == row["estimate"], where
-            # Padding really is part of it: the model's 1,436 elements are not a multiple of 128 bytes.
-            assert row["padded"] > row["numel"], where
+            # Padding really is part of it: the model's 4,440 elements are not a multiple of 128 bytes.
+            assert row["padded"] > row["numel"] == NUMEL, where
             buffers = {k: v for k, v in report.items() if k not in MODEL_STATES}
             if row["stage"] < 3:
                 assert set(buffers) == {"buckets"}, where
@@ -122,3 +123,25 @@ def _check_gradient_dtypes(rows: dict[tuple[int, str, str | None], dict[str, Any
     assert stage3["report"]["gradients"] == 2 * stage3["shard"]
     total = sum(stage3["report"][k] for k in MODEL_STATES)
     assert total == 14 * stage3["shard"]  # fp32 master 4 + bf16 gradient 2 + Adam 8; no bf16 shard kept
+
+
+def test_memory_breakdown_logs_model_states_and_peak_rss(capsys: pytest.CaptureFixture[str]) -> None:
+    def run() -> dict[str, int]:
+        torch.manual_seed(0)
+        model = Blocks()
+        config = {**_config(2, "bf16", None), "memory_breakdown": True, "steps_per_print": 1}
+        eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=config)
+        eng.backward(eng(torch.randn(4, 5).bfloat16()).float().square().mean())
+        eng.step()
+        report = eng.memory_report()
+        eng.destroy()
+        return report
+
+    report = run()  # in this process: a one-rank group, no port opened
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "memory rank 0 |" in line)
+    for key in (*MODEL_STATES, "buckets"):
+        assert f"{key} {report[key] / 2**20:.2f} MiB" in line, line
+    states = sum(report[k] for k in MODEL_STATES)
+    assert f"model states {states / 2**20:.2f} MiB ({states / NUMEL:.2f} B/param)" in line, line
+    assert "peak RSS" in line and "peak RSS 0.00 MiB" not in line, line

@@ -313,3 +313,23 @@ def test_cpu_adam_rejects_what_it_does_not_implement() -> None:
     model(torch.ones(1, 12)).sum().backward()
     with pytest.raises(NotImplementedError, match="maximize"):
         opt.step()
+
+
+def test_fallback_works_in_bounded_pieces_with_the_same_result() -> None:
+    # The torch path upcasts a low-precision gradient piece by piece (adam_ops._PIECE elements), never
+    # the whole tensor: the result equals the same math done on whole tensors, bit for bit.
+    n = 2 * adam_ops._PIECE + 77
+    tensors = _tensors([n], torch.bfloat16, torch.bfloat16)
+    got = _run(adam_step_reference, tensors, weight_decay=0.1, grad_scale=0.37)
+    hyper = {**HYPER, "weight_decay": 0.1}
+    p, m, v = (tensors[k][0].clone() for k in ("params", "exp_avgs", "exp_avg_sqs"))
+    g = tensors["grads"][0].float() * 0.37
+    step = hyper["step"]
+    p.mul_(1 - hyper["lr"] * hyper["weight_decay"])
+    m.lerp_(g, 1 - hyper["beta1"])
+    v.mul_(hyper["beta2"]).addcmul_(g, g, value=1 - hyper["beta2"])
+    denom = (v.sqrt() / (1 - hyper["beta2"] ** step) ** 0.5).add_(hyper["eps"])
+    p.addcdiv_(m, denom, value=-hyper["lr"] / (1 - hyper["beta1"] ** step))
+    assert torch.equal(got["params"][0], p)
+    assert torch.equal(got["exp_avgs"][0], m) and torch.equal(got["exp_avg_sqs"][0], v)
+    assert torch.equal(got["lp_params"][0], p.bfloat16())

@@ -7,9 +7,9 @@ torch.optim.AdamW(fused=True) on CPU already runs near the DRAM limit, but pays 
 tensor, and unscaling (loss scale), the clip coefficient and the cast to the bf16 model copy are
 separate passes over memory. `adam_step` does all of it in one pass of the compiled op in
 csrc/cpu/adam.cpp (one call for all tensors; 28 bytes per parameter with bf16 gradients and a bf16
-copy; csrc/cuda for CUDA tensors), and falls back to `adam_step_reference`, the same math as
-per-tensor torch ops, when the extension is not built (see engine/ops/builder.py) or the tensors are
-on mixed devices.
+copy, each gradient upcast in registers; csrc/cuda for CUDA tensors), and falls back to
+`adam_step_reference`, the same math as torch ops on bounded pieces, when the extension is not built
+(see engine/ops/builder.py) or the tensors are on mixed devices.
 
 [Note: Adam math we match]
 Per element, after g = float(grad) * grad_scale, exactly torch.optim.Adam's single-tensor path:
@@ -32,6 +32,8 @@ import torch
 from engine.ops.select import compiled_module
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PIECE = 1 << 18
+"""Elements the torch path updates at a time (1 MiB of float32 per temporary)."""
 _LP_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -95,26 +97,33 @@ def adam_step_reference(
     bias_correction: bool = True,
     grad_scale: float = 1.0,
 ) -> None:
-    """adam_step as per-tensor torch ops, in torch.optim.Adam's order; no argument checks (the naive path)."""
+    """adam_step as torch ops, in torch.optim.Adam's order; no argument checks (the naive path).
+
+    Each tensor is processed in pieces of _PIECE elements, so the float32 temporaries (the upcast and
+    scaled gradient, the denominator) are bounded instead of the size of the tensor: a low-precision
+    gradient is never converted to float32 as a whole. Elementwise math, so the pieces change nothing."""
     bias_correction1 = 1 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1 - beta2**step if bias_correction else 1.0
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        g = grad.float()  # the gradient itself when already fp32: never modified in place below
-        if grad_scale != 1.0:
-            g = g * grad_scale
-        if weight_decay != 0:
-            if adamw_mode:
-                param.mul_(1 - lr * weight_decay)
-            else:
-                g = g.add(param, alpha=weight_decay)
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
-        if lp_params:
-            lp_params[i].copy_(param)
+        tensors = [param, grad, exp_avg, exp_avg_sq] + ([lp_params[i]] if lp_params else [])
+        for pieces in zip(*(t.view(-1).split(_PIECE) for t in tensors)):
+            p, grad_piece, m, v = pieces[:4]
+            g = grad_piece.float()  # the gradient itself when already fp32: never modified in place below
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            if weight_decay != 0:
+                if adamw_mode:
+                    p.mul_(1 - lr * weight_decay)
+                else:
+                    g = g.add(p, alpha=weight_decay)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            p.addcdiv_(m, denom, value=-step_size)
+            if lp_params:
+                pieces[4].copy_(p)
 
 
 def _check_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
