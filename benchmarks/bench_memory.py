@@ -17,7 +17,8 @@ Variants (all train the same GPT, examples/gpt.py, on the same random batches, A
   ddp          baseline: the fp32 model under torch.autocast(cpu, bf16), DDP, torch AdamW on the fp32 params
   ddp-bf16     the model cast to bf16, DDP, torch AdamW straight on the bf16 params (no fp32 master)
   fsdp2        fully_shard per block then the root, MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16)
-  engine-S     engine.initialize with "bf16": {"enabled": true}, zero_optimization.stage S (0-3), defaults
+  engine-S     engine.initialize with "bf16": {"enabled": true}, zero_optimization.stage S (0-3), buckets of
+               BUCKET elements, other settings at their defaults
   deepspeed-S  deepspeed.initialize with the same config (only when `deepspeed` is importable)
 """
 
@@ -154,10 +155,16 @@ def _fsdp2(model: GPT) -> Trainer:
     return _torch_trainer(model, list(model.parameters()), autocast=False, buckets=None)
 
 
+BUCKET = 2_000_000
+"""reduce/allgather_bucket_size in elements, given to the engine and to the estimator alike (unset, the
+engine sizes buckets from the measured link, and the layout's padding would differ by a few bytes)."""
+
+
 def _engine_config(stage: int) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
 
 
 def _engine(model: GPT, stage: int) -> Trainer:
@@ -217,7 +224,8 @@ def run_rank(args: argparse.Namespace) -> None:
     rec["psi"] = sum(p.numel() for p in model.parameters() if p.requires_grad)  # each shared parameter once
     if args.variant.startswith("engine"):
         estimate: Any = engine.estimate_memory  # a lazy module attribute (engine/__init__.py's __getattr__)
-        rec["estimate"] = estimate(model, stage=int(args.variant[-1]), world_size=ws, dtype="bf16").total
+        rec["estimate"] = estimate(model, stage=int(args.variant[-1]), world_size=ws, dtype="bf16",
+                                   bucket_size=BUCKET).total
     trainer = _wrap(args.variant, model)
     del model  # the wrapper holds what it keeps
     rec["maxrss_wrapped"] = _maxrss_kib()
@@ -387,7 +395,8 @@ def _goals(rows: list[Row], ws: int) -> list[str]:
             f"{states * ws / psi:.2f} Psi/N bytes ({split}), plus {_mib(bufs)} MiB of constant buffers, against "
             f"16 Psi/N = {_mib(16 * psi / ws)} MiB (+ the buffers: {_mib(bound)} MiB): "
             + ("met" if states + bufs <= bound else "not met")
-            + f". 14 Psi/N (bf16 gradient shards) would be {_mib(14 * psi / ws)} MiB.")]
+            + f"; the estimator's bf16 figure is 14 Psi/N = {_mib(14 * psi / ws)} MiB (fp32 master 4 + bf16 "
+            "gradients 2 + Adam 8; no bf16 parameter shard is kept).")]
     if ddp is not None:
         e, d = s3.most("maxrss_after"), ddp.most("maxrss_after")
         out.append(f"- Peak RSS at stage 3 <= DDP's: {e:.0f} MiB against {d:.0f} MiB (ratio {e / d:.3f}): "
@@ -412,7 +421,8 @@ def _write(args: argparse.Namespace, cfg: GPTConfig, rows: list[Row], ds_note: s
          "Ratio: peak RSS / the DDP baseline's, larger rank of each. Where the ranks differ the cell shows r0 / r1."),
         "", *_main_table(rows, psi),
         "", "Goals of the issue, with the measured figures:", "", *_goals(rows, ws),
-        "", ("Engine rows against `engine.estimate_memory(model, stage, world_size=N, dtype=\"bf16\").total` "
+        "", ("Engine rows against `engine.estimate_memory(model, stage, world_size=N, dtype=\"bf16\", "
+             "bucket_size=2e6).total` "
              "(the estimator counts model states only):"), "", *_estimates(rows, ws),
         "", "Model states by category, rank 0, MiB (engine: `memory_report()`; torch baselines: from the tensors):",
         "", *_breakdown(rows),
@@ -438,9 +448,10 @@ def _write(args: argparse.Namespace, cfg: GPTConfig, rows: list[Row], ds_note: s
          "shards, torch AdamW (foreach) on the shards: 16 Psi/N. Counted from the local shards "
          "(`DTensor.to_local()`); its communication buffers are transient (no constant buffers)."),
         ("- Engine: `engine.initialize(model=GPT(cfg), config={\"bf16\": {\"enabled\": true}, \"zero_optimization\": "
-         "{\"stage\": S}, AdamW lr 1e-4, weight_decay 0, gradient_clipping 1.0, micro batch 8})`, every other "
-         "setting at its default. Model states = `memory_report()` params + master + gradients + optimizer_state "
-         "(tensors with more than one element); constant buffers = its `buckets` (at stage 3 the `arena` instead "
+         "{\"stage\": S, \"reduce_bucket_size\": 2e6, \"allgather_bucket_size\": 2e6}}, AdamW lr 1e-4, weight_decay 0, "
+         "gradient_clipping 1.0, micro batch 8)`, every other setting at its default (gradients in bf16, "
+         "DeepSpeed's default grad_accum_dtype). Model states = `memory_report()` params + master + gradients + optimizer_state "
+         "(tensors with at least one dimension); constant buffers = its `buckets` (at stage 3 the `arena` instead "
          "when one is configured, the buckets live in it); `peak_gathered` (stage 3's most gathered unit bytes "
          "at once) is transient and in neither."),
         f"- {ds_note}",
