@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 import engine
@@ -153,20 +152,26 @@ def _expected_rows(stage: int, local: list[list[dict[str, torch.Tensor]]], layou
     return rows
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_accumulation_over_micro_steps_happens_in_bf16_as_deepspeed_does(stage: int) -> None:
-    results = run_distributed(_first_window_gradients, 2, args=(stage,))
-    local = [r["local"] for r in results]
-    for rank, result in enumerate(results):
-        rows = result["rows"]
-        assert rows and all(t.dtype == torch.bfloat16 for t in rows), "the step reads bf16 gradient rows"
-        flat_rows = torch.cat([t.reshape(-1) for t in rows])
-        expected = torch.cat([t.reshape(-1) for t in _expected_rows(stage, local, result["layouts"])])
-        assert torch.equal(flat_rows, expected), f"rank {rank}"
-    # The two orders really differ (otherwise this test could not tell them apart).
-    other = 3 - stage if stage < 3 else 1
-    assert not torch.equal(torch.cat([t.reshape(-1) for t in _expected_rows(stage, local, results[0]["layouts"])]),
-                           torch.cat([t.reshape(-1) for t in _expected_rows(other, local, results[0]["layouts"])]))
+def _first_windows() -> dict[int, dict[str, Any]]:
+    return {stage: _first_window_gradients(stage) for stage in (1, 2, 3)}
+
+
+def test_accumulation_over_micro_steps_happens_in_bf16_as_deepspeed_does() -> None:
+    per_rank = run_distributed(_first_windows, 2)  # one pair of processes for every stage
+    for stage in (1, 2, 3):
+        results = [r[stage] for r in per_rank]
+        local = [r["local"] for r in results]
+        for rank, result in enumerate(results):
+            rows = result["rows"]
+            assert rows and all(t.dtype == torch.bfloat16 for t in rows), f"stage {stage}: the step reads bf16 rows"
+            flat_rows = torch.cat([t.reshape(-1) for t in rows])
+            expected = torch.cat([t.reshape(-1) for t in _expected_rows(stage, local, result["layouts"])])
+            assert torch.equal(flat_rows, expected), f"stage {stage}, rank {rank}"
+        # The two orders really differ (otherwise this test could not tell them apart).
+        other = 3 - stage if stage < 3 else 1
+        layouts = results[0]["layouts"]
+        assert not torch.equal(torch.cat([t.reshape(-1) for t in _expected_rows(stage, local, layouts)]),
+                               torch.cat([t.reshape(-1) for t in _expected_rows(other, local, layouts)])), stage
 
 
 # ------------------------------------------------------------------------------ 50-step losses
@@ -185,11 +190,19 @@ def _train(stage: int, dtype: str, accum: str | None) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp16")])
-def test_low_precision_gradients_track_fp32_accumulation_over_50_steps(stage: int, dtype: str) -> None:
-    low = run_distributed(_train, 2, args=(stage, dtype, None))[0]
-    high = run_distributed(_train, 2, args=(stage, dtype, "fp32"))[0]
-    assert low[-1] < 0.5 * low[0], "it trains"
-    worst = max(abs(a - b) / b for a, b in zip(low, high))
-    assert worst <= TOLERANCE, f"loss differs by up to {worst:.3%} from fp32 accumulation"
-    assert low != high, "the two runs accumulate in different dtypes"
+RUNS = [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp16")]
+
+
+def _train_every_run() -> dict[tuple[int, str, str | None], list[float]]:
+    return {(stage, dtype, accum): _train(stage, dtype, accum) for stage, dtype in RUNS for accum in (None, "fp32")}
+
+
+def test_low_precision_gradients_track_fp32_accumulation_over_50_steps() -> None:
+    losses = run_distributed(_train_every_run, 2, timeout=300)[0]  # one pair of processes for every run
+    for stage, dtype in RUNS:
+        low, high = losses[(stage, dtype, None)], losses[(stage, dtype, "fp32")]
+        where = f"stage {stage}, {dtype}"
+        assert low[-1] < 0.5 * low[0], f"{where}: it trains"
+        worst = max(abs(a - b) / b for a, b in zip(low, high))
+        assert worst <= TOLERANCE, f"{where}: loss differs by up to {worst:.3%} from fp32 accumulation"
+        assert low != high, f"{where}: the two runs accumulate in different dtypes"
