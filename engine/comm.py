@@ -13,13 +13,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from engine import comm_p2p, comm_ring
 from engine.accelerator import get_accelerator
@@ -57,6 +58,10 @@ class _CommState:
     """The environment `store` was made for (a different MASTER_PORT makes a new one)."""
     groups_made: int = 0
     """Groups created on `store` so far: the next group's key prefix (the same count on every rank)."""
+    group_names: dict[ProcessGroup, str] = field(default_factory=dict)
+    """Subgroups made by new_group and the name their traffic is counted under."""
+    generation: int = 0
+    """Default groups destroyed so far: subgroups made under an older generation are dead."""
 
 
 _state = _CommState()
@@ -213,22 +218,64 @@ def get_backend() -> str:
     return dist.get_backend()
 
 
-def _count(op: str, tensor: torch.Tensor, factor: float) -> None:
-    """Account the bytes this rank puts on the wire (ring algorithm volumes)."""
-    n = get_world_size()
-    _sent(op, int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
+def _count(op: str, tensor: torch.Tensor, factor: float, group: ProcessGroup | None = None) -> None:
+    """Account the bytes this rank puts on the wire (ring algorithm volumes); a collective on a group
+    made by new_group is counted under "<group name>.<op>"."""
+    n = group_size(group)
+    _sent(op if group is None else f"{_state.group_names[group]}.{op}",
+          int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
+
+
+# ------------------------------------------------------------------ subgroups (tensor x data parallel)
+def new_group(ranks: Sequence[int], name: str) -> ProcessGroup:
+    """A process group of the given global ranks, whose traffic comm_stats() counts under
+    "<name>.<op>". Every rank of the world must make every group, in the same order (torch's rule),
+    also the groups it is not in; it gets back a group it cannot use then."""
+    group = dist.new_group(ranks=sorted(ranks))
+    _state.group_names[group] = name
+    return group
+
+
+def generation() -> int:
+    """Changes whenever destroy_process_group() ends the default group (and with it every subgroup)."""
+    return _state.generation
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in `group` (None: the world)."""
+    return get_world_size() if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This rank's position in `group` (None: its global rank)."""
+    return get_rank() if group is None else dist.get_rank(group)
+
+
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of `group`, in group order."""
+    return list(range(get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
+
+def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Every member's `tensor` (same shape and dtype everywhere), in group order."""
+    out = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    _count("all_gather", tensor, float(group_size(group)), group)
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
 
 
 @overload
-def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., *, async_op: Literal[True]) -> Work: ...
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., *, async_op: Literal[True],
+               group: ProcessGroup | None = ...) -> Work: ...
 @overload
-def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., async_op: bool = ...) -> Work | None: ...
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., async_op: bool = ...,
+               group: ProcessGroup | None = ...) -> Work | None: ...
 def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False, group: ProcessGroup | None = None) -> Work | None:
     # op: a member such as ReduceOp.MAX (a RedOpType in torch's stubs) or a ReduceOp instance.
     # A ring all-reduce sends 2(N-1)/N of the buffer per rank.
-    _count("all_reduce", tensor, 2.0)
-    return dist.all_reduce(tensor, op=op, async_op=async_op)
+    _count("all_reduce", tensor, 2.0, group)
+    return dist.all_reduce(tensor, op=op, async_op=async_op, group=group)
 
 
 class _TorchTransport:
@@ -552,12 +599,16 @@ def _probe(latency: float, probe_bytes: int) -> LinkSpeed:
 
 
 @overload
-def broadcast(tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True]) -> Work: ...
+def broadcast(tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True],
+              group: ProcessGroup | None = ...) -> Work: ...
 @overload
-def broadcast(tensor: torch.Tensor, src: int = ..., async_op: bool = ...) -> Work | None: ...
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work | None:
-    _count("broadcast", tensor, 1.0)
-    return dist.broadcast(tensor, src=src, async_op=async_op)
+def broadcast(tensor: torch.Tensor, src: int = ..., async_op: bool = ...,
+              group: ProcessGroup | None = ...) -> Work | None: ...
+def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False,
+              group: ProcessGroup | None = None) -> Work | None:
+    """`src` is a global rank, also with a group."""
+    _count("broadcast", tensor, 1.0, group)
+    return dist.broadcast(tensor, src=src, async_op=async_op, group=group)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -601,6 +652,8 @@ def destroy_process_group() -> None:
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.link, _state.p2p_seq = None, 0  # a new group is measured and counted afresh
+    _state.group_names.clear()  # subgroups end with the default group
+    _state.generation += 1
     comm_ring.PROGRESS.reset()
     _state.owns_group = False
     _state.world_size_source = "not initialised"
