@@ -62,6 +62,8 @@ class _CommState:
     """Subgroups made by new_group and the name their traffic is counted under."""
     generation: int = 0
     """Default groups destroyed so far: subgroups made under an older generation are dead."""
+    group_seq: dict[ProcessGroup, int] = field(default_factory=dict)
+    """Point-to-point collectives issued on each subgroup (as p2p_seq for the world)."""
 
 
 _state = _CommState()
@@ -222,8 +224,7 @@ def _count(op: str, tensor: torch.Tensor, factor: float, group: ProcessGroup | N
     """Account the bytes this rank puts on the wire (ring algorithm volumes); a collective on a group
     made by new_group is counted under "<group name>.<op>"."""
     n = group_size(group)
-    _sent(op if group is None else f"{_state.group_names[group]}.{op}",
-          int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
+    _sent(_op_name(op, group), int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
 
 
 # ------------------------------------------------------------------ subgroups (tensor x data parallel)
@@ -394,10 +395,35 @@ def _sent(op: str, nbytes: int) -> None:
     _state.calls[op] = _state.calls.get(op, 0) + 1
 
 
-def _next_seq() -> int:
-    # Every rank issues the same point-to-point collectives in the same order, so the counters agree.
-    _state.p2p_seq += 1
-    return _state.p2p_seq
+def _next_seq(group: ProcessGroup | None = None) -> int:
+    # Every member of a group issues the same point-to-point collectives on it in the same order, so
+    # one counter per group agrees among its members.
+    if group is None:
+        _state.p2p_seq += 1
+        return _state.p2p_seq
+    _state.group_seq[group] = _state.group_seq.get(group, 0) + 1
+    return _state.group_seq[group]
+
+
+class _GroupTransport:
+    """Point-to-point calls addressed by position in a group (what engine/comm_p2p.py speaks)."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self._ranks = ranks
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return _TorchTransport.isend(tensor, self._ranks[peer], tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return _TorchTransport.irecv(tensor, self._ranks[peer], tag)
+
+
+def _transport(group: ProcessGroup | None) -> _TorchTransport | _GroupTransport:
+    return _TorchTransport() if group is None else _GroupTransport(group_ranks(group))
+
+
+def _op_name(op: str, group: ProcessGroup | None) -> str:
+    return op if group is None else f"{_state.group_names[group]}.{op}"
 
 
 def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> None:
@@ -411,13 +437,17 @@ def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> No
 
 @overload
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], key: int = ...,
-                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...) -> Handle: ...
+                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...,
+                   group: ProcessGroup | None = ...) -> Handle: ...
 @overload
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ..., *,
-                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...) -> Handle | None: ...
+                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...,
+                   group: ProcessGroup | None = ...) -> Handle | None: ...
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0, *,
-                   wire_dtype: torch.dtype | None = None, accumulate: bool = False) -> Handle | None:
-    """Sum `input` (world_size equal slices) across ranks; rank r receives slice r in `output`.
+                   wire_dtype: torch.dtype | None = None, accumulate: bool = False,
+                   group: ProcessGroup | None = None) -> Handle | None:
+    """Sum `input` (group-size equal slices) across the group (None: every rank); the member at group
+    position r receives slice r in `output`.
 
     `output` may be rank r's slice of `input` itself (in place), or a tensor of another dtype (the sum is
     taken in output's dtype: float32 output from bf16 gradients sums in float32). `wire_dtype` (default:
@@ -427,7 +457,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     (round(acc + round(a + b)) in bf16, never round(round(acc + a) + b)). `input` must not be touched until the handle is waited for; its contents are unchanged only when
     the wire dtype is its own and output is not its slice.
     """
-    n = get_world_size()
+    n = group_size(group)
     wire = wire_dtype or input.dtype
     _check_sizes("reduce_scatter", input, output, n)
     if input.numel() == 0:
@@ -435,58 +465,63 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     wire_bytes = input.numel() * torch.empty((), dtype=wire).element_size()
     impl = collectives_impl()
     if impl != "native":
-        _sent("reduce_scatter", wire_bytes * (n - 1) // n)
+        _sent(_op_name("reduce_scatter", group), wire_bytes * (n - 1) // n)
         schedule = comm_ring if impl == "ring" else comm_p2p
         target = torch.empty_like(output) if accumulate else output  # the sum, added into output after
-        started = schedule.reduce_scatter(_TorchTransport, target, input, rank=get_rank(), n=n, seq=_next_seq(),
-                                          key=key, wire=wire)
+        started = schedule.reduce_scatter(_transport(group), target, input, rank=group_rank(group), n=n,
+                                          seq=_next_seq(group), key=key, wire=wire)
         work: Handle = _Finish(started, lambda: output.add_(target)) if accumulate else started
     else:
         # gloo emulates it with an all-reduce (2(N-1)/N of the buffer); NCCL runs a real one.
         factor = 2 if get_backend() == "gloo" and n > 1 else 1
-        _sent("reduce_scatter", wire_bytes * factor * (n - 1) // n)
-        work = _native_reduce_scatter(output, input, wire, accumulate)
+        _sent(_op_name("reduce_scatter", group), wire_bytes * factor * (n - 1) // n)
+        work = _native_reduce_scatter(output, input, wire, accumulate, group)
     if async_op:
         return work
     work.wait()
     return None
 
 
-def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torch.dtype, accumulate: bool) -> Handle:
+def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torch.dtype, accumulate: bool,
+                           group: ProcessGroup | None) -> Handle:
     send = input if wire == input.dtype else input.to(wire)
-    c = input.numel() // get_world_size()
+    c = input.numel() // group_size(group)
     # Receive straight into output when it is what the call would produce (a cast input is a copy,
     # so output cannot alias what is sent).
     direct = not accumulate and output.dtype == wire
     target = output if direct else torch.empty(c, dtype=wire, device=input.device)
-    work = dist.reduce_scatter_single(target, send, async_op=True)
+    work = dist.reduce_scatter_single(target, send, group=group, async_op=True)
     if direct:
         return _Finish(work)
     return _Finish(work, (lambda: output.add_(target)) if accumulate else (lambda: output.copy_(target)))
 
 
 @overload
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], key: int = ...) -> Handle: ...
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], key: int = ...,
+               group: ProcessGroup | None = ...) -> Handle: ...
 @overload
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ...) -> Handle | None: ...
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0) -> Handle | None:
-    """Concatenate every rank's `input` into `output` (world_size x input).
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ...,
+               group: ProcessGroup | None = ...) -> Handle | None: ...
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0,
+               group: ProcessGroup | None = None) -> Handle | None:
+    """Concatenate every group member's `input` into `output` (group size x input, group order; None:
+    every rank).
 
     `input` may be rank r's slice of `output` itself (in place, no copy).
     """
-    n = get_world_size()
+    n = group_size(group)
     _check_sizes("all_gather", output, input, n)
     if output.numel() == 0:
         return _Done() if async_op else None
     # Ring and direct all-gathers both send (N-1)/N of the output per rank.
-    _sent("all_gather", output.numel() * output.element_size() * (n - 1) // n)
+    _sent(_op_name("all_gather", group), output.numel() * output.element_size() * (n - 1) // n)
     impl = collectives_impl()
     if impl != "native":
         schedule = comm_ring if impl == "ring" else comm_p2p
-        work: Handle = schedule.all_gather(_TorchTransport, output, input, rank=get_rank(), n=n, seq=_next_seq(),
-                                           key=key)
+        work: Handle = schedule.all_gather(_transport(group), output, input, rank=group_rank(group), n=n,
+                                           seq=_next_seq(group), key=key)
     else:
-        work = _Finish(dist.all_gather_single(output, input, async_op=True))
+        work = _Finish(dist.all_gather_single(output, input, group=group, async_op=True))
     if async_op:
         return work
     work.wait()
@@ -653,6 +688,7 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
     _state.link, _state.p2p_seq = None, 0  # a new group is measured and counted afresh
     _state.group_names.clear()  # subgroups end with the default group
+    _state.group_seq.clear()
     _state.generation += 1
     comm_ring.PROGRESS.reset()
     _state.owns_group = False

@@ -93,3 +93,37 @@ def _groups_at_tp1() -> tuple[Any, ...]:
 def test_tp1_is_plain_data_parallelism() -> None:
     for rank, got in enumerate(run_distributed(_groups_at_tp1, 2)):
         assert got == (None, None, 2, 0, (0, 1)), rank
+
+
+def _dp_group_collectives(impl: str) -> dict[str, Any]:
+    comm.set_collectives(impl)
+    groups = mpu.initialize_model_parallel(2)
+    dp = mpu.get_data_parallel_group()
+    rank, n = comm.get_rank(), mpu.get_data_parallel_world_size()
+    data = torch.arange(8, dtype=torch.float32) + 100 * rank  # 2 slices of 4 per DP member
+    out = torch.empty(4)
+    before = comm.comm_stats()["bytes_sent"]
+    comm.reduce_scatter(out, data, group=dp)
+    acc = torch.ones(4)
+    comm.reduce_scatter(acc, data, group=dp, accumulate=True)
+    gathered = torch.empty(4 * n)
+    comm.all_gather(gathered, out, group=dp)
+    after = comm.comm_stats()["bytes_sent"]
+    result = {"out": out, "acc": acc, "gathered": gathered, "dp_ranks": groups.dp_ranks,
+              "counted": sorted(k for k in after if after[k] != before.get(k, 0))}
+    mpu.destroy_model_parallel()
+    comm.set_collectives("engine")
+    return result
+
+
+@pytest.mark.parametrize("impl", ["engine", "ring", "native"])
+def test_reduce_scatter_and_all_gather_over_the_data_parallel_group(impl: str) -> None:
+    for rank, got in enumerate(run_distributed(_dp_group_collectives, 4, args=(impl,))):
+        members = got["dp_ranks"]
+        position = members.index(rank)
+        full = sum(torch.arange(8, dtype=torch.float32) + 100 * r for r in members)
+        mine = full[position * 4:(position + 1) * 4]
+        assert torch.equal(got["out"], mine), (impl, rank)
+        assert torch.equal(got["acc"], 1 + mine), (impl, rank)
+        assert torch.equal(got["gathered"], full), (impl, rank)
+        assert got["counted"] == ["dp.all_gather", "dp.reduce_scatter"], (impl, rank)
