@@ -3,6 +3,7 @@
 The package itself can be passed as `mpu=` wherever a Megatron mpu module is accepted.
 """
 
+from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.groups import (
     ParallelGroups,
     destroy_model_parallel,
@@ -20,21 +21,54 @@ from engine.parallel.groups import (
     layout,
     model_parallel_is_initialized,
 )
+from engine.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    param_is_not_tensor_parallel_duplicate,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+    set_tensor_model_parallel_attributes,
+)
+from engine.parallel.random import (
+    RNGStatesTracker,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+)
 
 __all__ = [
+    "ColumnParallelLinear",
     "ParallelGroups",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_to_tensor_parallel_region",
     "destroy_model_parallel",
+    "gather_from_tensor_parallel_region",
+    "get_cuda_rng_tracker",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
     "get_model_parallel_group",
     "get_model_parallel_rank",
     "get_model_parallel_world_size",
+    "get_rng_tracker",
     "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
     "groups",
     "initialize_model_parallel",
     "layout",
+    "model_parallel_cuda_manual_seed",
     "model_parallel_is_initialized",
+    "model_parallel_manual_seed",
+    "param_is_not_tensor_parallel_duplicate",
+    "reduce_from_tensor_parallel_region",
+    "scatter_to_tensor_parallel_region",
+    "set_tensor_model_parallel_attributes",
+    "vocab_parallel_cross_entropy",
 ]

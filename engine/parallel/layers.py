@@ -1,0 +1,397 @@
+"""Megatron's tensor-parallel layers: the region boundaries as autograd functions, and the layers
+built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding).
+
+A tensor-parallel MLP splits the first weight by rows (output features) and the second by columns
+(input features), so the hidden activation never leaves its rank:
+
+    x ──copy──> [X W1_r^T + b1_r] ─gelu─> [h_r W2_r^T] ──reduce──> + b2     (r: this TP rank)
+       identity fwd                                       all-reduce fwd
+       all-reduce bwd                                     identity bwd
+
+# [Note: a TP layer is a slice of a dense layer]
+# By default a layer initialises the FULL weight exactly as the dense torch layer would (same
+# draws, in the same order, from torch's default generator or the `generator` given) and keeps this
+# rank's slice. So seeding every rank alike and building the TP model gives the dense model's
+# weights, split; the parity tests and users' own checks rely on it. The full weight exists only
+# during construction (Megatron's use_cpu_initialization does the same). from_dense() slices an
+# existing nn.Linear / nn.Embedding instead.
+
+Parameters carry Megatron's attributes (set_tensor_model_parallel_attributes): `tensor_model_parallel`
+(True: each TP rank holds a different slice; False: replicated on every TP rank, such as
+RowParallelLinear's bias), `partition_dim` and `partition_stride`, so a gradient norm over the
+model counts a replicated parameter once (param_is_not_tensor_parallel_duplicate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import comm
+from engine.comm import ProcessGroup
+from engine.config.errors import ConfigError
+from engine.parallel.groups import get_tensor_model_parallel_group
+
+InitMethod = Callable[[torch.Tensor], object]
+"""Fills a full (dense) weight in place, drawing from torch's default generator (Megatron's init_method)."""
+
+
+# ------------------------------------------------------------------ the group a layer works in
+def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """`group`, or the tensor-parallel group of engine.parallel.initialize_model_parallel() when None.
+    The result is None when the tensor-parallel size is 1 (every boundary is then the identity)."""
+    return get_tensor_model_parallel_group() if group is None else group
+
+
+def size_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
+    """(tensor-parallel size, this rank's position) of a resolved group (None: size 1)."""
+    return (1, 0) if group is None else (comm.group_size(group), comm.group_rank(group))
+
+
+def check_divisible(what: str, value: int, tp_size: int) -> int:
+    """value // tp_size, or a ConfigError naming both numbers."""
+    if value % tp_size:
+        raise ConfigError(f"{what} {value} is not divisible by the tensor-parallel size {tp_size}; make it a "
+                          f"multiple of {tp_size} or use a tensor_model_parallel_size that divides it")
+    return value // tp_size
+
+
+# ------------------------------------------------------------------ region boundaries (Megatron's mappings.py)
+def _all_reduce_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    # Into a fresh buffer: the input may be an autograd-saved tensor or a gradient another
+    # consumer shares, and reducing it in place would change their values.
+    out = x.contiguous().clone()
+    comm.all_reduce(out, group=group)
+    return out
+
+
+def _own_slice(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    size, rank = size_and_rank(group)
+    width = check_divisible("the last dimension", x.shape[-1], size)
+    return x.narrow(-1, rank * width, width).contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return torch.cat(comm.all_gather_list(x.contiguous(), group=group), dim=-1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce_sum(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _own_slice(grad, ctx.group), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _own_slice(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last(grad, ctx.group), None
+
+
+def _apply(fn: type[torch.autograd.Function], x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    resolved = resolve_group(group)
+    if resolved is None or comm.group_size(resolved) == 1:
+        return x
+    out: torch.Tensor = fn.apply(x, resolved)
+    return out
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Enter a parallel region with a replicated input: identity forward, all-reduce (sum) of the
+    gradient backward (each rank's slice contributes to the input's gradient).
+    Megatron: copy_to_tensor_model_parallel_region."""
+    return _apply(_CopyToRegion, x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Leave a parallel region by summing the ranks' partial results: all-reduce forward, identity
+    backward. Megatron: reduce_from_tensor_model_parallel_region."""
+    return _apply(_ReduceFromRegion, x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Leave a parallel region by concatenating the ranks' slices of the last dimension (group order):
+    all-gather forward, this rank's slice of the gradient backward.
+    Megatron: gather_from_tensor_model_parallel_region."""
+    return _apply(_GatherFromRegion, x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Enter a parallel region by keeping this rank's slice of the last dimension: slice forward,
+    all-gather of the gradient backward. Megatron: scatter_to_tensor_model_parallel_region."""
+    return _apply(_ScatterToRegion, x, group)
+
+
+# ------------------------------------------------------------------ parameter attributes (Megatron's names)
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
+    """Mark `param` as this rank's slice along `dim` (is_parallel) or as replicated across the
+    tensor-parallel group (is_parallel False, dim -1)."""
+    param.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
+    param.partition_dim = dim  # type: ignore[attr-defined]
+    param.partition_stride = stride  # type: ignore[attr-defined]
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, group: ProcessGroup | None = None) -> bool:
+    """True when this rank's copy of `param` must be counted (a norm, a checksum): every slice of a
+    split parameter, a replicated one only on the group's first rank."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return size_and_rank(resolve_group(group))[1] == 0
+
+
+# ------------------------------------------------------------------ initialisation (see [Note: a TP layer ...])
+@contextmanager
+def _drawing_from(generator: torch.Generator | None) -> Iterator[None]:
+    """Make torch's default CPU generator draw from `generator` inside the block (init functions
+    such as an init_method take no generator argument); `generator` advances as if it drew."""
+    if generator is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(generator.get_state())
+        yield
+        generator.set_state(torch.get_rng_state())
+
+
+def _linear_init(weight: torch.Tensor, bias: torch.Tensor | None, init_method: InitMethod | None) -> None:
+    """nn.Linear.reset_parameters' draws when init_method is None; else init_method on the weight
+    and a zero bias (Megatron's)."""
+    with torch.no_grad():
+        if init_method is not None:
+            init_method(weight)
+            if bias is not None:
+                bias.zero_()
+            return
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        if bias is not None:
+            bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
+            nn.init.uniform_(bias, -bound, bound)
+
+
+def _skip_init(weight: torch.Tensor) -> None:
+    """For from_dense: the values are copied in afterwards."""
+
+
+def _dense_linear(input_size: int, output_size: int, bias: bool, init_method: InitMethod | None,
+                  dtype: torch.dtype | None, device: torch.device | str | None,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.empty(output_size, input_size, dtype=dtype, device=device)
+    full_bias = torch.empty(output_size, dtype=dtype, device=device) if bias else None
+    with _drawing_from(generator):
+        _linear_init(weight, full_bias, init_method)
+    return weight, full_bias
+
+
+def _check_dense_linear(linear: nn.Linear) -> None:
+    if type(linear) is not nn.Linear:
+        raise ConfigError(f"from_dense expects a torch.nn.Linear, got {type(linear).__name__}")
+
+
+# ------------------------------------------------------------------ layers
+class ColumnParallelLinear(nn.Module):
+    """Y = X W^T + b with W split by rows (output features): this rank holds W's rows
+    [r * output_size/tp, (r+1) * output_size/tp) and the same slice of b, and computes that slice
+    of Y. gather_output=True concatenates the slices (every rank gets the full Y); False leaves
+    Y split along its last dimension, for a RowParallelLinear(input_is_parallel=True) next."""
+
+    weight: torch.Tensor  # (output_size / tp, input_size): this rank's rows of the full weight
+    bias: torch.Tensor | None  # (output_size / tp,): this rank's slice
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
+                 init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
+                 group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size, self.tp_rank = size_and_rank(self.group)
+        self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
+        self.output_size_per_partition = check_divisible("output_size", output_size, self.tp_size)
+        full_weight, full_bias = _dense_linear(input_size, output_size, bias, init_method, dtype, device, generator)
+        self._keep_slice(full_weight, full_bias)
+
+    def _keep_slice(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None) -> None:
+        rows = slice(self.tp_rank * self.output_size_per_partition,
+                     (self.tp_rank + 1) * self.output_size_per_partition)
+        self.weight = nn.Parameter(full_weight.detach()[rows].clone())
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        if full_bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(full_bias.detach()[rows].clone())
+            set_tensor_model_parallel_attributes(self.bias, True, 0)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, gather_output: bool = True,
+                   group: ProcessGroup | None = None) -> ColumnParallelLinear:
+        """This rank's rows of an existing nn.Linear (copied; same dtype and device)."""
+        _check_dense_linear(linear)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    gather_output=gather_output, init_method=_skip_init, dtype=linear.weight.dtype,
+                    device=linear.weight.device, group=group)
+        layer._keep_slice(linear.weight, linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size} (this rank: "
+                f"{self.output_size_per_partition}), bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X W^T + b with W split by columns (input features): this rank holds W's columns
+    [r * input_size/tp, (r+1) * input_size/tp), multiplies them by the same slice of X's last
+    dimension, and the partial products are summed across the group (all-reduce). b is replicated
+    and added after the sum. input_is_parallel=True takes X already split (a
+    ColumnParallelLinear(gather_output=False)'s output); False takes the full X and keeps its slice."""
+
+    weight: torch.Tensor  # (output_size, input_size / tp): this rank's columns of the full weight
+    bias: torch.Tensor | None  # (output_size,): replicated on every TP rank (tensor_model_parallel False)
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
+                 init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
+                 group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size, self.tp_rank = size_and_rank(self.group)
+        self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
+        self.input_size_per_partition = check_divisible("input_size", input_size, self.tp_size)
+        full_weight, full_bias = _dense_linear(input_size, output_size, bias, init_method, dtype, device, generator)
+        self._keep_slice(full_weight, full_bias)
+
+    def _keep_slice(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None) -> None:
+        cols = slice(self.tp_rank * self.input_size_per_partition,
+                     (self.tp_rank + 1) * self.input_size_per_partition)
+        self.weight = nn.Parameter(full_weight.detach()[:, cols].clone())
+        set_tensor_model_parallel_attributes(self.weight, True, 1)
+        if full_bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(full_bias.detach().clone())
+            set_tensor_model_parallel_attributes(self.bias, False, -1)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = False,
+                   group: ProcessGroup | None = None) -> RowParallelLinear:
+        """This rank's columns of an existing nn.Linear, and its whole bias (copied)."""
+        _check_dense_linear(linear)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    input_is_parallel=input_is_parallel, init_method=_skip_init, dtype=linear.weight.dtype,
+                    device=linear.weight.device, group=group)
+        layer._keep_slice(linear.weight, linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_slice = x if self.input_is_parallel else scatter_to_tensor_parallel_region(x, self.group)
+        y = reduce_from_tensor_parallel_region(F.linear(x_slice, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size} (this rank: {self.input_size_per_partition}), "
+                f"output_size={self.output_size}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding with the vocabulary split into contiguous ranges: this rank holds rows
+    [r * num_embeddings/tp, (r+1) * num_embeddings/tp). Ids outside the range look up zeros here,
+    and an all-reduce sums the ranks' lookups (exactly one rank contributes each id's row).
+    Default init is nn.Embedding's (normal(0, 1) on the full table, padding_idx's row zeroed)."""
+
+    weight: torch.Tensor  # (num_embeddings / tp, embedding_dim): this rank's vocabulary rows
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
+                 group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size, self.tp_rank = size_and_rank(self.group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ConfigError(f"padding_idx {padding_idx} is outside the vocabulary of {num_embeddings}")
+        self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
+        self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
+        full = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        with _drawing_from(generator), torch.no_grad():
+            (init_method or nn.init.normal_)(full)
+            if self.padding_idx is not None:
+                full[self.padding_idx].zero_()
+        self._keep_slice(full)
+
+    def _keep_slice(self, full: torch.Tensor) -> None:
+        self.weight = nn.Parameter(full.detach()[self.vocab_start:self.vocab_end].clone())
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, group: ProcessGroup | None = None) -> VocabParallelEmbedding:
+        """This rank's vocabulary rows of an existing nn.Embedding (copied)."""
+        if type(embedding) is not nn.Embedding:
+            raise ConfigError(f"from_dense expects a torch.nn.Embedding, got {type(embedding).__name__}")
+        unsupported = [name for name, on in (("max_norm", embedding.max_norm is not None),
+                                             ("scale_grad_by_freq", embedding.scale_grad_by_freq),
+                                             ("sparse", embedding.sparse)) if on]
+        if unsupported:
+            raise ConfigError(f"VocabParallelEmbedding does not support nn.Embedding's {', '.join(unsupported)}")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
+                    init_method=_skip_init, dtype=embedding.weight.dtype, device=embedding.weight.device,
+                    group=group)
+        layer._keep_slice(embedding.weight)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        pad = self.padding_idx
+        local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        rows = F.embedding(local_ids, self.weight, local_pad)
+        # The zeroed lookups carry no gradient to row 0: masked_fill's backward zeroes it there.
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(rows, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (this rank: [{self.vocab_start}, {self.vocab_end})), {self.embedding_dim}"
+                + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""))
