@@ -224,46 +224,66 @@ def _check_dense_linear(linear: nn.Linear) -> None:
 
 
 # ------------------------------------------------------------------ layers
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What ColumnParallelLinear and RowParallelLinear share: the full weight initialised as
+    nn.Linear's and split along `split_dim` of the weight (0: rows, output features; 1: columns,
+    input features). The bias is split with the rows, or replicated when the columns are split."""
+
+    split_dim: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, init_method: InitMethod | None,
+                 dtype: torch.dtype | None, device: torch.device | str | None, generator: torch.Generator | None,
+                 group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size, self.tp_rank = size_and_rank(self.group)
+        self.input_size, self.output_size = input_size, output_size
+        split_name, split_size = ("output_size", output_size) if self.split_dim == 0 else ("input_size", input_size)
+        self.size_per_partition = check_divisible(split_name, split_size, self.tp_size)
+        full_weight, full_bias = _dense_linear(input_size, output_size, bias, init_method, dtype, device, generator)
+        self._keep_slice(full_weight, full_bias)
+
+    def _keep_slice(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None) -> None:
+        mine = slice(self.tp_rank * self.size_per_partition, (self.tp_rank + 1) * self.size_per_partition)
+        self.weight = nn.Parameter(full_weight.detach().narrow(self.split_dim, mine.start, mine.stop - mine.start)
+                                   .clone())
+        set_tensor_model_parallel_attributes(self.weight, True, self.split_dim)
+        if full_bias is None:
+            self.register_parameter("bias", None)
+        elif self.split_dim == 0:
+            self.bias = nn.Parameter(full_bias.detach()[mine].clone())
+            set_tensor_model_parallel_attributes(self.bias, True, 0)
+        else:
+            self.bias = nn.Parameter(full_bias.detach().clone())
+            set_tensor_model_parallel_attributes(self.bias, False, -1)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X W^T + b with W split by rows (output features): this rank holds W's rows
     [r * output_size/tp, (r+1) * output_size/tp) and the same slice of b, and computes that slice
     of Y. gather_output=True concatenates the slices (every rank gets the full Y); False leaves
     Y split along its last dimension, for a RowParallelLinear(input_is_parallel=True) next."""
 
-    weight: torch.Tensor  # (output_size / tp, input_size): this rank's rows of the full weight
-    bias: torch.Tensor | None  # (output_size / tp,): this rank's slice
+    split_dim = 0
+    # weight: (output_size / tp, input_size), this rank's rows; bias: (output_size / tp,), its slice
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
                  init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None,
                  group: ProcessGroup | None = None) -> None:
-        super().__init__()
-        self.group = resolve_group(group)
-        self.tp_size, self.tp_rank = size_and_rank(self.group)
-        self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
-        self.output_size_per_partition = check_divisible("output_size", output_size, self.tp_size)
-        full_weight, full_bias = _dense_linear(input_size, output_size, bias, init_method, dtype, device, generator)
-        self._keep_slice(full_weight, full_bias)
-
-    def _keep_slice(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None) -> None:
-        rows = slice(self.tp_rank * self.output_size_per_partition,
-                     (self.tp_rank + 1) * self.output_size_per_partition)
-        self.weight = nn.Parameter(full_weight.detach()[rows].clone())
-        set_tensor_model_parallel_attributes(self.weight, True, 0)
-        if full_bias is None:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = nn.Parameter(full_bias.detach()[rows].clone())
-            set_tensor_model_parallel_attributes(self.bias, True, 0)
+        super().__init__(input_size, output_size, bias, init_method, dtype, device, generator, group)
+        self.gather_output = gather_output
+        self.output_size_per_partition = self.size_per_partition
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, gather_output: bool = True,
                    group: ProcessGroup | None = None) -> ColumnParallelLinear:
         """This rank's rows of an existing nn.Linear (copied; same dtype and device)."""
         _check_dense_linear(linear)
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    gather_output=gather_output, init_method=_skip_init, dtype=linear.weight.dtype,
-                    device=linear.weight.device, group=group)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, gather_output=gather_output,
+                    init_method=_skip_init, dtype=linear.weight.dtype, device=linear.weight.device, group=group)
         layer._keep_slice(linear.weight, linear.bias)
         return layer
 
@@ -276,38 +296,24 @@ class ColumnParallelLinear(nn.Module):
                 f"{self.output_size_per_partition}), bias={self.bias is not None}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Y = X W^T + b with W split by columns (input features): this rank holds W's columns
     [r * input_size/tp, (r+1) * input_size/tp), multiplies them by the same slice of X's last
     dimension, and the partial products are summed across the group (all-reduce). b is replicated
     and added after the sum. input_is_parallel=True takes X already split (a
     ColumnParallelLinear(gather_output=False)'s output); False takes the full X and keeps its slice."""
 
-    weight: torch.Tensor  # (output_size, input_size / tp): this rank's columns of the full weight
-    bias: torch.Tensor | None  # (output_size,): replicated on every TP rank (tensor_model_parallel False)
+    split_dim = 1
+    # weight: (output_size, input_size / tp), this rank's columns; bias: (output_size,), replicated
+    # on every TP rank (tensor_model_parallel False)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
                  init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None,
                  group: ProcessGroup | None = None) -> None:
-        super().__init__()
-        self.group = resolve_group(group)
-        self.tp_size, self.tp_rank = size_and_rank(self.group)
-        self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
-        self.input_size_per_partition = check_divisible("input_size", input_size, self.tp_size)
-        full_weight, full_bias = _dense_linear(input_size, output_size, bias, init_method, dtype, device, generator)
-        self._keep_slice(full_weight, full_bias)
-
-    def _keep_slice(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None) -> None:
-        cols = slice(self.tp_rank * self.input_size_per_partition,
-                     (self.tp_rank + 1) * self.input_size_per_partition)
-        self.weight = nn.Parameter(full_weight.detach()[:, cols].clone())
-        set_tensor_model_parallel_attributes(self.weight, True, 1)
-        if full_bias is None:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = nn.Parameter(full_bias.detach().clone())
-            set_tensor_model_parallel_attributes(self.bias, False, -1)
+        super().__init__(input_size, output_size, bias, init_method, dtype, device, generator, group)
+        self.input_is_parallel = input_is_parallel
+        self.input_size_per_partition = self.size_per_partition
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = False,
