@@ -127,3 +127,69 @@ def test_reduce_scatter_and_all_gather_over_the_data_parallel_group(impl: str) -
         assert torch.equal(got["acc"], 1 + mine), (impl, rank)
         assert torch.equal(got["gathered"], full), (impl, rank)
         assert got["counted"] == ["dp.all_gather", "dp.reduce_scatter"], (impl, rank)
+
+
+class _MegatronStyleMpu:
+    """A user's mpu as Megatron-LM writes it: only the older get_model_parallel_* names for TP."""
+
+    def __init__(self, groups: mpu.ParallelGroups, lie_about_dp_rank: bool = False) -> None:
+        self._g, self._lie = groups, lie_about_dp_rank
+
+    def get_data_parallel_group(self) -> Any:
+        return self._g.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._g.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return (self._g.dp_rank + 1) % self._g.dp_size if self._lie else self._g.dp_rank
+
+    def get_model_parallel_group(self) -> Any:
+        return self._g.tp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._g.tp_size
+
+    def get_model_parallel_rank(self) -> int:
+        return self._g.tp_rank
+
+
+class _NoDataParallel:
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+class _ThreeWayData(_MegatronStyleMpu):
+    def get_data_parallel_world_size(self) -> int:
+        return 3
+
+
+def _read_user_mpus() -> dict[str, Any]:
+    from engine.parallel.user_mpu import groups_from_mpu
+
+    groups = mpu.initialize_model_parallel(2)
+    out: dict[str, Any] = {}
+    for label, user in (("engine.parallel", mpu), ("megatron-style", _MegatronStyleMpu(groups))):
+        got = groups_from_mpu(user)
+        out[label] = (got.tp_size, got.dp_size, got.tp_rank, got.dp_rank, got.tp_ranks, got.dp_ranks)
+    for label, user in (("missing", _NoDataParallel()), ("lying", _MegatronStyleMpu(groups, True)),
+                        ("oversized", _ThreeWayData(groups))):
+        try:
+            groups_from_mpu(user)
+        except ConfigError as e:
+            out[label] = str(e)
+    mpu.destroy_model_parallel()
+    return out
+
+
+def test_user_mpu_objects_are_read_or_refused_by_name() -> None:
+    for rank, got in enumerate(run_distributed(_read_user_mpus, 4)):
+        want = (2, 2, rank % 2, rank // 2, (rank - rank % 2, rank - rank % 2 + 1), (rank % 2, rank % 2 + 2))
+        assert got["engine.parallel"] == want and got["megatron-style"] == want, rank
+        assert got["missing"].startswith("mpu=_NoDataParallel lacks get_data_parallel_group, "
+                                         "get_data_parallel_world_size, get_data_parallel_rank, "
+                                         "get_model_parallel_group, get_model_parallel_world_size"), got["missing"]
+        assert "get_data_parallel_world_size/rank() say 2/" in got["lying"], got["lying"]
+        assert f"(global rank {rank}) at {rank // 2}" in got["lying"], got["lying"]
+        assert ("says tensor-parallel size 2 x data-parallel size 3 = 6 ranks, but the world has 4"
+                in got["oversized"]), got["oversized"]
