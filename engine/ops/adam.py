@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -182,6 +183,53 @@ def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+@dataclass
+class AdamEntry:
+    """One parameter's tensors for adam_step_entries: each a list of contiguous pieces, split alike (a
+    whole tensor is one piece; a strided shard view is one piece per row)."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    lp_params: list[torch.Tensor] | None
+    """Where the updated parameter is also written in bf16/fp16, or None."""
+    step: torch.Tensor
+    """The parameter's float32 step count (torch.optim.AdamW's state["step"]), advanced here."""
+
+
+def adam_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """`state` (an optimizer's state for p), initialised in torch.optim.AdamW's layout when empty, so
+    state_dicts are interchangeable with torch's; the moments are contiguous whatever p's strides."""
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    return state
+
+
+def adam_step_entries(entries: Sequence[AdamEntry], group: dict[str, Any], *, adamw_mode: bool,
+                      bias_correction: bool, grad_scale: float) -> None:
+    """One Adam/AdamW step of every entry with one param group's hyper-parameters: the step counts
+    advanced by one foreach call, then one adam_step per (step count, copy-out or not), normally the
+    whole group at once (counts differ only after loading state where some parameters were skipped)."""
+    if not entries:
+        return
+    steps = [e.step for e in entries]
+    torch._foreach_add_(steps, 1.0)
+    batches: dict[tuple[int, bool], list[AdamEntry]] = {}
+    for entry, count in zip(entries, torch.stack(steps).tolist()):
+        batches.setdefault((int(count), entry.lp_params is not None), []).append(entry)
+    beta1, beta2 = group["betas"]
+    for (count, has_lp), members in batches.items():
+        adam_step([t for e in members for t in e.params], [t for e in members for t in e.grads],
+                  [t for e in members for t in e.exp_avgs], [t for e in members for t in e.exp_avg_sqs],
+                  [t for e in members for t in e.lp_params or ()] if has_lp else None,
+                  lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"], adamw_mode=adamw_mode, step=count,
+                  bias_correction=bias_correction, grad_scale=grad_scale)
+
+
 class CPUAdam(torch.optim.Optimizer):
     """Adam/AdamW on fp32 parameters through the fused `adam_step` (DeepSpeedCPUAdam's arguments).
 
@@ -252,46 +300,20 @@ class CPUAdam(torch.optim.Optimizer):
         lp_of = self._check_lp_params(lp_params)
         index = 0
         for group in self.param_groups:
-            # Phase 1: the params of this group that have a gradient, with state and copy target.
-            work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None]] = []
+            # The params of this group that have a gradient, with their state and copy target.
+            entries: list[AdamEntry] = []
             for p in group["params"]:
                 lp = lp_of[index] if lp_of is not None else None
                 index += 1
                 if p.grad is not None:
-                    work.append((p, self._grad_of(p), self._state_of(p), lp))
-            if work:
+                    state = adam_state(self.state[p], p)
+                    entries.append(AdamEntry([p], [self._grad_of(p)], [state["exp_avg"]], [state["exp_avg_sq"]],
+                                             None if lp is None else [lp], state["step"]))
+            if entries:
                 self._check_group(group)
-                self._update_group(group, work, grad_scale)
+                adam_step_entries(entries, group, adamw_mode=group["adamw_mode"],
+                                  bias_correction=group["bias_correction"], grad_scale=grad_scale)
         return loss
-
-    def _update_group(self, group: dict[str, Any], work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any],
-                      torch.Tensor | None]], grad_scale: float) -> None:
-        # Phase 2: count the step, one foreach call instead of one tensor op per parameter.
-        steps = [state["step"] for _, _, state, _ in work]
-        torch._foreach_add_(steps, 1.0)
-        counts = [int(c) for c in torch.stack(steps).tolist()]
-        # Phase 3: one fused call per (step count, copy-out or not); normally the whole group at once.
-        batches: dict[tuple[int, bool], list[int]] = {}
-        for i, count in enumerate(counts):
-            batches.setdefault((count, work[i][3] is not None), []).append(i)
-        beta1, beta2 = group["betas"]
-        for (count, has_lp), members in batches.items():
-            # has_lp is part of the batch key: every member has a copy target, or none has.
-            lp_params = [lp for i in members if (lp := work[i][3]) is not None] if has_lp else None
-            adam_step([work[i][0] for i in members], [work[i][1] for i in members],
-                      [work[i][2]["exp_avg"] for i in members], [work[i][2]["exp_avg_sq"] for i in members],
-                      lp_params,
-                      lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"], step=count,
-                      bias_correction=group["bias_correction"], grad_scale=grad_scale)
-
-    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:  # torch.optim.AdamW's layout, so state_dicts are interchangeable
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
 
     @staticmethod
     def _grad_of(p: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
+from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 
@@ -61,6 +62,20 @@ class FlatGroup:
         start, end = self.layout.bucket_range(b)
         return buffer[start:end]
 
+    def refresh_params(self) -> None:
+        """Write the updated master shard into this rank's slices of the parameter buffer: every
+        bucket's row cast to the parameter dtype in one parallel pass (engine/ops/flatten.py)."""
+        if self.owns_master:
+            lay = self.layout
+            copy_into(self.flat, list(self.master.unbind(0)),
+                      [lay.bucket_range(b)[0] + self.rank * lay.slice_numel for b in range(lay.num_buckets)])
+
+
+def refresh_params(groups: list[FlatGroup]) -> None:
+    """The plain optimizer step's last part: every group's low-precision parameters from its masters."""
+    for g in groups:
+        g.refresh_params()
+
 
 def arrival_order(module: torch.nn.Module) -> dict[int, int]:
     """id(param) -> position in the order gradients are expected (reverse of registration)."""
@@ -93,7 +108,8 @@ def bind_optimizer_to_shards(optimizer: torch.optim.Optimizer, groups: list[Flat
     bind_shards(optimizer, [[g.master for g in groups if g.opt_group == gi]
                             for gi in range(len(optimizer.param_groups))])
     return MasterStep(optimizer, [MasterTarget(g.master, g.shard_grad, g.shard_view(g.flat) if g.owns_master else None)
-                                  for g in groups], offload=offload_enabled(config))
+                                  for g in groups], offload=offload_enabled(config),
+                      refresh=lambda: refresh_params(groups))
 
 
 def bind_optimizer_per_parameter(optimizer: torch.optim.Optimizer, groups: list[FlatGroup],
@@ -119,7 +135,8 @@ def bind_optimizer_per_parameter(optimizer: torch.optim.Optimizer, groups: list[
     # In each param group the user's order (optimizer.param_groups[i]["params"][k] is the k-th they passed).
     bind_shards(optimizer, [[view_of[id(p)] for p in group["params"] if id(p) in view_of]
                             for group in optimizer.param_groups])
-    return per_group, MasterStep(optimizer, targets, offload=offload_enabled(config))
+    return per_group, MasterStep(optimizer, targets, offload=offload_enabled(config),
+                                 refresh=lambda: refresh_params(groups))
 
 
 def bind_shards(optimizer: torch.optim.Optimizer, shards: list[list[torch.Tensor]]) -> None:

@@ -16,7 +16,8 @@ parameter's dtype), so `MasterStep.step(coef)` chooses between two paths:
   gradients are the masters' `.grad` all along and are multiplied in place; a low-precision gradient
   is converted to an fp32 `.grad` for the step and dropped after it (DeepSpeed does the same per
   group), a transient 4 bytes per shard element that SGD, Adagrad, LAMB and user optimizers pay.
-  Then each low-precision parameter is cast from its master.
+  Then the stage casts the masters into the low-precision parameters (`refresh`, one parallel copy
+  per flat group).
 
 Before either path the gradients were read once more, for the global norm and the overflow vote
 (engine/precision.py): clipping needs the norm over every rank before any update, so that read
@@ -28,13 +29,14 @@ Optimizer state stays in `optimizer.state[master]` under torch's AdamW keys ("st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine.config.types import EngineConfig
-from engine.ops.adam import CPUAdam, adam_step
+from engine.ops.adam import AdamEntry, CPUAdam, adam_state, adam_step_entries
 from engine.optim.adam import ReferenceAdam
 
 
@@ -51,8 +53,8 @@ class MasterTarget:
     grad: torch.Tensor
     """Same shape, in the accumulation dtype (float32, bfloat16 or float16)."""
     lp: torch.Tensor | None
-    """The parameter storage in the model dtype, written after the step; None when the master is
-    that storage (fp32) or the stage casts while gathering (stage 3)."""
+    """The parameter storage in the model dtype, which the fused path writes in its pass; None when
+    the master is that storage (fp32) or the stage casts while gathering (stage 3)."""
 
 
 def _adam_mode(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[bool, bool] | None:
@@ -83,8 +85,12 @@ def _pieces(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 class MasterStep:
-    def __init__(self, optimizer: torch.optim.Optimizer, targets: list[MasterTarget], *, offload: bool) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, targets: list[MasterTarget], *, offload: bool,
+                 refresh: Callable[[], None] | None = None) -> None:
+        """`refresh`: after the plain path, write the updated masters into the low-precision parameters
+        (the stage's own cast, one call per group); None when no target has a low-precision copy."""
         self.optimizer = optimizer
+        self._refresh = refresh
         self.targets = {id(t.master): t for t in targets}
         self.offload = offload
         self._low_precision = any(t.grad.dtype != torch.float32 for t in targets)
@@ -108,45 +114,14 @@ class MasterStep:
             self._plain_step(coef)
 
     def _fused_group(self, group: dict[str, Any], coef: float, adamw_mode: bool, bias_correction: bool) -> None:
-        work = [(self.targets[id(p)], self._state_of(p)) for p in group["params"]]
-        if not work:
-            return
-        steps = [state["step"] for _, state in work]
-        torch._foreach_add_(steps, 1.0)
-        # One call per (step count, low-precision copy or not): normally the whole group. Counts differ
-        # only after loading state saved by an optimizer that skipped some parameters; a group mixing
-        # fp32 and bf16 parameters has targets with and without a copy.
-        batches: dict[tuple[int, bool], list[int]] = {}
-        for i, count in enumerate(torch.stack(steps).tolist()):
-            batches.setdefault((int(count), work[i][0].lp is not None), []).append(i)
-        beta1, beta2 = group["betas"]
-        for (count, _), members in batches.items():
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            avgs: list[torch.Tensor] = []
-            sqs: list[torch.Tensor] = []
-            lps: list[torch.Tensor] = []
-            for i in members:
-                target, state = work[i]
-                tensors = [target.master, target.grad, state["exp_avg"], state["exp_avg_sq"]]
-                pieces = _pieces(tensors + ([target.lp] if target.lp is not None else []))
-                params += pieces[0]
-                grads += pieces[1]
-                avgs += pieces[2]
-                sqs += pieces[3]
-                if target.lp is not None:
-                    lps += pieces[4]
-            adam_step(params, grads, avgs, sqs, lps or None, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                      eps=group["eps"], weight_decay=group["weight_decay"], adamw_mode=adamw_mode, step=count,
-                      bias_correction=bias_correction, grad_scale=coef)
-
-    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.optimizer.state[p]
-        if not state:  # torch.optim.AdamW's layout, so state_dicts are interchangeable
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        return state
+        entries = []
+        for p in group["params"]:
+            target, state = self.targets[id(p)], adam_state(self.optimizer.state[p], p)
+            lp = [target.lp] if target.lp is not None else []
+            master, grad, avg, sq, *lp_pieces = _pieces([target.master, target.grad, state["exp_avg"],
+                                                         state["exp_avg_sq"], *lp])
+            entries.append(AdamEntry(master, grad, avg, sq, lp_pieces[0] if lp_pieces else None, state["step"]))
+        adam_step_entries(entries, group, adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=coef)
 
     @torch.no_grad()
     def _plain_step(self, coef: float) -> None:
@@ -163,6 +138,5 @@ class MasterStep:
         finally:
             for t in transient:
                 t.master.grad = None
-        for t in self.targets.values():
-            if t.lp is not None:
-                t.lp.copy_(t.master)
+        if self._refresh is not None:
+            self._refresh()
