@@ -34,6 +34,14 @@ Work = dist.Work
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+@dataclass(frozen=True)
+class _Subgroup:
+    name: str
+    """What its traffic is counted under in comm_stats(): "<name>.<op>"."""
+    transport: _GroupTransport
+    """Point-to-point calls addressed by position in the group (it holds the members' global ranks)."""
+
+
 @dataclass
 class _CommState:
     owns_group: bool = False
@@ -58,8 +66,8 @@ class _CommState:
     """The environment `store` was made for (a different MASTER_PORT makes a new one)."""
     groups_made: int = 0
     """Groups created on `store` so far: the next group's key prefix (the same count on every rank)."""
-    group_names: dict[ProcessGroup, str] = field(default_factory=dict)
-    """Subgroups made by new_group and the name their traffic is counted under."""
+    subgroups: dict[ProcessGroup, _Subgroup] = field(default_factory=dict)
+    """Subgroups made by new_group: their name and members."""
     generation: int = 0
     """Default groups destroyed so far: subgroups made under an older generation are dead."""
     group_seq: dict[ProcessGroup, int] = field(default_factory=dict)
@@ -232,8 +240,9 @@ def new_group(ranks: Sequence[int], name: str) -> ProcessGroup:
     """A process group of the given global ranks, whose traffic comm_stats() counts under
     "<name>.<op>". Every rank of the world must make every group, in the same order (torch's rule),
     also the groups it is not in; it gets back a group it cannot use then."""
-    group = dist.new_group(ranks=sorted(ranks))
-    _state.group_names[group] = name
+    members = sorted(ranks)
+    group = dist.new_group(ranks=members)
+    _state.subgroups[group] = _Subgroup(name, _GroupTransport(members))
     return group
 
 
@@ -254,7 +263,7 @@ def group_rank(group: ProcessGroup | None) -> int:
 
 def group_ranks(group: ProcessGroup | None) -> list[int]:
     """The global ranks of `group`, in group order."""
-    return list(range(get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    return list(range(get_world_size())) if group is None else list(_state.subgroups[group].transport.ranks)
 
 
 def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -409,21 +418,22 @@ class _GroupTransport:
     """Point-to-point calls addressed by position in a group (what engine/comm_p2p.py speaks)."""
 
     def __init__(self, ranks: list[int]) -> None:
-        self._ranks = ranks
+        self.ranks = ranks
+        """Global ranks, in group order."""
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _TorchTransport.isend(tensor, self._ranks[peer], tag)
+        return _TorchTransport.isend(tensor, self.ranks[peer], tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _TorchTransport.irecv(tensor, self._ranks[peer], tag)
+        return _TorchTransport.irecv(tensor, self.ranks[peer], tag)
 
 
 def _transport(group: ProcessGroup | None) -> _TorchTransport | _GroupTransport:
-    return _TorchTransport() if group is None else _GroupTransport(group_ranks(group))
+    return _TorchTransport() if group is None else _state.subgroups[group].transport
 
 
 def _op_name(op: str, group: ProcessGroup | None) -> str:
-    return op if group is None else f"{_state.group_names[group]}.{op}"
+    return op if group is None else f"{_state.subgroups[group].name}.{op}"
 
 
 def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> None:
@@ -454,8 +464,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     input's dtype) is what travels: bf16 halves the bytes of a float32 input and each contribution is
     rounded to it once. `accumulate` adds the sum, rounded to output's dtype once, to what output holds
     instead of overwriting it: `output += reduce(...)`, DeepSpeed's order for gradient accumulation
-    (round(acc + round(a + b)) in bf16, never round(round(acc + a) + b)). `input` must not be touched until the handle is waited for; its contents are unchanged only when
-    the wire dtype is its own and output is not its slice.
+    (round(acc + round(a + b)) in bf16, never round(round(acc + a) + b)). `input` must not be touched
+    until the handle is waited for; its contents are unchanged only when the wire dtype is its own and
+    output is not its slice.
     """
     n = group_size(group)
     wire = wire_dtype or input.dtype
@@ -687,7 +698,7 @@ def destroy_process_group() -> None:
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.link, _state.p2p_seq = None, 0  # a new group is measured and counted afresh
-    _state.group_names.clear()  # subgroups end with the default group
+    _state.subgroups.clear()  # subgroups end with the default group
     _state.group_seq.clear()
     _state.generation += 1
     comm_ring.PROGRESS.reset()
