@@ -46,6 +46,7 @@ import torch
 from engine.estimate_paper import PAPER_MODELS, PAPER_STAGES, PAPER_TABLE, PAPER_WORLD_SIZES
 from engine.zero.layout import build_layout
 from engine.zero.partitioned_init import full_shape
+from engine.zero.stage3_units import unit_layout
 from engine.zero.units import leaf_test, plan_units
 
 STAGES = (0, 1, 2, 3)
@@ -220,9 +221,7 @@ def unit_sizes(model: torch.nn.Module, world_size: int, element_size: int) -> tu
         shapes = [full_shape(p) for p in plan.params if p.requires_grad]
         if not shapes:
             continue  # frozen parameters only: no model states
-        group_numel = sum(math.prod(s) for s in shapes)
-        layout = build_layout(shapes, world_size=world_size, bucket_size=max(1, group_numel),
-                              element_size=element_size)
+        layout = unit_layout(shapes, world_size=world_size, element_size=element_size)
         padded += layout.padded_numel
         shard += layout.shard_numel
     return padded, shard

@@ -131,7 +131,7 @@ TABLE: tuple[Entry, ...] = (
         S.IMPLEMENTED,
         PRESENT,
         "dtype gradients accumulate and stay in until the optimizer step reads them (the full buffer of "
-        "stages 0-1, the gradient shard of stages 1-3); default the parameter dtype, as DeepSpeed "
+        "stages 0-1, the gradient shard of stages 2-3); default the parameter dtype, as DeepSpeed "
         "(bf16 training: 2 bytes per gradient element); \"fp32\" for fp32 accumulation",
     ),
     Entry("comms_logger", S.IMPLEMENTED, PRESENT, "enabled: bytes sent per collective type at each step log line"),

@@ -148,7 +148,7 @@ class EngineConfig:
     """"fp32" | "fp16" | "bf16" | None (= the gradients' own dtype, as DeepSpeed)."""
     grad_accum_dtype: str | None = None
     """`data_types.grad_accum_dtype`: dtype gradients are accumulated and kept in until the optimizer
-    step reads them (the full-size buffer of stages 0-1, the gradient shard of stages 1-3); None = the
+    step reads them (the full-size buffer of stages 0-1, the gradient shard of stages 2-3); None = the
     parameter's dtype, as in DeepSpeed."""
     comms_logger: bool = False
     """`comms_logger.enabled`: log bytes sent per collective type at every step log line."""

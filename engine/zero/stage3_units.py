@@ -142,6 +142,13 @@ def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     return units
 
 
+def unit_layout(shapes: list[tuple[int, ...]], *, world_size: int, element_size: int) -> GroupLayout:
+    """A stage-3 group's layout: one bucket holding all its parameters, one slice per rank (also what
+    engine.estimate counts)."""
+    return build_layout(shapes, world_size=world_size, bucket_size=max(1, sum(math.prod(s) for s in shapes)),
+                        element_size=element_size)
+
+
 def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: int | None, *, unit_name: str,
                 world: int, rank: int, grad_dtype: torch.dtype) -> ShardedGroup:
     """Lay `params` (one dtype) out flat, keep this rank's slice, and leave each parameter empty."""
@@ -149,8 +156,7 @@ def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: i
     for p, shape in zip(params, shapes):
         if not partitioned_init.is_partitioned(p):
             partitioned_init.set_full_shape(p, shape)  # DeepSpeed's ds_shape/ds_numel, read by Hugging Face
-    layout = build_layout(shapes, world_size=world, bucket_size=max(1, sum(math.prod(s) for s in shapes)),
-                          element_size=params[0].element_size())
+    layout = unit_layout(shapes, world_size=world, element_size=params[0].element_size())
     assert layout.num_buckets == 1
     dtype, device = params[0].dtype, params[0].device
     flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
