@@ -18,6 +18,7 @@ from engine import comm
 from engine.config.types import EngineConfig
 from engine.loss_scaler import LossScaler
 from engine.ops.overflow import sum_squares_and_overflow
+from engine.zero.layout import contiguous_pieces
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
@@ -83,7 +84,7 @@ class Precision:
         # One fused pass over every shard (engine/ops/overflow.py), in the shards' own dtype: the sum
         # of squares in float64 and whether any element is inf/nan, which becomes an inf sum so the
         # all-reduce carries it.
-        local, overflow = sum_squares_and_overflow([row for s in shards for row in _contiguous_rows(s)])
+        local, overflow = sum_squares_and_overflow([row for s in shards for row in contiguous_pieces([s])[0]])
         sumsq = torch.tensor([math.inf if overflow else local], dtype=torch.float32)
         if partitioned and comm.get_world_size() > 1:
             comm.all_reduce(sumsq)
@@ -110,12 +111,3 @@ class Precision:
             self.scaler.update(overflow=False)
         return norm.norm, True
 
-
-def _contiguous_rows(t: torch.Tensor) -> list[torch.Tensor]:
-    """A gradient shard as contiguous pieces without copying: a (buckets, slice) view of a larger
-    buffer (stage 1) is strided, its rows are not."""
-    if t.is_contiguous():
-        return [t]
-    if t.dim() == 2 and t.stride(1) == 1:
-        return list(t.unbind(0))
-    return [t.contiguous()]

@@ -38,6 +38,7 @@ import torch
 from engine.config.types import EngineConfig
 from engine.ops.adam import AdamEntry, CPUAdam, adam_state, adam_step_entries
 from engine.optim.adam import ReferenceAdam
+from engine.zero.layout import contiguous_pieces
 
 
 def offload_enabled(config: EngineConfig) -> bool:
@@ -71,17 +72,6 @@ def _adam_mode(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple
         decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
         return bool(decoupled), True
     return None
-
-
-def _pieces(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The tensors of one target (same shape) as contiguous 1-D pieces, split alike: each whole, or
-    row by row when one is a strided (buckets, slice) view of the parameter buffer."""
-    if all(t.is_contiguous() for t in tensors):
-        return [[t.reshape(-1)] for t in tensors]
-    if all(t.dim() == 2 and t.stride(1) == 1 for t in tensors):
-        return [list(t.unbind(0)) for t in tensors]
-    raise ValueError(f"master step: tensors of shape {tuple(tensors[0].shape)} and strides "
-                     f"{[t.stride() for t in tensors]} have no contiguous rows")
 
 
 class MasterStep:
@@ -118,7 +108,7 @@ class MasterStep:
         for p in group["params"]:
             target, state = self.targets[id(p)], adam_state(self.optimizer.state[p], p)
             lp = [target.lp] if target.lp is not None else []
-            master, grad, avg, sq, *lp_pieces = _pieces([target.master, target.grad, state["exp_avg"],
+            master, grad, avg, sq, *lp_pieces = contiguous_pieces([target.master, target.grad, state["exp_avg"],
                                                          state["exp_avg_sq"], *lp])
             entries.append(AdamEntry(master, grad, avg, sq, lp_pieces[0] if lp_pieces else None, state["step"]))
         adam_step_entries(entries, group, adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=coef)
