@@ -246,6 +246,20 @@ def new_group(ranks: Sequence[int], name: str) -> ProcessGroup:
     return group
 
 
+def adopt_group(group: ProcessGroup, name: str) -> None:
+    """Record a group this module did not make (a user's mpu made it with torch.distributed.new_group),
+    so collectives on it work on every implementation and comm_stats() counts its traffic under
+    "<name>.<op>". A group made by new_group keeps its name."""
+    if group not in _state.subgroups:
+        _state.subgroups[group] = _Subgroup(name, _GroupTransport(list(dist.get_process_group_ranks(group))))
+
+
+def _subgroup(group: ProcessGroup) -> _Subgroup:
+    if group not in _state.subgroups:
+        adopt_group(group, "group")
+    return _state.subgroups[group]
+
+
 def generation() -> int:
     """Changes whenever destroy_process_group() ends the default group (and with it every subgroup)."""
     return _state.generation
@@ -263,7 +277,7 @@ def group_rank(group: ProcessGroup | None) -> int:
 
 def group_ranks(group: ProcessGroup | None) -> list[int]:
     """The global ranks of `group`, in group order."""
-    return list(range(get_world_size())) if group is None else list(_state.subgroups[group].transport.ranks)
+    return list(range(get_world_size())) if group is None else list(_subgroup(group).transport.ranks)
 
 
 def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -429,11 +443,11 @@ class _GroupTransport:
 
 
 def _transport(group: ProcessGroup | None) -> _TorchTransport | _GroupTransport:
-    return _TorchTransport() if group is None else _state.subgroups[group].transport
+    return _TorchTransport() if group is None else _subgroup(group).transport
 
 
 def _op_name(op: str, group: ProcessGroup | None) -> str:
-    return op if group is None else f"{_state.subgroups[group].name}.{op}"
+    return op if group is None else f"{_subgroup(group).name}.{op}"
 
 
 def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> None:
@@ -706,27 +720,28 @@ def destroy_process_group() -> None:
     _state.world_size_source = "not initialised"
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Broadcast many tensors in place with one collective per dtype and device.
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, process_group: ProcessGroup | None = None) -> None:
+    """Broadcast many tensors in place with one collective per dtype and device, from global rank `src`
+    to `process_group` (None: every rank).
 
     Each gloo collective costs about a millisecond of latency here, so a model's hundreds of
     parameters and buffers go as a few flat messages instead of hundreds of small ones.
     """
-    if get_world_size() == 1:
+    if group_size(process_group) == 1:
         return
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            groups.setdefault((t.dtype, t.device), []).append(t)
-    for group in groups.values():
-        if len(group) == 1 and group[0].is_contiguous():  # no flat copy needed
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        if len(same) == 1 and same[0].is_contiguous():  # no flat copy needed
             with torch.no_grad():
-                broadcast(group[0].detach(), src=src)
+                broadcast(same[0].detach(), src=src, group=process_group)
             continue
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        broadcast(flat, src=src)
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        broadcast(flat, src=src, group=process_group)
         offset = 0
-        for t in group:
+        for t in same:
             n = t.numel()
             with torch.no_grad():
                 t.copy_(flat[offset:offset + n].view_as(t))

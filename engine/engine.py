@@ -24,6 +24,7 @@ from engine.monitor.csv_monitor import CsvMonitor
 from engine.monitor.log import get_logger
 from engine.monitor.memory import memory_line
 from engine.monitor.timers import WallClockTimers
+from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
@@ -80,6 +81,7 @@ class Engine:
         training_dataloader: Any = None,
         precision: Precision | None = None,
         owns_process_group: bool = False,
+        parallel: ParallelGroups | None = None,
     ) -> None:
         self.module = module
         self.engine_config = config
@@ -99,6 +101,10 @@ class Engine:
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
+        self.parallel = parallel or ParallelGroups.data_parallel_only()
+        """The tensor- and data-parallel groups (engine/parallel/): ZeRO partitions over the data-parallel one."""
+        self.dp_world_size = self.parallel.dp_size  # DeepSpeedEngine's names
+        self.mp_world_size = self.parallel.tp_size
 
         self.micro_steps = 0
         self.global_steps = 0

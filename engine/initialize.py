@@ -15,6 +15,8 @@ from engine.data import build_dataloader
 from engine.engine import Engine
 from engine.monitor.log import get_logger
 from engine.optim import build_optimizer, build_scheduler
+from engine.parallel import setup
+from engine.parallel.groups import ParallelGroups
 from engine.param_groups import normalize_param_groups
 from engine.precision import Precision
 from engine.zero import partitioned_init
@@ -28,7 +30,8 @@ from engine.zero.stage3 import Stage3
 logger = get_logger()
 
 # The only place that maps a stage number to its implementation.
-_STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig, Precision], ZeroStage]] = {
+_STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig, Precision, ParallelGroups],
+                            ZeroStage]] = {
     0: Stage0,
     1: Stage1,
     2: Stage2,
@@ -37,10 +40,10 @@ _STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfi
 
 
 def _build_stage(cfg: EngineConfig, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-                 precision: Precision) -> ZeroStage:
+                 precision: Precision, parallel: ParallelGroups) -> ZeroStage:
     if opt is not None:
         run_checks.check_optimizer_for_stage(cfg, type(opt).__name__)
-        return _STAGES[cfg.zero.stage](model, opt, cfg, precision)
+        return _STAGES[cfg.zero.stage](model, opt, cfg, precision, parallel)
     # No optimizer: an evaluation-only engine (DeepSpeed's ZeRO inference; HF builds one to evaluate
     # before training). Stage 3 keeps its parameters partitioned; at stages 0-2 they are whole on every
     # rank and there is nothing to partition. The Engine refuses backward and step with a named error.
@@ -48,8 +51,8 @@ def _build_stage(cfg: EngineConfig, model: torch.nn.Module, opt: torch.optim.Opt
         logger.info("no optimizer (none passed to initialize, no \"optimizer\" section): an evaluation-only "
                     "engine at zero_optimization.stage %d; backward() and step() need an optimizer", cfg.zero.stage)
     if cfg.zero.stage == 3:
-        return Stage3(model, None, cfg, precision)
-    return ForwardOnly(model, cfg.zero.stage)
+        return Stage3(model, None, cfg, precision, parallel)
+    return ForwardOnly(model, cfg.zero.stage, parallel)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -119,7 +122,6 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=<torch.nn.Module>")
-    run_checks.check_mpu(mpu)
     source = run_checks.config_source(args, config, config_params)
     owns_group = comm.acquire_process_group(distributed_port, dist_init_required)
     try:
@@ -127,7 +129,9 @@ def initialize(
         # other collective (see [Note: why initialize agrees first] in engine/rank_agreement.py).
         local_error: Exception | None = None
         try:
-            cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source())
+            known_groups = setup.groups_before_config(mpu)
+            cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source(),
+                              model_parallel_size=known_groups.tp_size if known_groups else None)
             comm.set_collectives(cfg.collectives)
             device = _device()
             run_checks.check_offload(cfg, device.type)
@@ -136,17 +140,20 @@ def initialize(
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
+        parallel = setup.resolve_groups(known_groups, getattr(cfg, "autotp_size", 0), model)  # TODO(autotp)
         if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
             logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
                         "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)
         model.to(device)
         precision = Precision(cfg)
         precision.cast_module(model)
-        # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was.
-        comm.broadcast_coalesced([t.data for t in model.parameters()] + list(model.buffers()))
+        # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was; with tensor
+        # parallelism the first rank of each data-parallel group (its tensor-parallel slices differ).
+        comm.broadcast_coalesced([t.data for t in model.parameters()] + list(model.buffers()),
+                                 src=parallel.dp_src(), process_group=parallel.dp_group)
         opt = _build_optimizer(cfg, model, optimizer, model_parameters)
         scheduler = _build_scheduler(cfg, opt, lr_scheduler)
-        stage = _build_stage(cfg, model, opt, precision)
+        stage = _build_stage(cfg, model, opt, precision, parallel)
     except BaseException:
         if owns_group:
             # Every rank that failed tears its group down; the next initialize makes a new one on
@@ -155,9 +162,10 @@ def initialize(
         raise
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, comm.get_rank(),
-                                  comm.get_world_size(), collate_fn, cfg.dataloader_drop_last,
+        # Every rank of a tensor-parallel group reads the same samples: its data-parallel position's.
+        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, parallel.dp_rank,
+                                  parallel.dp_size, collate_fn, cfg.dataloader_drop_last,
                                   seed=cfg.seed if cfg.seed is not None else 0)
     engine = Engine(model, cfg, stage, opt, scheduler, device, loader, precision=precision,
-                    owns_process_group=owns_group)
+                    owns_process_group=owns_group, parallel=parallel)
     return engine, opt, loader, scheduler

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +19,9 @@ from engine import comm
 from engine.config.types import EngineConfig
 from engine.loss_scaler import LossScaler
 from engine.ops.overflow import sum_squares_and_overflow
-from engine.zero.layout import contiguous_pieces
+
+if TYPE_CHECKING:
+    from engine.zero.norm_scope import NormScope
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
@@ -74,32 +77,33 @@ class Precision:
     def grad_accum_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.accum_dtype or param_dtype
 
-    def global_norm(self, shards: list[torch.Tensor], *, factor: float, partitioned: bool) -> GradNorm:
-        """Global L2 norm of `factor x` the gradients whose local pieces are `shards`.
+    def global_norm(self, rows: list[torch.Tensor], *, factor: float, scope: NormScope) -> GradNorm:
+        """Global L2 norm of `factor x` the gradients whose pieces this rank counts are `rows` (1-D,
+        contiguous; engine/zero/norm_scope.py says which, and over which ranks they add up).
 
-        With `partitioned`, each rank holds a disjoint part: local sums of squares are summed by one
-        all-reduce (never a gather). An inf or nan anywhere makes the sum non-finite on every rank,
-        so the same collective is the overflow check all ranks agree on.
+        Local sums of squares are summed by one all-reduce over `scope` (never a gather). An inf or
+        nan anywhere makes the sum non-finite on every rank, so the same collective is the overflow
+        check all ranks agree on.
         """
-        # One fused pass over every shard (engine/ops/overflow.py), in the shards' own dtype: the sum
-        # of squares in float64 and whether any element is inf/nan, which becomes an inf sum so the
+        # One fused pass over every row (engine/ops/overflow.py), in the rows' own dtype: the sum of
+        # squares in float64 and whether any element is inf/nan, which becomes an inf sum so the
         # all-reduce carries it.
-        local, overflow = sum_squares_and_overflow([row for s in shards for row in contiguous_pieces([s])[0]])
+        local, overflow = sum_squares_and_overflow(rows)
         sumsq = torch.tensor([math.inf if overflow else local], dtype=torch.float32)
-        if partitioned and comm.get_world_size() > 1:
-            comm.all_reduce(sumsq)
+        if scope.reduce and comm.group_size(scope.group) > 1:
+            comm.all_reduce(sumsq, group=scope.group)
         total = float(sumsq) ** 0.5 * abs(factor)
         return GradNorm(total, overflow=not math.isfinite(total))
 
-    def step_shards(self, shards: list[torch.Tensor], update: Callable[[float], None], *, max_grad_norm: float,
-                    average: float, partitioned: bool) -> tuple[float, bool]:
+    def step_shards(self, rows: list[torch.Tensor], update: Callable[[float], None], *, max_grad_norm: float,
+                    average: float, scope: NormScope) -> tuple[float, bool]:
         """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
         vote), a skip on fp16 overflow, then `update(coef)` (engine/zero/master_step.py), where coef
         folds averaging, unscaling and clipping (like torch.nn.utils.clip_grad_norm_) into the one
         factor the optimizer step applies to each gradient as it reads it, and the loss-scale update.
         Returns (global norm before clipping, whether the step was applied)."""
         factor = average / self.loss_scale
-        norm = self.global_norm(shards, factor=factor, partitioned=partitioned)
+        norm = self.global_norm(rows, factor=factor, scope=scope)
         if norm.overflow and self.scaler is not None:
             self.scaler.update(overflow=True)
             return norm.norm, False

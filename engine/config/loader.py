@@ -28,11 +28,14 @@ logger = logging.getLogger("engine.config")
 
 
 @stack_backstop
-def load_config(source: ConfigSource, *, world_size: int, world_size_source: str) -> EngineConfig:
-    """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` data-parallel ranks.
+def load_config(source: ConfigSource, *, world_size: int, world_size_source: str,
+                model_parallel_size: int | None = None) -> EngineConfig:
+    """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` ranks.
 
     `world_size_source` says where the world size came from (e.g. "WORLD_SIZE env (torchrun)"); batch-size
-    errors quote it. Raises ConfigError listing every problem found.
+    errors quote it. Batch sizes count data-parallel ranks: the world divided by the tensor-parallel
+    size, `model_parallel_size` (from mpu= or groups made before) or else the config's
+    tensor_parallel.autotp_size. Raises ConfigError listing every problem found.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r} (from {world_size_source})")
@@ -52,7 +55,9 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
     problems += aliases.problems
     auto = resolve_auto(config)
     problems += auto.problems
-    sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, world_size, world_size_source)
+    dp_size, dp_source, tp_problems = _data_parallel_size(config, world_size, world_size_source, model_parallel_size)
+    problems += tp_problems
+    sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, dp_size, dp_source)
     problems += batch_problems
     refusals, warnings_ = check_support(config, aliases.origins)
     problems += refusals
@@ -70,7 +75,24 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
         )
     for key, message in aliases.deprecations + warnings_:
         warn_once(key, message)
-    return build_engine_config(config, sizes, world_size=world_size, raw=raw)
+    return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
+
+
+def _data_parallel_size(config: dict[str, Any], world_size: int, world_size_source: str,
+                        model_parallel_size: int | None) -> tuple[int, str, list[str]]:
+    """(data-parallel size, where it came from, problems): the world over the tensor-parallel size."""
+    autotp = paths.get(config, ("tensor_parallel", "autotp_size"))
+    tp = model_parallel_size or (autotp if isinstance(autotp, int) and not isinstance(autotp, bool) else 1)
+    if tp <= 1:
+        return world_size, world_size_source, []
+    said = "the model-parallel groups (mpu=)" if model_parallel_size else "tensor_parallel.autotp_size"
+    if world_size % tp:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        problem = (f"tensor_parallel.autotp_size: tensor-parallel size {tp} (from {said}) does not divide the world "
+                   f"size {world_size} ({world_size_source}); use one of {divisors}")
+        return world_size, world_size_source, [problem]
+    return world_size // tp, (f"{world_size_source}: {world_size} ranks / tensor-parallel size {tp} from {said} "
+                              f"= {world_size // tp} data-parallel ranks"), []
 
 
 def _batch_sizes(

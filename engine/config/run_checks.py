@@ -37,10 +37,6 @@ def config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def check_mpu(mpu: Any) -> None:
-    if mpu is not None:
-        raise ConfigError("mpu= (model parallelism) is not supported; this engine is data-parallel only")
-
 
 def check_stage(cfg: EngineConfig, implemented: Collection[int]) -> None:
     if cfg.zero.stage not in implemented:

@@ -44,6 +44,23 @@ class ParallelGroups:
     generation: int
     """comm.generation() when made: the groups die with the default group."""
 
+    @classmethod
+    def data_parallel_only(cls) -> ParallelGroups:
+        """No tensor parallelism: the whole world is the data-parallel group."""
+        world, rank = comm.get_world_size(), comm.get_rank()
+        return cls(tp_size=1, dp_size=world, tp_group=None, dp_group=None, tp_rank=0, dp_rank=rank,
+                   tp_ranks=(rank,), dp_ranks=tuple(range(world)), generation=comm.generation())
+
+    def dp_src(self, position: int = 0) -> int:
+        """Global rank of the data-parallel group's member at `position` (collectives take global src)."""
+        return self.dp_ranks[position]
+
+    def counts_replicated(self) -> bool:
+        """Whether this rank counts parameters replicated across its tensor-parallel group (norms, a
+        row-parallel layer's bias) in sums over the world: only tensor-parallel rank 0 does, so each
+        counts once."""
+        return self.tp_rank == 0
+
 
 _groups: ParallelGroups | None = None
 

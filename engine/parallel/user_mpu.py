@@ -32,6 +32,9 @@ def groups_from_mpu(mpu: Any) -> ParallelGroups:
                           "engine.parallel is one (engine.parallel.initialize_model_parallel(tp))")
     dp_group, dp_size, dp_rank = (getattr(mpu, m)() for m in _DATA)
     tp_group, tp_size, tp_rank = (getattr(mpu, m)() for m in tensor)
+    for group, label in ((dp_group, "dp"), (tp_group, "tp")):
+        if group is not None:
+            comm.adopt_group(group, label)  # counted as DP / TP traffic, usable by every collective
     world = comm.get_world_size()
     if tp_size * dp_size != world:
         raise ConfigError(f"mpu={name} says tensor-parallel size {tp_size} x data-parallel size {dp_size} = "

@@ -18,16 +18,17 @@ from __future__ import annotations
 import torch
 
 from engine.config.types import EngineConfig
+from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 from engine.zero.flat_stage import Bucket, FlatStage
 
 
 class BoundaryReducedStage(FlatStage):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision) -> None:
+                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
         self._grad_flat: dict[int, torch.Tensor] = {}
         self._view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat gradient buffer
-        super().__init__(module, optimizer, config, precision)
+        super().__init__(module, optimizer, config, precision, parallel)
         self._written: set[int] = set()  # id() of params whose view holds this window's gradient
         self._pending = False  # gradients written that no reduction has consumed
 

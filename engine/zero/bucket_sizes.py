@@ -18,15 +18,17 @@ logger = get_logger()
 _DEEPSPEED_DEFAULT = 500_000_000
 
 
-def resolve(zero: ZeroConfig, element_size: int, *, gathers: bool = True) -> tuple[int, int]:
-    """(reduce_bucket_size, allgather_bucket_size) in elements of `element_size` bytes. gathers=False
-    (stage 0 all-gathers nothing): an unset allgather_bucket_size is neither measured nor logged."""
+def resolve(zero: ZeroConfig, element_size: int, dp_size: int, *, gathers: bool = True) -> tuple[int, int]:
+    """(reduce_bucket_size, allgather_bucket_size) in elements of `element_size` bytes, for collectives
+    over `dp_size` ranks. gathers=False (stage 0 all-gathers nothing): an unset allgather_bucket_size is
+    neither measured nor logged. The link is measured over the world (every rank measures the same
+    link; with tensor parallelism a data-parallel group spans the same machines or more)."""
     reduce, gather = zero.reduce_bucket_size, zero.allgather_bucket_size
     if not gathers:
         gather = gather or _DEEPSPEED_DEFAULT
     if reduce is not None and gather is not None:
         return reduce, gather
-    if comm.get_world_size() == 1:  # nothing travels: one bucket is cheapest
+    if dp_size == 1:  # nothing travels: one bucket is cheapest
         return reduce or _DEEPSPEED_DEFAULT, gather or _DEEPSPEED_DEFAULT
     link = comm.measure_link()
     measured = max(1, link.bucket_bytes() // element_size)

@@ -33,17 +33,19 @@ from typing import ClassVar
 import torch
 
 from engine import comm
-from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
+from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 from engine.zero import bucket_sizes, owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
 from engine.zero.master_step import MasterStep
+from engine.zero.norm_scope import NormScope, counted_rows
 from engine.zero.ordered_launch import LaunchInOrder
+from engine.zero.tp_state import whole_state_dict
 
 logger = get_logger()
 
@@ -87,20 +89,24 @@ class FlatStage:
     here only, to lay the groups out and to choose reduce-scatter or all-reduce."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision) -> None:
+                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
         self.optimizer = optimizer  # never None: the flat stages always train
         self.precision = precision
         self.module = module
-        shards = comm.get_world_size() if self.partitioned else 1
+        self.parallel = parallel or ParallelGroups.data_parallel_only()
+        """ZeRO partitions and reduces over the data-parallel group (the world without tensor parallelism)."""
+        self._group = self.parallel.dp_group
+        shards = self.parallel.dp_size if self.partitioned else 1
         self._shards = shards
         """Slices per bucket."""
-        self._rank = comm.get_rank() if self.partitioned else 0
+        self._rank = self.parallel.dp_rank if self.partitioned else 0
         zero = config.zero
-        self._averaging = shard_reduce.Averaging.from_config(config, comm.get_world_size())
+        self._averaging = shard_reduce.Averaging.from_config(config, self.parallel.dp_size)
         self._scatter = self.partitioned and zero.reduce_scatter
         self._allgather_partitions = zero.allgather_partitions
         wire_size = max((precision.wire_dtype(p.dtype).itemsize for p in module.parameters()), default=4)
-        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size, gathers=self.partitioned)
+        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size, self.parallel.dp_size,
+                                                                  gathers=self.partitioned)
         self.groups: list[FlatGroup] = build_flat_groups(module, optimizer, world_size=shards, rank=self._rank,
                                                          bucket_size=reduce_size)
         self._allocate_gradients()
@@ -198,7 +204,7 @@ class FlatStage:
         start, end = g.layout.bucket_range(bk.b)
         bk.pending = shard_reduce.start(
             bk.data, g.shard_grad[bk.b], written=g.grad_written[bk.b], rank=self._rank, averaging=self._averaging,
-            scatter=self._scatter, key=bk.order, real=min(end, g.layout.numel) - start)
+            scatter=self._scatter, key=bk.order, real=min(end, g.layout.numel) - start, group=self._group)
 
     def _finish(self, bk: Bucket) -> None:
         if bk.pending is None:
@@ -235,14 +241,14 @@ class FlatStage:
 
     def _reduce_late(self) -> None:
         """Reduce late gradient parts; every rank takes part for a bucket any rank has. See the Note."""
-        world = comm.get_world_size()
+        world = self.parallel.dp_size
         if world == 1 and not self._late:
             return
         flags = torch.zeros(len(self.buckets), dtype=torch.float32)
         for order in self._late:
             flags[order] = 1.0
         if world > 1:
-            comm.all_reduce(flags, op=comm.ReduceOp.MAX)
+            comm.all_reduce(flags, op=comm.ReduceOp.MAX, group=self._group)
         for order in torch.nonzero(flags).flatten().tolist():
             bk = self.buckets[order]
             late = self._late.pop(order, None)
@@ -274,13 +280,15 @@ class FlatStage:
         self._flush()
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
         outcome = shard_step.step_on_gradients(
-            self.precision, [g.shard_grad for g in self.groups], stale=stale,
-            averaging=self._averaging, max_grad_norm=max_grad_norm, partitioned=self._shards > 1,
-            update=self.master_step.step)
+            self.precision, self._norm_rows, stale=stale, averaging=self._averaging, max_grad_norm=max_grad_norm,
+            scope=NormScope.of(self.parallel, partitioned=self._shards > 1), update=self.master_step.step)
         if outcome.applied:
             self._gather_params()
         self.zero_grad()
         return outcome
+
+    def _norm_rows(self) -> list[torch.Tensor]:
+        return [row for g in self.groups for row in counted_rows(g.layout, g.rank, g.shard_grad, g.params, self.parallel)]
 
     def refresh_masters(self) -> None:
         """Parameters were changed by the user (the same on every rank): copy them into the fp32 masters."""
@@ -299,11 +307,11 @@ class FlatStage:
             full = g.bucket(g.flat, bk.b)
             if self._allgather_partitions:
                 mine = full[self._rank * lay.slice_numel:(self._rank + 1) * lay.slice_numel]
-                in_flight.append(comm.all_gather(full, mine, async_op=True))
+                in_flight.append(comm.all_gather(full, mine, async_op=True, group=self._group))
             else:  # DeepSpeed's allgather_partitions=false: one broadcast per owner
                 for r in range(self._shards):
-                    in_flight.append(comm.broadcast(full[r * lay.slice_numel:(r + 1) * lay.slice_numel], src=r,
-                                                    async_op=True))
+                    in_flight.append(comm.broadcast(full[r * lay.slice_numel:(r + 1) * lay.slice_numel],
+                                                    src=self.parallel.dp_src(r), async_op=True, group=self._group))
             in_flight_numel += lay.bucket_numel
             if in_flight_numel >= self._allgather_limit:  # allgather_bucket_size bounds what is in flight
                 for work in in_flight:
@@ -326,10 +334,9 @@ class FlatStage:
                 for g in self.groups]
 
     def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
-        """Every rank holds whole parameters: rank 0 copies the module's state dict."""
-        if comm.get_rank() != 0:
-            return {}
-        return clone_tensors_for_torch_save(self.module.state_dict(), device)
+        """Every rank holds whole parameters (its tensor-parallel slices of them): rank 0 copies the
+        module's state dict, tensor-parallel slices joined."""
+        return whole_state_dict(self.module.state_dict(keep_vars=True), self.parallel, device)
 
     # ------------------------------------------------------------------------------ reports
     def memory_report(self) -> dict[str, int]:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from engine import comm
-from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import NamedPiece, ShardRecord
+from engine.parallel.groups import ParallelGroups
 from engine.zero.base import StepOutcome
+from engine.zero.tp_state import whole_state_dict
 
 
 class ForwardOnly:
-    def __init__(self, module: torch.nn.Module, stage: int) -> None:
+    def __init__(self, module: torch.nn.Module, stage: int, parallel: ParallelGroups | None = None) -> None:
         self.stage = stage
         self.optimizer: torch.optim.Optimizer | None = None
         self._module = module
+        self.parallel = parallel or ParallelGroups.data_parallel_only()
 
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
         raise RuntimeError(f"zero_optimization.stage {self.stage} engine without an optimizer cannot run backward")
@@ -39,15 +40,14 @@ class ForwardOnly:
         return {"params": 0, "master": 0, "gradients": 0, "optimizer_state": 0}
 
     def checkpoint_shards(self) -> list[ShardRecord]:
-        """Every parameter whole, as a frozen record (no optimizer state); rank 0 writes."""
-        write = comm.get_rank() == 0
+        """Every parameter whole, as a frozen record (no optimizer state); the first rank of each
+        data-parallel group writes (rank 0 without tensor parallelism)."""
+        write = self.parallel.dp_rank == 0
         return [ShardRecord(p, [NamedPiece(name, 0, 0, p.numel())], None, write)
                 for name, p in self._module.named_parameters()]
 
     def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
-        if comm.get_rank() != 0:
-            return {}
-        return clone_tensors_for_torch_save(self._module.state_dict(), device)
+        return whole_state_dict(self._module.state_dict(keep_vars=True), self.parallel, device)
 
     def destroy(self) -> None:
         pass

@@ -51,17 +51,19 @@ class PendingReduce:
 
 
 def start(data: torch.Tensor, row: torch.Tensor, *, written: bool, rank: int, averaging: Averaging,
-          scatter: bool = True, key: int = 0, real: int | None = None) -> PendingReduce:
-    """Start reducing `data` (a whole bucket, every rank's slice) towards `row` (this rank's slice,
-    fp32). scatter=False all-reduces the bucket instead (one slice, or reduce_scatter: false), and
-    then only its first `real` elements (default all): the layout's padding, zero on every rank, need
-    not travel."""
+          scatter: bool = True, key: int = 0, real: int | None = None,
+          group: comm.ProcessGroup | None = None) -> PendingReduce:
+    """Start reducing `data` (a whole bucket, every rank's slice) over `group` (the data-parallel group;
+    None: the world) towards `row` (this rank's slice; `rank` is its position in the group).
+    scatter=False all-reduces the bucket instead (one slice, or reduce_scatter: false), and then only
+    its first `real` elements (default all): the layout's padding, zero on every rank, need not travel."""
     if averaging.before != 1.0:
         data.mul_(averaging.before)
     mine = data[rank * row.numel():(rank + 1) * row.numel()]
     if not scatter:
-        return PendingReduce(comm.all_reduce(data if real is None else data[:real], async_op=True), mine)
-    return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written), None)
+        return PendingReduce(comm.all_reduce(data if real is None else data[:real], async_op=True, group=group), mine)
+    return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written, group=group),
+                         None)
 
 
 def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from engine import comm
 from engine.checkpoint.records import NamedPiece, ShardRecord
 from engine.config.types import EngineConfig
 from engine.zero.boundary_reduced import BoundaryReducedStage
@@ -43,8 +42,8 @@ class Stage0(BoundaryReducedStage):
         pass  # none accepted
 
     def checkpoint_shards(self) -> list[ShardRecord]:
-        """One record per parameter (the optimizer's state is per parameter); rank 0 writes, as every
-        rank holds the same values."""
-        write = comm.get_rank() == 0
+        """One record per parameter (the optimizer's state is per parameter); the first rank of each
+        data-parallel group writes (rank 0 without tensor parallelism), as its members hold the same values."""
+        write = self.parallel.dp_rank == 0
         return [ShardRecord(master, [NamedPiece(name, 0, 0, master.numel())], g.opt_group, write)
                 for g, masters in zip(self.groups, self._masters) for master, name in zip(masters, g.names)]

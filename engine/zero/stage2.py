@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.config.types import EngineConfig
+from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 from engine.zero.flat_stage import Bucket, FlatStage
 
@@ -26,8 +27,8 @@ class Stage2(FlatStage):
     partitioned = True
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision) -> None:
-        super().__init__(module, optimizer, config, precision)
+                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
+        super().__init__(module, optimizer, config, precision, parallel)
         self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
 
     def _allocate_gradients(self) -> None:

@@ -27,38 +27,46 @@ from engine import comm
 from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import ARENA_AUTO, EngineConfig
+from engine.parallel.groups import ParallelGroups
+from engine.parallel.setup import is_tensor_parallel
 from engine.precision import Precision
 from engine.zero import memory_efficient_linear, owners, released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
+from engine.zero.norm_scope import NormScope, counted_rows
 from engine.zero.prefetch import PrefetchPlan
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3_gather import UnitGathers
 from engine.zero.stage3_grads import MAX_REDUCES_IN_FLIGHT, UnitGradients
 from engine.zero.stage3_memory import Stage3Memory, UnitBytes, auto_capacity
 from engine.zero.stage3_units import TrainableGroup, Unit, UnitState, build_units
+from engine.zero.tp_state import whole_state_dict
 
 
 class Stage3:
     stage = 3
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig,
-                 precision: Precision) -> None:
+                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
         # Without an optimizer (ZeRO inference: HF evaluates before training this way) every parameter
         # is sharded as a frozen one: gathered unit by unit for forward, never updated. The Engine
         # refuses backward and step.
         self.optimizer = optimizer
         self.precision = precision
         self.module = module
-        self._rank = comm.get_rank()
-        self._averaging = shard_reduce.Averaging.from_config(config, comm.get_world_size())
+        self.parallel = parallel or ParallelGroups.data_parallel_only()
+        """Parameters are partitioned over the data-parallel group (the world without tensor parallelism)."""
+        self._rank = self.parallel.dp_rank
+        """This rank's position in the data-parallel group: which slice of every unit it keeps."""
+        self._group = self.parallel.dp_group
+        self._averaging = shard_reduce.Averaging.from_config(config, self.parallel.dp_size)
         self.steps = 0  # optimizer steps and backwards so far, to say where in training an error happened
         self.backwards = 0
 
         self.units: list[Unit] = build_units(module, optimizer, config.zero.leaf_module,
                                              config.zero.stage3_module_granularity_threshold,
-                                             world=comm.get_world_size(), rank=self._rank,
+                                             world=self.parallel.dp_size, rank=self._rank,
                                              grad_dtype=precision.grad_accum_dtype)
         for unit in self.units:
             handle = owners.UnitHandle(gather=partial(self.gather_for_user, unit),
@@ -84,9 +92,10 @@ class Stage3:
                                   max_reuse_numel=zero.stage3_max_reuse_distance,
                                   persist_below=zero.stage3_param_persistence_threshold)
         self._memory = self._build_memory(config)
-        self._gathers = UnitGathers(self.units, self._plan, self._memory, self._rank, self._where_in_training)
+        self._gathers = UnitGathers(self.units, self._plan, self._memory, self._rank, self._where_in_training,
+                                    group=self._group)
         self._grads = UnitGradients(self.units, self._memory, precision, self._averaging, self._rank,
-                                    release=self._gathers.release, where=self._where_in_training)
+                                    release=self._gathers.release, where=self._where_in_training, group=self._group)
         self._handles = self._register_hooks(module)
         self._linear_installed = zero.memory_efficient_linear
         if self._linear_installed:
@@ -111,7 +120,8 @@ class Stage3:
         # Without the arena, gradient buckets are recycled by a pool whose buffers all have the size
         # of the largest block, so units of any size share them.
         blocks = [u for u in self.units if u.modules] or self.units
-        return Stage3Memory(capacity, device, max((u.numel for u in blocks), default=0), self._rank, auto=auto)
+        return Stage3Memory(capacity, device, max((u.numel for u in blocks), default=0), comm.get_rank(),
+                            auto=auto)
 
     def _register_hooks(self, module: torch.nn.Module) -> list[RemovableHandle]:
         gathers = self._gathers
@@ -154,13 +164,17 @@ class Stage3:
         self._gathers.drop_prefetched()
         # Norm, clipping, the optimizer step on the shards (rows no reduction wrote are zeroed first).
         assert self.master_step is not None
-        outcome = step_on_gradients(self.precision, self._grads.shard_grads(), stale=self._grads.stale_rows(),
-                                    averaging=self._averaging, max_grad_norm=max_grad_norm, partitioned=True,
-                                    update=self.master_step.step)
+        outcome = step_on_gradients(self.precision, self._norm_rows, stale=self._grads.stale_rows(),
+                                    averaging=self._averaging, max_grad_norm=max_grad_norm,
+                                    scope=NormScope.of(self.parallel, partitioned=True), update=self.master_step.step)
         # A new accumulation window.
         self.zero_grad()
         self.steps += 1
         return outcome
+
+    def _norm_rows(self) -> list[torch.Tensor]:
+        return [row for u in self.units for g in u.trainable
+                for row in counted_rows(g.layout, self._rank, g.shard_grad, g.params, self.parallel)]
 
     def zero_grad(self) -> None:
         self._grads.zero_grad()
@@ -206,11 +220,11 @@ class Stage3:
         self._gathers.release(unit)
 
     def scatter_from(self, unit: Unit, src: int) -> None:
-        """After a user modified the gathered unit on rank `src`: everyone takes src's values and
-        writes its own slice back into the shard and the fp32 master."""
+        """After a user modified the gathered unit on rank `src` (a data-parallel position): everyone
+        takes src's values and writes its own slice back into the shard and the fp32 master."""
         for g in unit.groups:
             assert g.full is not None, "scatter_from needs the unit gathered"
-            comm.broadcast(g.full, src=src)
+            comm.broadcast(g.full, src=self.parallel.dp_src(src), group=self._group)
             lo, hi = g.layout.slice_range(0, self._rank)
             mine = g.full[lo:hi]
             for target in (g.shard, g.master if isinstance(g, TrainableGroup) else None):
@@ -240,8 +254,16 @@ class Stage3:
             if opened:
                 self._gathers.release(unit)
         if self._rank != 0:
-            return {}
-        return {name: copy(tensor) for name, tensor in keys.items()}  # buffers and unmanaged params copied here
+            return whole_state_dict({}, self.parallel, device, copied=True)
+        # Buffers and unmanaged parameters are copied here; tensor-parallel slices are joined (by the
+        # first rank of each data-parallel group).
+        mine = {name: copy(tensor) for name, tensor in keys.items()}
+        for name, tensor in keys.items():
+            if is_tensor_parallel(tensor):
+                for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                    if hasattr(tensor, attr):
+                        setattr(mine[name], attr, getattr(tensor, attr))
+        return whole_state_dict(mine, self.parallel, device, copied=True)
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """Every group's shard on this rank: fp32 masters of trainable groups, frozen shards as they are."""

@@ -52,11 +52,13 @@ class UnitGathers:
     """Gathers and releases units, and starts the prefetches the plan asks for."""
 
     def __init__(self, units: Sequence[Unit], plan: PrefetchPlan, memory: Stage3Memory, rank: int,
-                 where: Callable[[], str]) -> None:
+                 where: Callable[[], str], *, group: comm.ProcessGroup | None = None) -> None:
         self.units = units
         self.plan = plan
         self._memory = memory
         self._rank = rank
+        """Position in `group`, the data-parallel group units are partitioned over (None: the world)."""
+        self._group = group
         self._where = where
         """Where training is (optimizer step, backward), for errors."""
         self._in_flight: dict[int, list[comm.Handle]] = {}
@@ -86,7 +88,7 @@ class UnitGathers:
             # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
             # master in the same pass for bf16/fp16), and the all-gather runs in place around it.
             copy_into(full, [g.stored()], [start])
-            work = comm.all_gather(full, mine, async_op=True, key=unit.index)
+            work = comm.all_gather(full, mine, async_op=True, key=unit.index, group=self._group)
             assert work is not None  # async_op=True always returns a handle
             works.append(work)
             self.gathered_bytes += _nbytes(full)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.comm import ProcessGroup
 from engine.precision import Precision
 from engine.zero import shard_reduce
 from engine.zero.ordered_launch import LaunchInOrder
@@ -33,12 +34,14 @@ class UnitGradients:
 
     def __init__(self, units: Sequence[Unit], memory: Stage3Memory, precision: Precision,
                  averaging: shard_reduce.Averaging, rank: int, *, release: Callable[[Unit], None],
-                 where: Callable[[], str]) -> None:
+                 where: Callable[[], str], group: ProcessGroup | None = None) -> None:
         self.units = units
         self._memory = memory
         self._precision = precision
         self._averaging = averaging
         self._rank = rank
+        """Position in `group`, the data-parallel group gradients are reduced over (None: the world)."""
+        self._group = group
         self._release = release
         """Release a unit whose gradients were sent (its parameters are not needed in this backward)."""
         self._where = where
@@ -86,7 +89,7 @@ class UnitGradients:
                         bucket[span.offset:span.end].zero_()
                 bucket[g.layout.numel:].zero_()
             g.pending = shard_reduce.start(bucket, g.shard_grad, written=g.grad_written, rank=self._rank,
-                                           averaging=self._averaging, key=unit.index)
+                                           averaging=self._averaging, key=unit.index, group=self._group)
             self._reducing.append(g)
         unit.grads_sent = True
         self._release(unit)

@@ -1,0 +1,65 @@
+"""Which gradient elements this rank counts in the global gradient norm, and over which ranks the local
+sums of squares add up to the whole model's.
+
+# [Note: the norm over tensor x data parallelism]
+# ZeRO partitions every gradient over the data-parallel group, and tensor parallelism splits the
+# tensor-parallel layers over the tensor-parallel group, so a partitioned stage's shards over the
+# whole world cover the model, each element once: except parameters every tensor-parallel rank
+# holds whole (layer norms, a row-parallel layer's bias; Megatron marks the others
+# `tensor_model_parallel`). Their gradients are equal on every tensor-parallel rank, so only
+# tensor-parallel rank 0 counts them (Megatron's param_is_not_tensor_parallel_duplicate). Stage 0
+# keeps whole gradients on every data-parallel rank, so its sums add over the tensor-parallel group
+# only. Without tensor parallelism this is the old rule: the whole shard, summed over the world when
+# partitioned. The overflow check rides on the same sum (an inf/nan anywhere makes it non-finite):
+# an uncounted replicated element is counted, with the same value, by tensor-parallel rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.comm import ProcessGroup
+from engine.parallel.groups import ParallelGroups
+from engine.parallel.setup import is_tensor_parallel
+from engine.zero.layout import GroupLayout, contiguous_pieces
+
+
+@dataclass(frozen=True)
+class NormScope:
+    """Where the local sums of squares of the counted rows are added up (see the Note)."""
+
+    reduce: bool
+    """False: this rank alone holds the whole gradient (stage 0 without tensor parallelism)."""
+    group: ProcessGroup | None
+    """The ranks whose sums are added (None: the world)."""
+
+    @classmethod
+    def of(cls, parallel: ParallelGroups, *, partitioned: bool) -> NormScope:
+        if partitioned:
+            return cls(reduce=True, group=None)
+        return cls(reduce=parallel.tp_size > 1, group=parallel.tp_group)
+
+
+def counted_rows(layout: GroupLayout, rank: int, shard_grad: torch.Tensor, params: Sequence[torch.Tensor],
+                 parallel: ParallelGroups) -> list[torch.Tensor]:
+    """Contiguous 1-D views of the part of one group's gradient shard (`shard_grad`: rank's shard of
+    `layout`, flat or (buckets, slice)) this rank counts in the norm: all of it, or without the
+    parameters replicated over tensor parallelism on a tensor-parallel rank other than 0."""
+    rows = contiguous_pieces([shard_grad])[0]
+    if parallel.tp_size == 1 or parallel.counts_replicated():
+        return rows
+    counted = [is_tensor_parallel(p) for p in params]
+    if all(counted):
+        return rows
+    out = []
+    for piece in layout.rank_pieces(rank):
+        if counted[piece.param]:
+            if len(rows) == 1:  # the shard is one contiguous run
+                out.append(rows[0][piece.shard_offset:piece.shard_offset + piece.numel])
+            else:  # one row per bucket
+                bucket, within = divmod(piece.shard_offset, layout.slice_numel)
+                out.append(rows[bucket][within:within + piece.numel])
+    return out

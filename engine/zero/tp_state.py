@@ -1,0 +1,62 @@
+"""Whole tensors from tensor-parallel slices: the model's full state dict on rank 0 when each
+tensor-parallel rank holds a slice of some parameters.
+
+A tensor-parallel parameter carries Megatron's `partition_dim` and `partition_stride`: rank r holds
+slice r along partition_dim, or with stride s (a fused layer such as q, k and v stacked in one
+weight) s chunks, chunk c of rank r being part r of the whole's chunk c. Joining is the inverse:
+for each chunk, the ranks' parts in rank order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from engine import comm
+from engine.checkpoint.clone import clone_tensors_for_torch_save
+from engine.parallel.groups import ParallelGroups
+from engine.parallel.setup import is_tensor_parallel
+
+
+def join_slices(slices: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The whole tensor from every tensor-parallel rank's slice, in rank order."""
+    if stride == 1:
+        return torch.cat(list(slices), dim=dim)
+    chunks = [s.chunk(stride, dim=dim) for s in slices]
+    return torch.cat([part[c] for c in range(stride) for part in chunks], dim=dim)
+
+
+def split_slice(whole: torch.Tensor, rank: int, size: int, dim: int, stride: int = 1) -> torch.Tensor:
+    """Rank `rank`'s slice of `whole` (join_slices' inverse)."""
+    if stride == 1:
+        return whole.chunk(size, dim=dim)[rank]
+    return torch.cat([chunk.chunk(size, dim=dim)[rank] for chunk in whole.chunk(stride, dim=dim)], dim=dim)
+
+
+def whole_state_dict(state: Mapping[str, torch.Tensor], parallel: ParallelGroups, device: torch.device | None,
+                     *, copied: bool = False) -> dict[str, torch.Tensor]:
+    """`state` (this rank's; tensor-parallel parameters are recognised by their attributes, so pass
+    state_dict(keep_vars=True)) with tensor-parallel slices joined, copied to `device` (unless `copied`:
+    the tensors are copies already), on global rank 0; {} elsewhere. Every rank calls it; the ranks of
+    data-parallel position 0 (rank 0's tensor-parallel group) gather."""
+    if parallel.dp_rank != 0:
+        return {}
+    if parallel.tp_size > 1:
+        joined: dict[int, torch.Tensor] = {}  # a parameter under several names is joined once
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            if is_tensor_parallel(tensor):
+                if id(tensor) not in joined:
+                    parts = comm.all_gather_list(tensor.detach(), group=parallel.tp_group)
+                    joined[id(tensor)] = join_slices(parts, int(getattr(tensor, "partition_dim", 0)),
+                                                     int(getattr(tensor, "partition_stride", 1)))
+                out[name] = joined[id(tensor)]
+            else:
+                out[name] = tensor
+        state = out
+    if comm.get_rank() != 0:
+        return {}
+    if copied:
+        return {name: t if device is None else t.to(device) for name, t in state.items()}
+    return clone_tensors_for_torch_save(dict(state), device)
