@@ -245,19 +245,31 @@ class _ParallelLinear(nn.Module):
         full_weight, full_bias = _dense_linear(input_size, output_size, bias, init_method, dtype, device, generator)
         self._keep_slice(full_weight, full_bias)
 
-    def _keep_slice(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None) -> None:
-        mine = slice(self.tp_rank * self.size_per_partition, (self.tp_rank + 1) * self.size_per_partition)
-        self.weight = nn.Parameter(full_weight.detach().narrow(self.split_dim, mine.start, mine.stop - mine.start)
-                                   .clone())
-        set_tensor_model_parallel_attributes(self.weight, True, self.split_dim)
+    def _keep_slice(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None, parts: int = 1) -> None:
+        """Keep this rank's slice along split_dim; with `parts` > 1 the dimension holds that many equal
+        parts (a fused [q; k; v]) and this rank keeps its slice of each, concatenated in order
+        (Megatron's partition_stride)."""
+        self.weight = nn.Parameter(self._mine(full_weight, self.split_dim, parts))
+        set_tensor_model_parallel_attributes(self.weight, True, self.split_dim, parts)
         if full_bias is None:
             self.register_parameter("bias", None)
         elif self.split_dim == 0:
-            self.bias = nn.Parameter(full_bias.detach()[mine].clone())
-            set_tensor_model_parallel_attributes(self.bias, True, 0)
+            self.bias = nn.Parameter(self._mine(full_bias, 0, parts))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, parts)
         else:
             self.bias = nn.Parameter(full_bias.detach().clone())
             set_tensor_model_parallel_attributes(self.bias, False, -1)
+
+    def _follow(self, dense: nn.Linear) -> None:
+        """from_dense: keep the dense layer's training mode and which of its parameters train."""
+        self.train(dense.training)
+        for name, param in self.named_parameters(recurse=False):
+            param.requires_grad_(getattr(dense, name).requires_grad)
+
+    def _mine(self, full: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+        width = self.size_per_partition // parts
+        pieces = [part.narrow(dim, self.tp_rank * width, width) for part in full.detach().chunk(parts, dim)]
+        return torch.cat(pieces, dim).clone() if parts > 1 else pieces[0].clone()
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -278,13 +290,25 @@ class ColumnParallelLinear(_ParallelLinear):
         self.output_size_per_partition = self.size_per_partition
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, gather_output: bool = True,
-                   group: ProcessGroup | None = None) -> ColumnParallelLinear:
-        """This rank's rows of an existing nn.Linear (copied; same dtype and device)."""
+    def from_dense(cls, linear: nn.Linear, gather_output: bool = True, group: ProcessGroup | None = None, *,
+                   parts: int = 1) -> ColumnParallelLinear:
+        """This rank's rows of an existing nn.Linear (copied; same dtype and device).
+
+        parts > 1: the output features are that many equal parts stacked (a fused qkv Linear is
+        [q; k; v], parts=3) and this rank keeps its rows of each part: [q_r; k_r; v_r], so its heads'
+        q, k and v. The output then stays split (gather_output=False): gathering it would interleave
+        the ranks' parts instead of restoring the dense order."""
         _check_dense_linear(linear)
+        if parts < 1 or linear.out_features % parts:
+            raise ConfigError(f"from_dense: out_features {linear.out_features} is not {parts} equal parts")
+        if parts > 1 and gather_output:
+            raise ConfigError(f"from_dense: a Linear of {parts} fused parts must keep its output split; pass "
+                              "gather_output=False (gathering would interleave the ranks' parts)")
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, gather_output=gather_output,
                     init_method=_skip_init, dtype=linear.weight.dtype, device=linear.weight.device, group=group)
-        layer._keep_slice(linear.weight, linear.bias)
+        check_divisible(f"out_features / {parts}", linear.out_features // parts, layer.tp_size)
+        layer._keep_slice(linear.weight, linear.bias, parts)
+        layer._follow(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -324,6 +348,7 @@ class RowParallelLinear(_ParallelLinear):
                     input_is_parallel=input_is_parallel, init_method=_skip_init, dtype=linear.weight.dtype,
                     device=linear.weight.device, group=group)
         layer._keep_slice(linear.weight, linear.bias)
+        layer._follow(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
