@@ -22,6 +22,9 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        # Attention reshapes by head_dim, not by n_heads (as Hugging Face models do): a tensor-parallel
+        # shard of qkv holds a whole number of heads, so the same code runs sharded and dense.
+        self.head_dim = cfg.d_model // cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -30,11 +33,11 @@ class Block(nn.Module):
                                  nn.Linear(4 * cfg.d_model, cfg.d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, -1, self.head_dim).unbind(2)
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
 
 
