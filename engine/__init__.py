@@ -9,6 +9,7 @@ from engine.comm import comm_stats, init_distributed
 from engine.config import ConfigError, EngineConfig, load_config
 from engine.engine import Engine
 from engine.initialize import add_config_arguments, initialize
+from engine.parallel.autotp import tp_model_init
 
 __all__ = [
     "ConfigError",
@@ -20,6 +21,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "tp_model_init",
     "zero",
 ]
 __version__ = "0.1.0"

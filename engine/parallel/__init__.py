@@ -1,8 +1,10 @@
-"""Tensor x data parallelism: process groups with Megatron's mpu interface (groups.py).
+"""Tensor x data parallelism: process groups with Megatron's mpu interface (groups.py), Megatron's
+tensor-parallel layers (layers.py) and AutoTP, which shards an ordinary model with them (autotp.py).
 
 The package itself can be passed as `mpu=` wherever a Megatron mpu module is accepted.
 """
 
+from engine.parallel.autotp import plan_autotp, tp_model_init
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.groups import (
     ParallelGroups,
@@ -67,8 +69,10 @@ __all__ = [
     "model_parallel_is_initialized",
     "model_parallel_manual_seed",
     "param_is_not_tensor_parallel_duplicate",
+    "plan_autotp",
     "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region",
     "set_tensor_model_parallel_attributes",
+    "tp_model_init",
     "vocab_parallel_cross_entropy",
 ]
