@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from typing import Any
 
@@ -63,7 +64,7 @@ def refusal(extra: dict[str, Any]) -> str:
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled"),
         ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled"),
         ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled"),
-        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
+        ({"tensor_parallel": {"tp": {"tp_size": 2}}}, "tensor_parallel"),
         ({"pipeline": {"stages": 2}}, "pipeline"),
         ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
     ],
@@ -158,6 +159,29 @@ def test_stages_precision_and_dtypes_reach_engine_config() -> None:
     assert not cfg.bf16.enabled and cfg.grad_accum_dtype is None and cfg.comms_logger is False
     cfg = load({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}})
     assert cfg.zero.stage == 1 and cfg.bf16.enabled and not cfg.fp16.enabled
+
+
+@pytest.mark.parametrize("section, size", [(None, 1), ({"autotp_size": 0}, 1), ({"autotp_size": 1}, 1),
+                                           ({"autotp_size": 2}, 2), ({"autotp_size": 2, "tp": {"tp_size": 2}}, 2),
+                                           ({"autotp_size": 2, "tp": {"tp_size": 1}}, 2)])
+def test_autotp_size_reaches_engine_config(section: dict[str, Any] | None, size: int) -> None:
+    extra = {} if section is None else {"tensor_parallel": section}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        cfg = load_config({**BASE, **extra}, world_size=2, world_size_source="test")
+    assert cfg.autotp_size == size
+
+
+def test_tp_size_other_than_autotp_size_is_refused() -> None:
+    for section in ({"tp": {"tp_size": 2}}, {"autotp_size": 0, "tp": {"tp_size": 2}},
+                    {"autotp_size": 2, "tp": {"tp_size": 4}}):
+        with pytest.raises(ConfigError) as info:
+            load_config({**BASE, "tensor_parallel": section}, world_size=4, world_size_source="test")
+        (message,) = info.value.problems
+        assert message.startswith(f"tensor_parallel: {json.dumps(section)} is not supported: "
+                                  "tensor_parallel.tp.tp_size (the size DeepSpeed's inference engine reads) must "
+                                  "equal tensor_parallel.autotp_size when above 1"), message
+        assert message.endswith("fix: set tensor_parallel.tp.tp_size to the autotp_size value, or remove it")
 
 
 def test_comms_logger_is_implemented_not_warned() -> None:

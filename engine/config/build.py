@@ -49,6 +49,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "dataloader_drop_last": "dataloader_drop_last",
     "seed": "seed",
     "collectives": "collectives",
+    "tensor_parallel": "autotp_size",
 }
 
 
@@ -134,5 +135,6 @@ def build_engine_config(
         comms_logger=bool((config.get("comms_logger") or {}).get("enabled", False)),
         zero=_zero(config.get("zero_optimization") or {}),
         csv_monitor=_section(MonitorConfig, config.get("csv_monitor")),
+        autotp_size=max(int((config.get("tensor_parallel") or {}).get("autotp_size") or 0), 1),
         raw=freeze(dict(raw)),
     )

@@ -45,6 +45,14 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _tp_size_differs(section: Any) -> bool:
+    """tensor_parallel.tp.tp_size above 1 and not autotp_size (DeepSpeed's engine refuses it too)."""
+    if not isinstance(section, dict) or not isinstance(section.get("tp"), dict):
+        return False
+    tp_size = section["tp"].get("tp_size")
+    return _number(tp_size) and tp_size > 1 and tp_size != section.get("autotp_size")
+
+
 PRESENT = When("present", lambda v: True)
 TRUE = When("true", lambda v: v is True)
 NON_EMPTY = When("a non-empty object", lambda v: bool(v))
@@ -188,6 +196,13 @@ TABLE: tuple[Entry, ...] = (
           'reduce-scatter and all-gather as direct exchanges, torch\'s elsewhere), "ring" (the same as rings: '
           'two neighbours per rank, N-1 steps; for large groups on thin networks) or "native" (torch\'s '
           "everywhere); ZERO_ENGINE_COLLECTIVES=engine|ring|native overrides it"),
+    Entry(
+        "tensor_parallel.autotp_size",
+        S.IMPLEMENTED,
+        PRESENT,
+        "AutoTP: the tensor-parallel size (EngineConfig.autotp_size; 0 or 1: off); engine.tp_model_init "
+        "shards the model's attention and MLP Linears by name (engine/parallel/autotp.py)",
+    ),
     Entry("seed", S.IMPLEMENTED, PRESENT, "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)"),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
@@ -419,18 +434,12 @@ TABLE: tuple[Entry, ...] = (
         "set hybrid_engine.enabled to false",
     ),
     Entry(
-        "tensor_parallel.autotp_size",
+        "tensor_parallel",
         S.REFUSED,
-        above(1),
-        "tensor parallelism is not implemented; ignoring it would change the data-parallel layout",
-        "set tensor_parallel.autotp_size to 0 or 1",
-    ),
-    Entry(
-        "tensor_parallel.tp.tp_size",
-        S.REFUSED,
-        above(1),
-        "tensor parallelism is not implemented",
-        "set tensor_parallel.tp.tp_size to 1",
+        When("tp.tp_size > 1 and not equal to autotp_size", _tp_size_differs),
+        "tensor_parallel.tp.tp_size (the size DeepSpeed's inference engine reads) must equal "
+        "tensor_parallel.autotp_size when above 1, as DeepSpeed requires; training shards by autotp_size",
+        "set tensor_parallel.tp.tp_size to the autotp_size value, or remove it",
     ),
     Entry(
         "sequence_parallel_size",

@@ -164,6 +164,9 @@ class EngineConfig:
     dataloader_drop_last: bool = False
     seed: int | None = None
     """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""
+    autotp_size: int = 1
+    """`tensor_parallel.autotp_size`: the tensor-parallel size of AutoTP training (engine.tp_model_init);
+    1 = off (DeepSpeed's 0, its default, is read as 1)."""
     collectives: str = "engine"
     """Not a DeepSpeed key: how reduce-scatter and all-gather run (engine/comm.py): "engine" (the default,
     a direct exchange between ranks), "ring" (pipelined rings), or "native" (torch's own collectives)."""
