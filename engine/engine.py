@@ -25,6 +25,7 @@ from engine.monitor.log import get_logger
 from engine.monitor.memory import memory_line
 from engine.monitor.timers import WallClockTimers
 from engine.parallel.groups import ParallelGroups
+from engine.parallel.same_inputs import check_same_inputs
 from engine.precision import Precision
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
@@ -105,6 +106,8 @@ class Engine:
         """The tensor- and data-parallel groups (engine/parallel/): ZeRO partitions over the data-parallel one."""
         self.dp_world_size = self.parallel.dp_size  # DeepSpeedEngine's names
         self.mp_world_size = self.parallel.tp_size
+        self._inputs_checked = False
+        """The first forward's check that a tensor-parallel group's ranks got one batch (same_inputs.py) ran."""
 
         self.micro_steps = 0
         self.global_steps = 0
@@ -147,6 +150,10 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_alive()
+        if not self._inputs_checked:
+            if self.parallel.tp_size > 1:
+                check_same_inputs(args, kwargs, self.parallel)
+            self._inputs_checked = True
         if self._timers:
             self._timers.start("forward")
         out = self.module(*args, **kwargs)
@@ -422,7 +429,8 @@ class Engine:
             loss_scaler=self.precision.scaler, stage=stage,
             model_dtype=self.precision.model_dtype,
             counters=Counters(global_steps=self.global_steps, global_samples=self.global_samples,
-                              skipped_steps=self.skipped_steps, micro_steps=self.micro_steps))
+                              skipped_steps=self.skipped_steps, micro_steps=self.micro_steps),
+            parallel=self.parallel)
 
     # ------------------------------------------------------------------------------ teardown
     def _require_alive(self) -> ZeroStage:

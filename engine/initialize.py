@@ -140,7 +140,7 @@ def initialize(
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
-        parallel = setup.resolve_groups(known_groups, getattr(cfg, "autotp_size", 0), model)  # TODO(autotp)
+        parallel = setup.resolve_groups(known_groups, cfg.autotp_size, model)
         if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
             logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
                         "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)

@@ -3,9 +3,10 @@ one (Hugging Face Trainer/Accelerate with a TP or sequence-parallel size above 1
 stops at once with an error naming the setting that asked for it and what to do instead, never an
 AttributeError or ImportError from inside a `deepspeed` alias package.
 
-The config keys themselves (`tensor_parallel.autotp_size`, `sequence_parallel_size`, NVMe offload)
-are refused by engine/config/support.py when the config is loaded; these are the code paths that run
-before a config reaches initialize.
+The config keys themselves (`sequence_parallel_size`, NVMe offload) are refused by
+engine/config/support.py when the config is loaded; these are the code paths that run before a config
+reaches initialize. (`tensor_parallel.autotp_size` works with engine.initialize; only the Hugging Face
+path to it is refused here.)
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ class UnsupportedFeatureError(NotImplementedError):
 
 
 def tp_model_init(model: Any = None, tp_size: int = 1, dtype: Any = None, config: Any = None, **_: Any) -> NoReturn:
-    """`deepspeed.tp_model_init`: AutoTP tensor parallelism. Not implemented here."""
+    """`deepspeed.tp_model_init` reached through the `deepspeed` alias package (Hugging Face Trainer /
+    Accelerate with tp_size > 1): refused. engine.tp_model_init and tensor_parallel.autotp_size work with
+    engine.initialize, but the Trainer's own data loading under tensor parallelism is untested here,
+    and every rank of a tensor-parallel group must read the same batch."""
     raise UnsupportedFeatureError(
-        f"tensor_parallel.autotp_size = {tp_size}: tensor parallelism (DeepSpeed AutoTP, "
-        "deepspeed.tp_model_init) is not implemented by this engine; remove tensor_parallel from the "
-        "DeepSpeed config (or set autotp_size to 1; for HF TrainingArguments, drop tp_size) and train "
-        "data-parallel with ZeRO stage 3 to fit a large model")
+        f"tensor_parallel.autotp_size = {tp_size} through Hugging Face Trainer/Accelerate (deepspeed.tp_model_init): "
+        "tensor parallelism is not supported on this path (the Trainer's data loading under tensor parallelism is "
+        "untested with this engine); remove tensor_parallel from the DeepSpeed config (or set autotp_size to 1; for "
+        "HF TrainingArguments, drop tp_size) and train data-parallel with ZeRO stage 3, or call "
+        "engine.initialize(...) with tensor_parallel.autotp_size in your own training loop")
 
 
 def _refuse_sequence_parallel(*_: Any, **kwargs: Any) -> NoReturn:

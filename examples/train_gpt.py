@@ -24,6 +24,12 @@ from gpt import GPT, GPTConfig
 
 import engine
 from engine.config import zero_stage
+from engine.config.source import read_source
+
+
+def autotp_size(config_path: str) -> int:
+    """The config's tensor_parallel.autotp_size (0 when absent)."""
+    return int(read_source(config_path)[0].get("tensor_parallel", {}).get("autotp_size", 0) or 0)
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end (engine.save_checkpoint)")
     parser.add_argument("--load_dir", default=None, help="resume from this checkpoint directory's latest tag "
                         "(any world size or ZeRO stage)")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size: AutoTP splits each block's "
+                        "Linear layers over this many ranks and ZeRO partitions over the rest (sets the config's "
+                        "tensor_parallel.autotp_size; default: the config's, else 1)")
     engine.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -65,22 +74,29 @@ def main() -> None:
     torch.manual_seed(args.seed)
     train_bytes, val_bytes, files = stdlib_sources()
     config_path = args.deepspeed_config or args.config
-    # Stage 3: every module is partitioned as soon as it is built (DeepSpeed's zero.Init idiom).
-    with engine.zero.Init(config_dict_or_path=config_path, enabled=zero_stage(config_path) == 3):
+    config: object = config_path
+    if args.tp is not None:  # the config file with tensor_parallel.autotp_size set to --tp
+        config, _ = read_source(config_path)
+        config.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
+    tensor_parallel = (args.tp or 0) > 1 or autotp_size(config_path) > 1
+    # Stage 3: every module is partitioned as soon as it is built (DeepSpeed's zero.Init idiom). Not with
+    # tensor parallelism: AutoTP splits whole layers at initialize, and ZeRO then partitions the slices.
+    with engine.zero.Init(config_dict_or_path=config_path, enabled=zero_stage(config_path) == 3 and not tensor_parallel):
         model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers))
 
     # One window per seq_len bytes of the training text: far more than a few hundred steps use.
     train_set = ByteWindows(train_bytes, args.seq_len, len(train_bytes) // args.seq_len, seed=args.seed)
     val_set = ByteWindows(val_bytes, args.seq_len, args.eval_windows, seed=args.seed + 1)
-    model_engine, _, loader, _ = engine.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                   training_data=train_set)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: partitioned
+    model_engine, _, loader, _ = engine.initialize(model=model, model_parameters=model.parameters(),
+                                                   training_data=train_set, config=config)
     global_batch = model_engine.train_batch_size()
     rank0 = model_engine.global_rank == 0
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: partitioned
     if rank0:
         print(f"corpus: {files} stdlib files, {len(train_bytes) / 1e6:.1f} MB train / "
               f"{len(val_bytes) / 1e6:.1f} MB validation; model {n_params / 1e6:.2f}M params; "
-              f"{model_engine.world_size} rank(s), global batch {global_batch} x {args.seq_len} bytes, "
+              f"{model_engine.world_size} rank(s) = TP {model_engine.mp_world_size} x DP {model_engine.dp_world_size}, "
+              f"global batch {global_batch} x {args.seq_len} bytes, "
               f"ZeRO stage {model_engine.zero_optimization_stage()}", flush=True)
 
     if args.load_dir:

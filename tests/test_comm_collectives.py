@@ -344,12 +344,13 @@ def _bucket_sizes() -> dict[str, object]:
 
     logging.getLogger("engine").addHandler(Keep())
     logging.getLogger("engine").setLevel(logging.INFO)
-    given = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123, allgather_bucket_size=456), 4)
+    world = comm.get_world_size()
+    given = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123, allgather_bucket_size=456), 4, world)
     # Stage 0 all-gathers nothing: its unset allgather_bucket_size is not measured for.
-    stage0 = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123), 4, gathers=False)
+    stage0 = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123), 4, world, gathers=False)
     measured_before = comm._state.link  # the config's values win without measuring anything
     stats_before = comm.comm_stats()
-    chosen = bucket_sizes.resolve(ZeroConfig(allgather_bucket_size=789), 2)
+    chosen = bucket_sizes.resolve(ZeroConfig(allgather_bucket_size=789), 2, world)
     link = comm.measure_link()
     return {"given": given, "stage0": stage0, "measured_before": measured_before, "chosen": chosen, "link": link,
             "stats_unchanged": comm.comm_stats() == stats_before, "log": records}

@@ -103,7 +103,7 @@ def test_trainer_torch_compile_is_refused_naming_the_fix(env: dict[str, str], tm
 def test_trainer_tensor_parallel_is_refused_naming_the_key(env: dict[str, str], tmp_path: Path) -> None:
     config = write_config(tmp_path / "ds.json", 2, tensor_parallel={"autotp_size": 2})
     stderr = _trainer_fails(env, tmp_path, 2, config)
-    assert "UnsupportedFeatureError: tensor_parallel.autotp_size = 2: tensor parallelism" in stderr
+    assert "UnsupportedFeatureError: tensor_parallel.autotp_size = 2 through Hugging Face Trainer" in stderr
     assert "remove tensor_parallel from the DeepSpeed config" in stderr
 
 

@@ -26,6 +26,7 @@ from torch import nn
 import engine
 import engine.parallel as mpu
 from engine import comm
+from engine.config.errors import ConfigError
 from tests.distributed import run_distributed
 
 TOL = 1e-5
@@ -196,9 +197,43 @@ def _world2() -> dict[str, Any]:
     state, norms, _ = _train(3, dense=False, mpu_arg=None, dp_size=1)  # groups made before: used without mpu=
     if comm.get_rank() == 0:
         out["tp2xdp1 stage 3"] = _errors(state, norms, ref)
+    out["other batches"] = _other_batches_per_tp_rank()
     mpu.destroy_model_parallel()
     _, _, out["dp2 sent"] = _train(2, dense=True, mpu_arg=None, dp_size=2)
+    out["refusals"] = _refusals()
     return out
+
+
+def _other_batches_per_tp_rank() -> str:
+    """The ranks of one tensor-parallel group fed different batches (a loader sharding by global rank)."""
+    model = Net(dense=False)
+    eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(), config=_config(1, 4))
+    x, y = _batch(comm.get_rank())
+    try:
+        eng(x[:MICRO], y[:MICRO])
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        eng.destroy()
+    return "no error"
+
+
+def _refusals() -> list[str]:
+    """initialize's named errors for bad tensor-parallel input (every rank raises; the process can go on)."""
+    messages = []
+    attempts: list[tuple[dict[str, Any], Any]] = [
+        ({**_config(2, 1), "tensor_parallel": {"autotp_size": 3}}, None),  # does not divide world 2
+        (_config(2, 1), object()),  # an mpu without any of the methods
+    ]
+    for config, mpu_arg in attempts:
+        model = Net(dense=True)
+        try:
+            engine.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu_arg)
+        except ConfigError as err:
+            messages.append(str(err))
+        else:
+            messages.append("no error")
+    return messages
 
 
 def _numel(dense: bool) -> int:
@@ -223,9 +258,15 @@ def test_tensor_x_data_parallel_equals_the_reference_and_sends_less_dp_traffic()
     expected = _numel(dense=False) / _numel(dense=True)
     print(f"DP bytes at TP 2 / DP-only: {ratio:.3f}, parameters held {expected:.3f}")
     assert abs(ratio - expected) < 0.05, (ratio, expected, tp_sent, dp_sent)
-    errors = {k: v for k, v in {**four, **two}.items() if not k.endswith("sent")}
+    errors = {k: v for k, v in {**four, **two}.items() if not k.endswith("sent") and k not in ("refusals", "other batches")}
     print(errors)
     for case, err in errors.items():
         assert err["weights"] < TOL, (case, err)
         assert err.get("norm", 0.0) < 1e-4, (case, err)
     assert len(errors) == 8, sorted(errors)
+    assert "ranks [1] got other inputs than rank 0 of their tensor-parallel group [0, 1]" in two["other batches"], \
+        two["other batches"]
+    not_dividing, no_methods = two["refusals"]
+    assert "tensor-parallel size 3" in not_dividing and "world size 2" in not_dividing, not_dividing
+    assert "lacks get_data_parallel_group" in no_methods and "get_tensor_model_parallel_rank" in no_methods, \
+        no_methods
