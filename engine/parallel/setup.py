@@ -61,7 +61,12 @@ def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Mod
             raise ConfigError(f"tensor_parallel.autotp_size is {autotp_size} but the model-parallel groups (mpu= or "
                               f"engine.parallel.initialize_model_parallel) have tensor-parallel size {known.tp_size}; "
                               "make them equal or drop tensor_parallel.autotp_size")
-        if autotp_size > 1:
+        if autotp_size > 1 and not getattr(model, "ds_autotp_parsed", False):
+            if not (model_parallel_is_initialized() and current_groups() == known):
+                raise ConfigError("tensor_parallel.autotp_size with a user's mpu= object: AutoTP shards the model over "
+                                  "engine.parallel's own tensor-parallel groups, not the mpu's; pass mpu=engine.parallel "
+                                  "(after engine.parallel.initialize_model_parallel), or shard the model yourself and "
+                                  "drop tensor_parallel.autotp_size")
             _apply_autotp(model, autotp_size)
         return known
     if autotp_size > 1:
