@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, load_config
+from engine.config.source import read_source
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
@@ -22,10 +23,18 @@ def test_configs_directory_is_not_empty() -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_loads(path: Path, world_size: int) -> None:
+    """Batch sizes count data-parallel ranks: the world over tensor_parallel.autotp_size (which must
+    divide it, or the load is refused naming both sizes)."""
+    tp = max(1, read_source(path)[0].get("tensor_parallel", {}).get("autotp_size", 1))
+    if world_size % tp:
+        with pytest.raises(ConfigError, match=f"tensor-parallel size {tp} .* does not divide the world size {world_size}"):
+            load_config(path, world_size=world_size, world_size_source="test parameter")
+        return
     cfg = load_config(path, world_size=world_size, world_size_source="test parameter")
-    assert cfg.world_size == world_size
+    assert cfg.world_size == world_size // tp
+    assert cfg.autotp_size == tp
     assert cfg.train_batch_size == (
-        cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * world_size
+        cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * world_size // tp
     )
 
 
