@@ -2,10 +2,13 @@
 
     save_dir/latest                      the newest tag (text), written last and atomically
     save_dir/<tag>/manifest.json         format version, world size, stage, dtypes, parameters,
+                                         tensor-parallel sizes and slices (tensor_parallel.py),
                                          and which pieces of which parameter each rank's files hold
     save_dir/<tag>/rank_<r>_model_states.pt   rank r: frozen-parameter pieces, RNG states; rank 0 also
-                                              buffers and whole non-trainable tensors, engine counters,
-                                              LR scheduler, loss scaler, client state
+                                              buffers and whole non-trainable tensors (with TP, the
+                                              first rank of every data-parallel group: its slices of
+                                              them), engine counters, LR scheduler, loss scaler,
+                                              client state
     save_dir/<tag>/rank_<r>_optim_states.pt   rank r: fp32 master pieces with their optimizer state
 
 A tag directory appears complete or not at all: every file is written into a hidden
@@ -23,6 +26,7 @@ import math
 import os
 import pickle
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import jsonschema
@@ -94,6 +98,18 @@ def resolve_tag_dir(load_dir: str, tag: str | None) -> str:
 _PIECE = {"type": "array", "prefixItems": [{"enum": ["model", "optim"]}, {"type": "string"},
                                            {"type": "integer", "minimum": 0}, {"type": "integer", "minimum": 0}],
           "minItems": 4, "maxItems": 4}
+_SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_TENSOR_PARALLEL = {
+    "type": "object", "required": ["tp_size", "dp_size", "params"],
+    "properties": {
+        "tp_size": {"type": "integer", "minimum": 1}, "dp_size": {"type": "integer", "minimum": 1},
+        "params": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["partition_dim", "partition_stride", "shape", "slice_shapes", "saved_as"],
+            "properties": {"partition_dim": {"type": "integer", "minimum": 0},
+                           "partition_stride": {"type": "integer", "minimum": 1}, "shape": _SHAPE,
+                           "slice_shapes": {"type": "array", "items": _SHAPE},
+                           "saved_as": {"type": "array", "items": {"type": "string"}}}}}},
+}
 _MANIFEST_SCHEMA = {
     "type": "object",
     "required": ["format_version", "world_size", "stage", "params", "pieces"],
@@ -103,9 +119,10 @@ _MANIFEST_SCHEMA = {
         "stage": {"type": "integer", "minimum": 0, "maximum": 3},
         "params": {"type": "object", "additionalProperties": {
             "type": "object", "required": ["shape", "dtype"],
-            "properties": {"shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "properties": {"shape": _SHAPE,
                            "dtype": {"type": "string"}, "trainable": {"type": "boolean"}}}},
         "aliases": {"type": "object", "additionalProperties": {"type": "string"}},
+        "tensor_parallel": _TENSOR_PARALLEL,
         "pieces": {"type": "array", "items": {"type": "array", "items": _PIECE}},
         "checksums": {"type": "object", "additionalProperties": {
             "type": "object", "required": ["crc32", "bytes"],
@@ -163,6 +180,7 @@ def _check_agreement(manifest: dict[str, Any], path: str) -> None:
             if listed != math.prod(spec["shape"]):
                 _edited(path, f"params.{name}.shape", f"{spec['shape']} holds {math.prod(spec['shape'])} elements "
                         f"but the pieces listed for {name!r} hold {listed}")
+    _check_slices(manifest, path, {name: kinds.get("optim", kinds.get("model", 0)) for name, kinds in held.items()})
     for alias, target in manifest.get("aliases", {}).items():
         if target not in manifest["params"]:
             _edited(path, f"aliases.{alias}", f"names {target!r}, which is not in params")
@@ -171,6 +189,44 @@ def _check_agreement(manifest: dict[str, Any], path: str) -> None:
                          - set(manifest["checksums"]))
         if missing:
             _edited(path, "checksums", f"has no entry for {', '.join(missing)}")
+
+
+def tp_section(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's tensor_parallel section (engine/checkpoint/tensor_parallel.py); a manifest
+    without one was saved without tensor parallelism."""
+    found = manifest.get("tensor_parallel")
+    if isinstance(found, dict):
+        return found
+    return {"tp_size": 1, "dp_size": manifest["world_size"], "params": {}}
+
+
+def joined_shape(slices: list[list[int]], dim: int) -> list[int]:
+    """A tensor-parallel tensor's whole shape from its slices' (engine/zero/tp_state.py join_slices
+    concatenates along `dim`, whatever the stride)."""
+    shape = list(slices[0])
+    shape[dim] = sum(s[dim] for s in slices)
+    return shape
+
+
+def _check_slices(manifest: dict[str, Any], path: str, held: dict[str, int]) -> None:
+    """The tensor_parallel section agrees with the world size and with the pieces listed for each
+    slice (`held`: elements listed per saved name)."""
+    tp = tp_section(manifest)
+    if tp["tp_size"] * tp["dp_size"] != manifest["world_size"]:
+        _edited(path, "tensor_parallel", f"tp_size {tp['tp_size']} x dp_size {tp['dp_size']} is not world_size "
+                f"{manifest['world_size']}")
+    for name, entry in tp["params"].items():
+        key, slices, shape = f"tensor_parallel.params.{name}", entry["slice_shapes"], entry["shape"]
+        if len(slices) != tp["tp_size"] or len(entry["saved_as"]) != tp["tp_size"]:
+            _edited(path, key, f"has {len(slices)} slice shapes and {len(entry['saved_as'])} names for tp_size "
+                    f"{tp['tp_size']}")
+        if entry["partition_dim"] >= len(shape) or any(len(s) != len(shape) for s in slices) \
+                or joined_shape(slices, entry["partition_dim"]) != shape:
+            _edited(path, key, f"slices {slices} joined along dim {entry['partition_dim']} are not shape {shape}")
+        for saved, piece_shape in zip(entry["saved_as"], slices):
+            if held.get(saved, math.prod(piece_shape)) != math.prod(piece_shape):
+                _edited(path, key, f"slice shape {piece_shape} holds {math.prod(piece_shape)} elements but the "
+                        f"pieces listed for {saved!r} hold {held[saved]}")
 
 
 def unpickling_reason(err: Exception) -> str:

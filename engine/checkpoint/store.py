@@ -5,7 +5,9 @@ Save: every rank writes its own two files in parallel (no rank gathers the model
 manifest and then makes the tag visible with one rename, and `latest` last. Load: every rank reads,
 for each piece it holds now, the saved pieces of the same parameter that overlap it, from whichever
 ranks' files have them (memory-mapped, so a rank never holds more than its own state plus one file's
-index), so a checkpoint saved by 4 ranks at stage 3 loads on 2 ranks at stage 2.
+index), so a checkpoint saved by 4 ranks at stage 3 loads on 2 ranks at stage 2. Under tensor
+parallelism the same holds per tensor-parallel rank, whose slices are saved under names of their own
+(See [Note: checkpoint names under tensor parallelism] in tensor_parallel.py).
 
 The store never sees the Engine: it saves from and loads into a `TrainingState` (training_state.py),
 and `load` hands the saved counters back for the Engine to set.
@@ -41,8 +43,10 @@ from engine.checkpoint.files import (
 from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.records import ShardRecord
 from engine.checkpoint.rng import rng_state, set_rng_state
+from engine.checkpoint.tensor_parallel import CheckpointNames, check_loadable, manifest_section
 from engine.checkpoint.training_state import Counters, LoadResult, Stateful, TrainingState
 from engine.monitor.log import get_logger
+from engine.zero.partitioned_init import full_shape
 
 logger = get_logger()
 
@@ -60,21 +64,24 @@ def save(state: TrainingState, save_dir: str, tag: str | None, client_state: dic
     tag = check_tag(str(tag) if tag is not None else f"global_step{state.counters.global_steps}", "save_checkpoint")
     client_state = _agree_on_client_state(client_state)
     started = time.perf_counter()
-    records = state.stage.checkpoint_shards()
+    names = CheckpointNames.of(state.module, state.parallel)
+    records = names.for_saving(state.stage.checkpoint_shards())
     final, partial = os.path.join(save_dir, tag), partial_dir(save_dir, tag)
     _start_partial(save_dir, partial)
 
     pieces = _collect_pieces(records, state.optimizer)
-    model_state: dict[str, Any] = {"pieces": pieces.model, "rng": rng_state()}
+    whole = _whole_tensors(state.module, names)
+    pieces.index.extend(("model", name, 0, int(value.numel())) for name, value in whole.items())
+    model_state: dict[str, Any] = {"pieces": pieces.model, "whole": whole, "rng": rng_state()}
     if rank == 0:
-        whole = _whole_tensors(state.module)
-        model_state.update(_rank0_head(state, whole, client_state))
-        pieces.index.extend(("model", name, 0, int(value.numel())) for name, value in whole.items())
+        model_state.update(_rank0_head(state, client_state))
     checksums = _write_rank_files(partial, rank, model_state, pieces)
 
-    gathered = comm.all_gather_object((pieces.index, checksums))
+    gathered = comm.all_gather_object((pieces.index, checksums, names.spec_row(_aliases(state.module))))
+    tensor_parallel = manifest_section(state.parallel.tp_size, state.parallel.dp_size, [g[2] for g in gathered])
     if rank == 0:
-        _write_text(os.path.join(partial, MANIFEST), json.dumps(_manifest(state, tag, world, gathered), indent=1))
+        manifest = _manifest(state, tag, world, [g[:2] for g in gathered], tensor_parallel)
+        _write_text(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
         _publish(save_dir, tag, save_latest)
     comm.barrier()
     if rank == 0:
@@ -184,18 +191,21 @@ def _managed_ids(module: torch.nn.Module) -> set[int]:
     return {id(p) for p in module.parameters() if p.requires_grad}
 
 
-def _whole_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What rank 0 saves whole: buffers, and frozen parameters at stages 0-2."""
+def _whole_tensors(module: torch.nn.Module, names: CheckpointNames) -> dict[str, torch.Tensor]:
+    """What this rank saves whole, by saved name: buffers, and frozen parameters at stages 0-2. Rank 0
+    without tensor parallelism; with it, the first rank of each data-parallel group its slices of
+    them, and rank 0 also the replicated ones."""
+    if not names.writes_whole():
+        return {}
     managed = _managed_ids(module)
-    return {n: t.detach().clone() for n, t in module.state_dict(keep_vars=True).items()
-            if id(t) not in managed and t.numel() > 0}
+    return {names.saved_name(n): t.detach().clone() for n, t in module.state_dict(keep_vars=True).items()
+            if id(t) not in managed and t.numel() > 0 and names.writes(n)}
 
 
-def _rank0_head(state: TrainingState, whole: dict[str, torch.Tensor], client_state: dict[str, Any]) -> dict[str, Any]:
-    """What only rank 0's model file holds, besides its pieces and RNG states."""
+def _rank0_head(state: TrainingState, client_state: dict[str, Any]) -> dict[str, Any]:
+    """What only rank 0's model file holds, besides its pieces, whole tensors and RNG states."""
     optimizer = state.optimizer
     return {
-        "whole": whole,
         "engine": dataclasses.asdict(state.counters),
         "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
@@ -213,10 +223,12 @@ def _write_rank_files(partial: str, rank: int, model_state: dict[str, Any],
                                           os.path.join(partial, optim_file(rank)))}
 
 
-def _manifest(state: TrainingState, tag: str, world: int,
-              gathered: list[tuple[PieceIndex, dict[str, dict[str, int]]]]) -> dict[str, Any]:
-    """manifest.json (engine/checkpoint/files.py), from every rank's pieces and file checksums."""
-    params = {n: {"shape": list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape),
+def _manifest(state: TrainingState, tag: str, world: int, gathered: list[tuple[PieceIndex, dict[str, dict[str, int]]]],
+              tensor_parallel: dict[str, Any]) -> dict[str, Any]:
+    """manifest.json (engine/checkpoint/files.py), from every rank's pieces and file checksums. A
+    tensor-parallel parameter's shape is its whole one (its slices' are in tensor_parallel)."""
+    sliced = tensor_parallel["params"]
+    params = {n: {"shape": sliced[n]["shape"] if n in sliced else list(full_shape(p)),
                   "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad}
               for n, p in state.module.named_parameters()}
     return {
@@ -224,7 +236,7 @@ def _manifest(state: TrainingState, tag: str, world: int,
         "tag": tag, "world_size": world, "stage": state.stage.stage,
         "model_dtype": str(state.model_dtype).removeprefix("torch.") if state.model_dtype is not None
         else "as built", "global_steps": state.counters.global_steps, "params": params,
-        "aliases": _aliases(state.module),
+        "aliases": _aliases(state.module), "tensor_parallel": tensor_parallel,
         "files": {"model": [model_file(r) for r in range(world)], "optim": [optim_file(r) for r in range(world)]},
         "pieces": [[list(entry) for entry in entries] for entries, _ in gathered],
         "checksums": {name: digest for _, sums in gathered for name, digest in sums.items()},
@@ -282,11 +294,13 @@ def load(state: TrainingState, load_dir: str, tag: str | None, load_module_stric
     tag_dir = resolve_tag_dir(load_dir, tag)
     manifest = read_manifest(tag_dir)
     reader = PieceReader(tag_dir, manifest)
-    records = state.stage.checkpoint_shards()
+    names = CheckpointNames.of(state.module, state.parallel)
+    check_loadable(reader, names, state.module)
+    records = names.for_loading(state.stage.checkpoint_shards())
     optimizer = state.optimizer if load_optimizer_states and not load_module_only else None
 
     _fill_records(reader, records, optimizer, load_module_strict)
-    _fill_whole_tensors(reader, state.module, load_module_strict)
+    _fill_whole_tensors(reader, state.module, names, load_module_strict)
     head = reader.file(model_file(0))
     if optimizer is not None:
         _restore_scalar_state(reader, records, optimizer)
@@ -300,8 +314,8 @@ def load(state: TrainingState, load_dir: str, tag: str | None, load_module_stric
         _restore_rng(reader, rank)
     comm.barrier()
     if rank == 0:
-        logger.info("loaded checkpoint %s (saved at world size %d, stage %d) in %.2f s", tag_dir,
-                    manifest["world_size"], manifest["stage"], time.perf_counter() - started)
+        logger.info("loaded checkpoint %s (saved at world size %d, tensor-parallel size %d, stage %d) in %.2f s",
+                    tag_dir, manifest["world_size"], names.tp_size, manifest["stage"], time.perf_counter() - started)
     client_state = restore_client_state(dict(head.get("client_state") or {}), os.path.join(tag_dir, model_file(0)))
     return LoadResult(tag_dir, client_state, counters)
 
@@ -363,13 +377,15 @@ def _state_to_fill(reader: PieceReader, record: ShardRecord,
     return states
 
 
-def _fill_whole_tensors(reader: PieceReader, module: torch.nn.Module, strict: bool) -> None:
+def _fill_whole_tensors(reader: PieceReader, module: torch.nn.Module, names: CheckpointNames, strict: bool) -> None:
     """Whole tensors this rank holds outside the records: buffers, frozen parameters at stages 0-2, and
-    the model-dtype copies of trainable parameters (cast from the loaded fp32 masters' values)."""
+    the model-dtype copies of trainable parameters (cast from the loaded fp32 masters' values); with
+    tensor parallelism this rank's slices of them."""
     managed = _managed_ids(module)
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    for own_name, tensor in module.state_dict(keep_vars=True).items():
         if tensor.numel() == 0:
             continue
+        name = names.saved_name(own_name)
         kind = "model" if reader.has(name, "model") else "optim" if reader.has(name, "optim") else None
         if kind is None:
             if strict and id(tensor) not in managed:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.parallel.groups import ParallelGroups
 from engine.zero.base import ZeroStage
 
 
@@ -54,6 +55,9 @@ class TrainingState:
     model_dtype: torch.dtype | None
     """The training dtype the model was cast to; None: the model's own dtypes ("as built" in the manifest)."""
     counters: Counters
+    parallel: ParallelGroups
+    """The tensor- and data-parallel groups: a tensor-parallel rank's slices are saved under names of their
+    own, replicated tensors by tensor-parallel rank 0 (engine/checkpoint/tensor_parallel.py)."""
 
 
 @dataclass(frozen=True)

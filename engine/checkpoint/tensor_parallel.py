@@ -1,0 +1,186 @@
+"""Checkpoints under tensor parallelism: the names a rank's tensors are saved under, what the manifest
+records of the slices (its `tensor_parallel` section), and the check every load makes first.
+
+# [Note: checkpoint names under tensor parallelism]
+ZeRO partitions each parameter over the data-parallel group, so the ranks of one data-parallel group
+(one tensor-parallel rank r) hold r's slices between them, and their pieces cover each slice as the
+pieces of a run without tensor parallelism cover a whole parameter. So r's pieces of a
+tensor-parallel tensor are saved under `slice_name(name, r)` (`<name>@tp<r>`): for each r they are
+exactly a checkpoint of tensors of those names, and the resharding reader (piece_reader.py) reads
+them back at any data-parallel size and stage unchanged, each rank asking for its own r's names
+only. A replicated tensor (a layer norm, a row-parallel bias, an embedding not split) is the same on
+every tensor-parallel rank: the ranks of tensor-parallel rank 0 write it under its own name, the
+others skip it, and every rank reads it. `slice_name` is the one place the scheme is written;
+readers take the names from the manifest (`tensor_parallel.params.<name>.saved_as`), never by
+parsing them. Without tensor parallelism nothing is renamed and the manifest says size 1.
+
+A checkpoint loads only at the tensor-parallel size it was saved at: another size would need every
+slice re-cut (and Adam's state with it), which the pieces do not describe. `check_loadable` refuses
+it by name, before anything is read; `python -m engine.checkpoint.consolidate` joins the slices into
+one state dict for a model built at the new size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from engine.checkpoint.files import CheckpointError, joined_shape, tp_section
+from engine.checkpoint.piece_reader import PieceReader
+from engine.checkpoint.records import ShardRecord
+from engine.parallel.groups import ParallelGroups
+from engine.parallel.setup import is_tensor_parallel
+from engine.zero.partitioned_init import full_shape
+
+SpecRow = tuple[int, dict[str, list[Any]]]
+"""What one rank tells the manifest (all-gathered): its tensor-parallel rank and, per tensor-parallel
+tensor, [partition_dim, partition_stride, slice shape]."""
+
+
+def slice_name(name: str, tp_rank: int) -> str:
+    """The name tensor-parallel rank `tp_rank`'s slice of tensor `name` is saved under."""
+    return f"{name}@tp{tp_rank}"
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """One tensor-parallel tensor on this rank: Megatron's attributes and the slice's shape."""
+
+    dim: int
+    """partition_dim: the dimension the tensor is split along (normalised to >= 0)."""
+    stride: int
+    """partition_stride: chunks per slice (3 for a fused qkv; engine/zero/tp_state.py)."""
+    shape: tuple[int, ...]
+    """This rank's slice, whole (at stage 3 its ds_shape, not its released .data)."""
+
+
+def _slice_spec(tensor: torch.Tensor) -> SliceSpec:
+    shape = full_shape(tensor)
+    dim = int(getattr(tensor, "partition_dim", 0))
+    return SliceSpec(dim % len(shape) if shape else 0, int(getattr(tensor, "partition_stride", 1)), shape)
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """Which of this rank's tensors it writes, and under which names. See [Note: checkpoint names under
+    tensor parallelism]."""
+
+    tp_size: int
+    dp_size: int
+    tp_rank: int
+    dp_rank: int
+    sliced: Mapping[str, SliceSpec]
+    """Every state-dict name (tied names too) of a tensor-parallel tensor; empty at tensor-parallel
+    size 1, where a slice is the whole tensor."""
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, parallel: ParallelGroups) -> CheckpointNames:
+        sliced = {name: _slice_spec(t) for name, t in module.state_dict(keep_vars=True).items()
+                  if is_tensor_parallel(t)} if parallel.tp_size > 1 else {}
+        return cls(parallel.tp_size, parallel.dp_size, parallel.tp_rank, parallel.dp_rank, sliced)
+
+    def saved_name(self, name: str) -> str:
+        return slice_name(name, self.tp_rank) if name in self.sliced else name
+
+    def writes(self, name: str) -> bool:
+        """Whether this rank's values of `name` go into the checkpoint: a replicated tensor's only from
+        tensor-parallel rank 0 (the others hold the same values)."""
+        return name in self.sliced or self.tp_rank == 0
+
+    def writes_whole(self) -> bool:
+        """Whether this rank writes whole tensors (buffers, frozen parameters at stages 0-2): the first
+        rank of each data-parallel group, whose members hold the same ones (rank 0 alone without TP)."""
+        return self.dp_rank == 0
+
+    def for_saving(self, records: list[ShardRecord]) -> list[ShardRecord]:
+        """The stage's records with the pieces this rank writes, under their saved names."""
+        return [replace(r, pieces=[replace(p, name=self.saved_name(p.name)) for p in r.pieces if self.writes(p.name)])
+                for r in records]
+
+    def for_loading(self, records: list[ShardRecord]) -> list[ShardRecord]:
+        """The stage's records with every piece under the name its values were saved under."""
+        return [replace(r, pieces=[replace(p, name=self.saved_name(p.name)) for p in r.pieces]) for r in records]
+
+    def spec_row(self, aliases: Mapping[str, str]) -> SpecRow:
+        """This rank's row of the manifest's tensor_parallel section (tied names are saved once)."""
+        return self.tp_rank, {name: [s.dim, s.stride, list(s.shape)] for name, s in self.sliced.items()
+                              if name not in aliases}
+
+
+# ------------------------------------------------------------------------------------- manifest
+def manifest_section(tp_size: int, dp_size: int, rows: Sequence[SpecRow]) -> dict[str, Any]:
+    """The manifest's `tensor_parallel` section from every rank's spec row: the sizes and, per
+    tensor-parallel tensor, its partition_dim, partition_stride, whole shape, each rank's slice shape
+    and the names the slices were saved under. Every rank computes it (from the same rows), so a
+    refusal is raised everywhere."""
+    by_rank: dict[int, dict[str, list[Any]]] = {}
+    for tp_rank, specs in rows:
+        by_rank.setdefault(tp_rank, specs)
+    names = list(dict.fromkeys(name for r in sorted(by_rank) for name in by_rank[r]))
+    params: dict[str, Any] = {}
+    for name in names:
+        held = [by_rank.get(r, {}).get(name) for r in range(tp_size)]
+        dim, stride = (held[0] or [0, 1])[:2]
+        if any(h is None or h[:2] != [dim, stride] for h in held):
+            raise CheckpointError(f"save_checkpoint: {name!r} is not split the same way on every tensor-parallel "
+                                  f"rank ([partition_dim, partition_stride, slice shape] per rank: {held}); the "
+                                  "ranks must hold slices of the same model")
+        slices = [list(h[2]) for h in held if h is not None]
+        params[name] = {"partition_dim": dim, "partition_stride": stride, "shape": joined_shape(slices, dim),
+                        "slice_shapes": slices, "saved_as": [slice_name(name, r) for r in range(tp_size)]}
+    return {"tp_size": tp_size, "dp_size": dp_size, "params": params}
+
+
+# ----------------------------------------------------------------------------------------- load
+def check_loadable(reader: PieceReader, names: CheckpointNames, module: torch.nn.Module) -> None:
+    """Refuse, by name and before anything is read, a checkpoint whose slices are not this rank's: saved
+    at another tensor-parallel size, or with a tensor split otherwise than here."""
+    saved = tp_section(reader.manifest)
+    if saved["tp_size"] != names.tp_size:
+        raise CheckpointError(_other_size(reader.tag_dir, saved, names))
+    if names.tp_size == 1:
+        return
+    aliases = reader.manifest.get("aliases", {})
+    for name, spec in names.sliced.items():
+        entry = saved["params"].get(aliases.get(name, name))
+        if entry is None:
+            if reader.has(name, "model") or reader.has(name, "optim"):
+                raise CheckpointError(f"checkpoint {reader.tag_dir} saved {name!r} replicated over the tensor-parallel "
+                                      "ranks, but here it is a tensor-parallel slice (tensor_model_parallel=True): "
+                                      "build the model as it was saved")
+            continue  # not in the checkpoint at all: load_module_strict decides
+        here = [spec.dim, spec.stride, list(spec.shape)]
+        there = [entry["partition_dim"], entry["partition_stride"], entry["slice_shapes"][names.tp_rank]]
+        if here != there:
+            raise CheckpointError(f"checkpoint {reader.tag_dir}: {name!r} on tensor-parallel rank {names.tp_rank} was "
+                                  f"saved as [partition_dim, partition_stride, slice shape] {there}, here it is "
+                                  f"{here}; build the model as it was saved")
+    live = set(module.state_dict(keep_vars=True))
+    for name in saved["params"]:
+        if name in live and name not in names.sliced:
+            raise CheckpointError(f"checkpoint {reader.tag_dir} saved {name!r} as tensor-parallel slices, but here it "
+                                  "is replicated (no tensor_model_parallel attribute): build the model as it was saved")
+
+
+def _other_size(tag_dir: str, saved: Mapping[str, Any], names: CheckpointNames) -> str:
+    ckpt_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    into = ("into this model (model.load_state_dict, before engine.initialize)" if names.tp_size == 1 else
+            f"into the dense model before it is split at tensor-parallel size {names.tp_size} (the layers' "
+            "from_dense, or AutoTP)")
+    return (f"checkpoint {tag_dir} was saved at tensor-parallel size {saved['tp_size']} (x data-parallel size "
+            f"{saved['dp_size']}), this run has tensor-parallel size {names.tp_size} (x data-parallel size "
+            f"{names.dp_size}): a checkpoint is resharded over data-parallel ranks and ZeRO stages, but "
+            f"tensor-parallel slices are never re-cut. Load it at tensor-parallel size {saved['tp_size']} (any "
+            "data-parallel size and stage), or make one state dict of it (python -m engine.checkpoint.consolidate "
+            f"{ckpt_dir} model.pt --tag {tag}, which joins the slices) and load that {into}; the optimizer state "
+            "then starts afresh")
+
+
+# ---------------------------------------------------------------------------------- consolidate
+def slice_sources(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """Saved slice name -> the tensor it is a slice of."""
+    return {saved: name for name, entry in tp_section(manifest)["params"].items() for saved in entry["saved_as"]}
