@@ -171,6 +171,27 @@ def test_checkpoint_loads_at_another_world_size_and_stage(saved_checkpoints: dic
     _close(original, moved)
 
 
+def _load_without_optimizer(save_dir: str) -> bool:
+    trained = make_engine(2, dropout=0.0)
+    train(trained, range(1))
+    trained.save_checkpoint(save_dir, tag="t")
+    saved = trained.consolidated_state_dict()
+    trained.destroy()
+    evaluation = {k: v for k, v in config(3, 1).items() if k not in ("optimizer", "scheduler")}
+    eng, *_ = engine.initialize(model=Net(0.0), config=evaluation)
+    eng.load_checkpoint(save_dir, tag="t")
+    loaded = eng.consolidated_state_dict()
+    eng.destroy()
+    return saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_an_engine_without_optimizer_loads_a_training_checkpoint(tmp_path: Path) -> None:
+    """Stage 3 without an optimizer holds a block's trainable and frozen parameters in one record; the
+    checkpoint has the first as fp32 master pieces, the second whole: each piece is read from where
+    its own parameter was saved."""
+    assert run_distributed(_load_without_optimizer, 1, args=(str(tmp_path),)) == [True]
+
+
 # ---------------------------------------------------------------------------------- crash safety
 def _save_and_die(save_dir: str, port: int, rank: int) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

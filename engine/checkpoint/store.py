@@ -334,19 +334,19 @@ def _fill_records(reader: PieceReader, records: list[ShardRecord], optimizer: to
 def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.optim.Optimizer | None) -> list[str]:
     """One record, its pieces read into a flat copy and copied in at once; returns the names of the
     pieces the checkpoint has no values for."""
-    kind = _saved_kind(reader, record)
-    key = "master" if kind == "optim" else "model"
     flat = torch.empty(record.tensor.numel(), dtype=record.tensor.dtype)
     states = _state_to_fill(reader, record, optimizer) \
         if record.opt_group is not None and optimizer is not None and record.pieces else {}
     state_flats = {k: torch.empty(v.numel(), dtype=v.dtype) for k, v in states.items()}
     missing: list[str] = []
     for piece in record.pieces:
+        kind = _saved_kind(reader, record, piece.name)
         if not reader.has(piece.name, kind):
             missing.append(piece.name)
             continue
         window = slice(piece.tensor_offset, piece.tensor_offset + piece.numel)
-        reader.read(piece.name, kind, key, piece.param_offset, piece.numel, flat[window])
+        reader.read(piece.name, kind, "master" if kind == "optim" else "model", piece.param_offset, piece.numel,
+                    flat[window])
         for k, sf in state_flats.items():
             reader.read(piece.name, kind, k, piece.param_offset, piece.numel, sf[window])
     with torch.no_grad():
@@ -356,12 +356,14 @@ def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.opti
     return missing
 
 
-def _saved_kind(reader: PieceReader, record: ShardRecord) -> str:
-    """Which files hold a record's values: "optim" (fp32 master pieces) for a trainable record; for a
-    frozen one "model", unless the checkpoint saved those parameters as trainable."""
+def _saved_kind(reader: PieceReader, record: ShardRecord, name: str) -> str:
+    """Which files hold the values of a record's piece of `name`: "optim" (fp32 master pieces) in a
+    trainable record; in a frozen one "model", unless the checkpoint saved that parameter as trainable
+    (per piece: a frozen record, e.g. a stage-3 group of an engine without optimizer, may hold
+    parameters saved either way)."""
     if record.opt_group is not None:
         return "optim"
-    return "model" if any(reader.has(p.name, "model") for p in record.pieces) else "optim"
+    return "model" if reader.has(name, "model") else "optim"
 
 
 def _state_to_fill(reader: PieceReader, record: ShardRecord,
