@@ -1,7 +1,8 @@
 """Checkpoints under tensor parallelism (engine/checkpoint/tensor_parallel.py), on real processes with
 the TP model of test_tensor_parallel.py: TP 2 x DP 2 saves at stage 2 and resumes at stage 3, TP 2 x
 DP 1 loads the same checkpoint (another data-parallel size), consolidate joins the slices, and a load
-at another tensor-parallel size, either way, is refused by name.
+at another tensor-parallel size, either way, is refused by name. The RNG tracker's streams (dropout
+inside tensor-parallel regions) travel with each rank's RNG states.
 
 Tolerances, fp32: the load itself is exact (every rank reads back its own slice's values bit for
 bit). Continuing at the same TP x DP at another stage is within 1e-6 (measured: bitwise); at
@@ -24,6 +25,9 @@ import engine.parallel as mpu
 from engine import comm
 from engine.checkpoint import CheckpointError
 from engine.checkpoint.consolidate import consolidate, write_safetensors
+from engine.checkpoint.files import load_file
+from engine.checkpoint.rng import rng_state, set_rng_state
+from engine.parallel.random import MODEL_PARALLEL_RNG
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import FFN, GLOBAL, D, Net, _batch, _config
 
@@ -162,3 +166,24 @@ def test_tensor_parallel_checkpoint_reshards_over_dp_consolidates_and_refuses_an
         assert f"this run has tensor-parallel size {here}" in message, message
         assert "engine.checkpoint.consolidate" in message and str(tmp_path) in message, message
 
+
+def test_the_rng_trackers_streams_travel_with_the_ranks_rng_states(tmp_path: Path) -> None:
+    """Without its tracker state a resumed run would draw other dropout masks inside tensor-parallel
+    regions than the run saved; through torch.load(weights_only=True) as a rank file is read."""
+    tracker = mpu.get_rng_tracker()
+    before = rng_state()
+    try:
+        tracker.reset()
+        tracker.add(MODEL_PARALLEL_RNG, 1234)
+        with tracker.fork():
+            torch.rand(3)  # the stream has moved on since it was seeded
+        torch.save({"rng": rng_state()}, tmp_path / "rank.pt")
+        with tracker.fork():
+            expected = torch.rand(4)
+        tracker.reset()
+        set_rng_state(load_file(str(tmp_path / "rank.pt"))["rng"])
+        with tracker.fork():
+            assert torch.equal(torch.rand(4), expected)
+    finally:
+        tracker.reset()
+        set_rng_state(before)

@@ -1,5 +1,6 @@
-"""The random number generators' states (torch, CUDA, Python, numpy), saved per rank so a resumed run
-draws the same dropout masks and data order as the uninterrupted one."""
+"""The random number generators' states (torch, CUDA, Python, numpy, and the tensor-parallel RNG
+tracker's streams), saved per rank so a resumed run draws the same dropout masks and data order as
+the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint.files import CheckpointError
+from engine.parallel.random import RNGState, get_rng_tracker
 
 
 def rng_state() -> dict[str, Any]:
@@ -24,6 +26,10 @@ def rng_state() -> dict[str, Any]:
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    tracked = get_rng_tracker().get_states()
+    if tracked:  # engine.parallel's streams (dropout inside tensor-parallel regions), this rank's own
+        state["tracker"] = {name: {"cpu": s.cpu} | ({"cuda": s.cuda} if s.cuda is not None else {})
+                            for name, s in tracked.items()}
     return state
 
 
@@ -34,6 +40,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "tracker" in state:
+        get_rng_tracker().set_states({name: RNGState(s["cpu"], s.get("cuda")) for name, s in state["tracker"].items()})
 
 
 def _as_tuples(value: Any) -> Any:
