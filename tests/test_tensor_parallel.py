@@ -79,7 +79,7 @@ def _config(stage: int, gas: int) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "gradient_clipping": CLIP, "steps_per_print": 1000,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000}}
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
