@@ -55,7 +55,7 @@ def _config(stage: int, tp: int) -> dict[str, Any]:
 def run_rank(args: argparse.Namespace) -> None:
     import engine
     from engine import comm
-    from engine.parallel.setup import is_tensor_parallel
+    from engine.parallel.layers import is_tensor_parallel
 
     comm.init_distributed()
     cfg = MODELS[args.model]

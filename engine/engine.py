@@ -104,8 +104,6 @@ class Engine:
         self.world_size = comm.get_world_size()
         self.parallel = parallel or ParallelGroups.data_parallel_only()
         """The tensor- and data-parallel groups (engine/parallel/): ZeRO partitions over the data-parallel one."""
-        self.dp_world_size = self.parallel.dp_size  # DeepSpeedEngine's names
-        self.mp_world_size = self.parallel.tp_size
         self._inputs_checked = False
         """The first forward's check that a tensor-parallel group's ranks got one batch (same_inputs.py) ran."""
 
@@ -286,6 +284,16 @@ class Engine:
         return self.train(False)
 
     # --------------------------------------------------------------------------- accessors
+    @property
+    def dp_world_size(self) -> int:
+        """DeepSpeedEngine's name: ranks in this rank's data-parallel group."""
+        return self.parallel.dp_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """DeepSpeedEngine's name: ranks in this rank's tensor-parallel group."""
+        return self.parallel.tp_size
+
     def train_batch_size(self) -> int:
         return self.engine_config.train_batch_size
 

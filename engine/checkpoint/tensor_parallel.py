@@ -33,7 +33,7 @@ from engine.checkpoint.files import CheckpointError, joined_shape, tp_section
 from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.records import ShardRecord
 from engine.parallel.groups import ParallelGroups
-from engine.parallel.setup import is_tensor_parallel
+from engine.parallel.layers import is_tensor_parallel
 from engine.zero.partitioned_init import full_shape
 
 SpecRow = tuple[int, dict[str, list[Any]]]

@@ -167,10 +167,15 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
     param.partition_stride = stride  # type: ignore[attr-defined]
 
 
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Megatron's mark of a tensor each tensor-parallel rank holds a different slice of."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, group: ProcessGroup | None = None) -> bool:
     """True when this rank's copy of `param` must be counted (a norm, a checksum): every slice of a
     split parameter, a replicated one only on the group's first rank."""
-    if getattr(param, "tensor_model_parallel", False):
+    if is_tensor_parallel(param):
         return True
     return size_and_rank(resolve_group(group))[1] == 0
 

@@ -23,13 +23,9 @@ import torch
 from engine.config.errors import ConfigError
 from engine.parallel.groups import ParallelGroups, initialize_model_parallel, model_parallel_is_initialized
 from engine.parallel.groups import groups as current_groups
+from engine.parallel.layers import is_tensor_parallel
 from engine.parallel.user_mpu import groups_from_mpu
 from engine.zero import partitioned_init
-
-
-def is_tensor_parallel(param: torch.Tensor) -> bool:
-    """Megatron's mark of a parameter each tensor-parallel rank holds a different slice of."""
-    return bool(getattr(param, "tensor_model_parallel", False))
 
 
 def groups_before_config(mpu: Any) -> ParallelGroups | None:

@@ -43,7 +43,7 @@ from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
 from engine.zero.master_step import MasterStep
-from engine.zero.norm_scope import NormScope, counted_rows
+from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
 from engine.zero.ordered_launch import LaunchInOrder
 from engine.zero.tp_state import whole_state_dict
 
@@ -111,6 +111,9 @@ class FlatStage:
                                                          bucket_size=reduce_size)
         self._allocate_gradients()
         self._bind_optimizer(config)
+        self._norm_scope = NormScope.of(self.parallel, partitioned=shards > 1)
+        self._norm_runs = [counted_runs(g.layout, g.rank, g.params, self.parallel) for g in self.groups]
+        """Per group, the runs of its gradient shard this rank counts in the global norm (norm_scope.py)."""
 
         order = arrival_order(module)
         keyed: list[tuple[int, int, int, list[int]]] = []
@@ -281,14 +284,15 @@ class FlatStage:
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
         outcome = shard_step.step_on_gradients(
             self.precision, self._norm_rows, stale=stale, averaging=self._averaging, max_grad_norm=max_grad_norm,
-            scope=NormScope.of(self.parallel, partitioned=self._shards > 1), update=self.master_step.step)
+            scope=self._norm_scope, update=self.master_step.step)
         if outcome.applied:
             self._gather_params()
         self.zero_grad()
         return outcome
 
     def _norm_rows(self) -> list[torch.Tensor]:
-        return [row for g in self.groups for row in counted_rows(g.layout, g.rank, g.shard_grad, g.params, self.parallel)]
+        return [row for g, runs in zip(self.groups, self._norm_runs)
+                for row in counted_rows(g.shard_grad, runs, g.layout.slice_numel)]
 
     def refresh_masters(self) -> None:
         """Parameters were changed by the user (the same on every rank): copy them into the fp32 masters."""

@@ -23,7 +23,7 @@ import torch
 
 from engine.comm import ProcessGroup
 from engine.parallel.groups import ParallelGroups
-from engine.parallel.setup import is_tensor_parallel
+from engine.parallel.layers import is_tensor_parallel
 from engine.zero.layout import GroupLayout, contiguous_pieces
 
 
@@ -43,23 +43,37 @@ class NormScope:
         return cls(reduce=parallel.tp_size > 1, group=parallel.tp_group)
 
 
-def counted_rows(layout: GroupLayout, rank: int, shard_grad: torch.Tensor, params: Sequence[torch.Tensor],
-                 parallel: ParallelGroups) -> list[torch.Tensor]:
-    """Contiguous 1-D views of the part of one group's gradient shard (`shard_grad`: rank's shard of
-    `layout`, flat or (buckets, slice)) this rank counts in the norm: all of it, or without the
-    parameters replicated over tensor parallelism on a tensor-parallel rank other than 0."""
-    rows = contiguous_pieces([shard_grad])[0]
+Runs = tuple[tuple[int, int], ...] | None
+"""(shard offset, elements) of the runs of a group's gradient shard this rank counts; None: all of it."""
+
+
+def counted_runs(layout: GroupLayout, rank: int, params: Sequence[torch.Tensor], parallel: ParallelGroups) -> Runs:
+    """The runs of `rank`'s shard of `layout` this rank counts in the norm: all of it, or, on a
+    tensor-parallel rank other than 0, all but the pieces of parameters replicated over tensor
+    parallelism (see the Note). Pure arithmetic on the layout: computed once, when a stage is built."""
     if parallel.tp_size == 1 or parallel.counts_replicated():
-        return rows
+        return None
     counted = [is_tensor_parallel(p) for p in params]
     if all(counted):
-        return rows
-    out = []
+        return None
+    runs: list[tuple[int, int]] = []
     for piece in layout.rank_pieces(rank):
-        if counted[piece.param]:
-            if len(rows) == 1:  # the shard is one contiguous run
-                out.append(rows[0][piece.shard_offset:piece.shard_offset + piece.numel])
-            else:  # one row per bucket
-                bucket, within = divmod(piece.shard_offset, layout.slice_numel)
-                out.append(rows[bucket][within:within + piece.numel])
-    return out
+        if not counted[piece.param]:
+            continue
+        start = piece.shard_offset
+        if runs and sum(runs[-1]) == start and start % layout.slice_numel:  # adjacent, same bucket's row
+            runs[-1] = (runs[-1][0], runs[-1][1] + piece.numel)
+        else:
+            runs.append((start, piece.numel))
+    return tuple(runs)
+
+
+def counted_rows(shard_grad: torch.Tensor, runs: Runs, slice_numel: int) -> list[torch.Tensor]:
+    """Contiguous 1-D views of `runs` of a gradient shard (flat, or (buckets, slice) with a row per
+    bucket): what this rank counts in the norm at this step."""
+    rows = contiguous_pieces([shard_grad])[0]
+    if runs is None:
+        return rows
+    if len(rows) == 1:  # the shard is one contiguous run
+        return [rows[0][start:start + n] for start, n in runs]
+    return [rows[start // slice_numel][start % slice_numel:start % slice_numel + n] for start, n in runs]

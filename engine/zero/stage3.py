@@ -28,13 +28,12 @@ from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.parallel.groups import ParallelGroups
-from engine.parallel.setup import is_tensor_parallel
 from engine.precision import Precision
 from engine.zero import memory_efficient_linear, owners, released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
-from engine.zero.norm_scope import NormScope, counted_rows
+from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
 from engine.zero.prefetch import PrefetchPlan
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3_gather import UnitGathers
@@ -83,6 +82,9 @@ class Stage3:
         # gathering casts, so the step has no low-precision copy to write.
         self.master_step = MasterStep(optimizer, [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
                                       offload=offload_enabled(config)) if optimizer is not None else None
+        self._norm_scope = NormScope.of(self.parallel, partitioned=True)
+        self._norm_runs = [(g, counted_runs(g.layout, self._rank, g.params, self.parallel)) for g in trainable]
+        """Each trainable group with the runs of its gradient shard this rank counts in the global norm."""
 
         zero = config.zero
         # Which units to prefetch or keep (pure bookkeeping); the gathers and the gradient reduction
@@ -166,15 +168,14 @@ class Stage3:
         assert self.master_step is not None
         outcome = step_on_gradients(self.precision, self._norm_rows, stale=self._grads.stale_rows(),
                                     averaging=self._averaging, max_grad_norm=max_grad_norm,
-                                    scope=NormScope.of(self.parallel, partitioned=True), update=self.master_step.step)
+                                    scope=self._norm_scope, update=self.master_step.step)
         # A new accumulation window.
         self.zero_grad()
         self.steps += 1
         return outcome
 
     def _norm_rows(self) -> list[torch.Tensor]:
-        return [row for u in self.units for g in u.trainable
-                for row in counted_rows(g.layout, self._rank, g.shard_grad, g.params, self.parallel)]
+        return [row for g, runs in self._norm_runs for row in counted_rows(g.shard_grad, runs, g.layout.slice_numel)]
 
     def zero_grad(self) -> None:
         self._grads.zero_grad()
@@ -254,16 +255,11 @@ class Stage3:
             if opened:
                 self._gathers.release(unit)
         if self._rank != 0:
-            return whole_state_dict({}, self.parallel, device, copied=True)
+            return {}
         # Buffers and unmanaged parameters are copied here; tensor-parallel slices are joined (by the
-        # first rank of each data-parallel group).
+        # first rank of each data-parallel group), recognised on the module's own tensors.
         mine = {name: copy(tensor) for name, tensor in keys.items()}
-        for name, tensor in keys.items():
-            if is_tensor_parallel(tensor):
-                for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-                    if hasattr(tensor, attr):
-                        setattr(mine[name], attr, getattr(tensor, attr))
-        return whole_state_dict(mine, self.parallel, device, copied=True)
+        return whole_state_dict(mine, self.parallel, device, like=keys, copied=True)
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """Every group's shard on this rank: fp32 masters of trainable groups, frozen shards as they are."""
@@ -295,6 +291,7 @@ class Stage3:
                     g.master.grad = None
             unit.state = UnitState.PARTITIONED
         self.units.clear()
+        self._norm_runs.clear()
         self._grads.clear()
         self._memory.clear()
         self._gathers.gathered_bytes = 0

@@ -16,7 +16,7 @@ import torch
 from engine import comm
 from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.parallel.groups import ParallelGroups
-from engine.parallel.setup import is_tensor_parallel
+from engine.parallel.layers import is_tensor_parallel
 
 
 def join_slices(slices: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
@@ -35,28 +35,30 @@ def split_slice(whole: torch.Tensor, rank: int, size: int, dim: int, stride: int
 
 
 def whole_state_dict(state: Mapping[str, torch.Tensor], parallel: ParallelGroups, device: torch.device | None,
-                     *, copied: bool = False) -> dict[str, torch.Tensor]:
-    """`state` (this rank's; tensor-parallel parameters are recognised by their attributes, so pass
-    state_dict(keep_vars=True)) with tensor-parallel slices joined, copied to `device` (unless `copied`:
-    the tensors are copies already), on global rank 0; {} elsewhere. Every rank calls it; the ranks of
-    data-parallel position 0 (rank 0's tensor-parallel group) gather."""
+                     *, like: Mapping[str, torch.Tensor] | None = None, copied: bool = False) -> dict[str, torch.Tensor]:
+    """`state` (this rank's) with tensor-parallel slices joined, on global rank 0; {} elsewhere. Every rank
+    calls it; the ranks of data-parallel position 0 (rank 0's tensor-parallel group) gather.
+
+    Tensor-parallel tensors are recognised by Megatron's attributes on `like[name]` (the module's own
+    tensors, state_dict(keep_vars=True)), or on `state`'s own tensors when `like` is None. The result
+    is copied to `device`, unless `copied`: `state` holds copies on `device` already."""
     if parallel.dp_rank != 0:
         return {}
+    marked = like if like is not None else state
     if parallel.tp_size > 1:
-        joined: dict[int, torch.Tensor] = {}  # a parameter under several names is joined once
+        joined: dict[int, torch.Tensor] = {}  # a tensor under several names is joined once
         out: dict[str, torch.Tensor] = {}
         for name, tensor in state.items():
-            if is_tensor_parallel(tensor):
+            attrs = marked[name]
+            if is_tensor_parallel(attrs):
                 if id(tensor) not in joined:
                     parts = comm.all_gather_list(tensor.detach(), group=parallel.tp_group)
-                    joined[id(tensor)] = join_slices(parts, int(getattr(tensor, "partition_dim", 0)),
-                                                     int(getattr(tensor, "partition_stride", 1)))
+                    joined[id(tensor)] = join_slices(parts, int(getattr(attrs, "partition_dim", 0)),
+                                                     int(getattr(attrs, "partition_stride", 1)))
                 out[name] = joined[id(tensor)]
             else:
                 out[name] = tensor
         state = out
     if comm.get_rank() != 0:
         return {}
-    if copied:
-        return {name: t if device is None else t.to(device) for name, t in state.items()}
-    return clone_tensors_for_torch_save(dict(state), device)
+    return dict(state) if copied else clone_tensors_for_torch_save(dict(state), device)
