@@ -27,11 +27,6 @@ from engine.config import zero_stage
 from engine.config.source import read_source
 
 
-def autotp_size(config_path: str) -> int:
-    """The config's tensor_parallel.autotp_size (0 when absent)."""
-    return int(read_source(config_path)[0].get("tensor_parallel", {}).get("autotp_size", 0) or 0)
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "zero0.json"),
@@ -74,11 +69,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     train_bytes, val_bytes, files = stdlib_sources()
     config_path = args.deepspeed_config or args.config
+    raw, _ = read_source(config_path)
     config: object = config_path
     if args.tp is not None:  # the config file with tensor_parallel.autotp_size set to --tp
-        config, _ = read_source(config_path)
-        config.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
-    tensor_parallel = (args.tp or 0) > 1 or autotp_size(config_path) > 1
+        raw.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
+        config = raw
+    tensor_parallel = int(raw.get("tensor_parallel", {}).get("autotp_size") or 0) > 1
     # Stage 3: every module is partitioned as soon as it is built (DeepSpeed's zero.Init idiom). Not with
     # tensor parallelism: AutoTP splits whole layers at initialize, and ZeRO then partitions the slices.
     with engine.zero.Init(config_dict_or_path=config_path, enabled=zero_stage(config_path) == 3 and not tensor_parallel):
