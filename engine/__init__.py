@@ -4,7 +4,7 @@ features it supports.
     engine, optimizer, loader, scheduler = engine.initialize(model=model, config="configs/zero0.json")
 """
 
-from engine import zero
+from engine import checkpointing, zero
 from engine.comm import comm_stats, init_distributed
 from engine.config import ConfigError, EngineConfig, load_config
 from engine.engine import Engine
@@ -16,6 +16,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "add_config_arguments",
+    "checkpointing",
     "comm_stats",
     "estimate_memory",
     "init_distributed",

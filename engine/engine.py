@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine import comm
+from engine import checkpointing, comm
 from engine.atomic_file import atomic_save
 from engine.checkpoint import store
 from engine.checkpoint.training_state import Counters, TrainingState
@@ -157,6 +157,7 @@ class Engine:
         out = self.module(*args, **kwargs)
         if self._timers:
             self._timers.stop("forward")
+        checkpointing.after_forward()  # number_checkpoints too small: named, before any gradient moves
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine import comm, rank_agreement
+from engine import checkpointing, comm, rank_agreement
 from engine.accelerator import get_accelerator
 from engine.config import EngineConfig, load_config, run_checks
 from engine.data import build_dataloader
@@ -137,10 +137,12 @@ def initialize(
             run_checks.check_offload(cfg, device.type)
             run_checks.check_stage(cfg, _STAGES)
             run_checks.check_not_given_twice(cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
+            checkpointing.check_options(cfg.activation_checkpointing)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
         parallel = setup.resolve_groups(known_groups, cfg.autotp_size, model)
+        checkpointing.configure_from_engine(cfg, parallel)
         if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
             logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
                         "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)

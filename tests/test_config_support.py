@@ -248,7 +248,6 @@ def test_warned_key_is_warned_once_per_process() -> None:
     [
         ({"wandb": {"enabled": True}}, "wandb.enabled"),
         ({"flops_profiler": {"enabled": True, "profile_step": 2}}, "flops_profiler.enabled"),
-        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint"),
         ({"dump_state": True}, "dump_state"),
         ({"sparse_gradients": True}, "sparse_gradients"),

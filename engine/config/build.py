@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.config.batch import BatchSizes
 from engine.config.types import (
+    ActivationCheckpointingConfig,
     BF16Config,
     EngineConfig,
     FP16Config,
@@ -50,6 +51,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "seed": "seed",
     "collectives": "collectives",
     "tensor_parallel": "autotp_size",
+    "activation_checkpointing": "activation_checkpointing",
 }
 
 
@@ -135,6 +137,8 @@ def build_engine_config(
         comms_logger=bool((config.get("comms_logger") or {}).get("enabled", False)),
         zero=_zero(config.get("zero_optimization") or {}),
         csv_monitor=_section(MonitorConfig, config.get("csv_monitor")),
+        activation_checkpointing=(_section(ActivationCheckpointingConfig, config["activation_checkpointing"])
+                                  if "activation_checkpointing" in config else None),
         autotp_size=max(int((config.get("tensor_parallel") or {}).get("autotp_size") or 0), 1),
         raw=freeze(dict(raw)),
     )

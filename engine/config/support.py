@@ -490,20 +490,13 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "activation_checkpointing",
-        S.WARNED,
-        changed_from(
-            {
-                "partition_activations": False,
-                "contiguous_memory_optimization": False,
-                "cpu_checkpointing": False,
-                "number_checkpoints": None,
-                "synchronize_checkpoint_boundary": False,
-                "profile": False,
-            }
-        ),
-        "these options configure deepspeed.checkpointing, which this engine does not provide; use "
-        "torch.utils.checkpoint in the model",
-        "remove the section to silence this",
+        S.IMPLEMENTED,
+        PRESENT,
+        "configures engine.checkpointing (DeepSpeed's deepspeed.checkpointing) at initialize: "
+        "partition_activations (P_a over the tensor-parallel group), cpu_checkpointing (pinned host memory "
+        "on CUDA; no effect on CPU), contiguous_memory_optimization (checkpoints in one arena sized by "
+        "number_checkpoints), synchronize_checkpoint_boundary, profile; the model calls "
+        "engine.checkpointing.checkpoint(block, x)",
     ),
     Entry("autotuning.enabled", S.WARNED, TRUE, "the autotuner is not implemented", "set it to false"),
     Entry(

@@ -127,6 +127,27 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """`activation_checkpointing`: how engine.checkpointing.checkpoint keeps a checkpoint's inputs until
+    its recompute (ZeRO-R, paper section 6; engine/checkpointing). DeepSpeed's keys and defaults."""
+
+    partition_activations: bool = False
+    """P_a: each tensor-parallel rank keeps 1/TP of every checkpointed input, all-gathered before the
+    recompute. Without tensor parallelism it is said once and inputs are kept whole."""
+    contiguous_memory_optimization: bool = False
+    """M_D: checkpoints are copied into one pre-allocated arena (engine/ops/arena.py) sized for
+    number_checkpoints of them, so long-lived checkpoints do not interleave with short-lived buffers."""
+    cpu_checkpointing: bool = False
+    """P_a+cpu: on a CUDA device checkpoints go to pinned host memory; no effect when training on CPU."""
+    number_checkpoints: int | None = None
+    """Checkpoints alive at once in one forward (usually the number of layers); sizes the arena."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at the start and end of each checkpoint's forward and recompute."""
+    profile: bool = False
+    """Log each checkpoint's forward and recompute+backward time."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole validated config with batch sizes resolved against the data-parallel world size."""
 
@@ -161,6 +182,9 @@ class EngineConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = False
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
+    """The `activation_checkpointing` section; None when the config has none (engine.initialize then
+    leaves engine.checkpointing as the user configured it)."""
     dataloader_drop_last: bool = False
     seed: int | None = None
     """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""

@@ -115,6 +115,24 @@ class RNGStatesTracker:
 _TRACKER = RNGStatesTracker()
 
 
+@dataclass(frozen=True)
+class AllRNGStates:
+    """Every random stream a forward can draw from: torch's default generators and the tracker's."""
+
+    default: RNGState
+    tracker: dict[str, RNGState]
+
+
+def get_all_states() -> AllRNGStates:
+    """Everything a forward's randomness depends on (activation checkpointing replays it)."""
+    return AllRNGStates(_current_state(), _TRACKER.get_states())
+
+
+def set_all_states(states: AllRNGStates) -> None:
+    _install(states.default)
+    _TRACKER.set_states(states.tracker)
+
+
 def get_rng_tracker() -> RNGStatesTracker:
     """The process's tracker (Megatron and DeepSpeed: get_cuda_rng_tracker)."""
     return _TRACKER
