@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
+        self.checkpoint_blocks: Callable[..., Any] | None = None
+        """Activation checkpointing: called as checkpoint_blocks(block, h) for every block when set
+        (e.g. engine.checkpointing.checkpoint, or torch.utils.checkpoint.checkpoint)."""
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -63,7 +68,7 @@ class GPT(nn.Module):
         """Logits, or the mean next-byte cross-entropy when targets `y` are given."""
         h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
-            h = block(h)
+            h = self.checkpoint_blocks(block, h) if self.checkpoint_blocks is not None else block(h)
         logits = self.head(self.ln_f(h))
         if y is None:
             return logits

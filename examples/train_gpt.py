@@ -43,6 +43,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size: AutoTP splits each block's "
                         "Linear layers over this many ranks and ZeRO partitions over the rest (sets the config's "
                         "tensor_parallel.autotp_size; default: the config's, else 1)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="checkpoint every block with engine.checkpointing.checkpoint: its activations are "
+                        "recomputed in the backward instead of kept; the config's activation_checkpointing "
+                        "section says how the checkpoints are kept (partitioned over TP, in an arena)")
     engine.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -79,6 +83,8 @@ def main() -> None:
     # tensor parallelism: AutoTP splits whole layers at initialize, and ZeRO then partitions the slices.
     with engine.zero.Init(config_dict_or_path=config_path, enabled=zero_stage(config_path) == 3 and not tensor_parallel):
         model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers))
+    if args.activation_checkpointing:
+        model.checkpoint_blocks = engine.checkpointing.checkpoint
 
     # One window per seq_len bytes of the training text: far more than a few hundred steps use.
     train_set = ByteWindows(train_bytes, args.seq_len, len(train_bytes) // args.seq_len, seed=args.seed)
@@ -94,6 +100,11 @@ def main() -> None:
               f"{model_engine.world_size} rank(s) = TP {model_engine.mp_world_size} x DP {model_engine.dp_world_size}, "
               f"global batch {global_batch} x {args.seq_len} bytes, "
               f"ZeRO stage {model_engine.zero_optimization_stage()}", flush=True)
+        if args.activation_checkpointing:
+            options = engine.checkpointing.current().options
+            kept = "partitioned over TP" if engine.checkpointing.current().partitions else "whole"
+            print(f"activation checkpointing: every block ({args.n_layers}), inputs kept {kept}"
+                  f"{', in a contiguous arena' if options.contiguous_memory_optimization else ''}", flush=True)
 
     if args.load_dir:
         loaded_at = time.perf_counter()
