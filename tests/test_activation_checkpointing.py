@@ -224,3 +224,79 @@ def test_configure_reads_the_section_of_a_config_file_and_arguments_override_it(
     assert not checkpointing.is_configured()
     loaded = engine.load_config(str(path), world_size=1, world_size_source="test")
     assert loaded.activation_checkpointing is not None and loaded.activation_checkpointing.number_checkpoints == 6
+
+
+def test_keyword_tensors_and_non_tensor_outputs_pass_through_both_forms() -> None:
+    checkpointing.unconfigure()
+    layer = nn.Linear(4, 4)
+
+    def block(x: torch.Tensor, *, scale: torch.Tensor, tag: str) -> tuple[torch.Tensor, str, torch.Tensor]:
+        return layer(x) * scale, tag, (x > 0).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    scale = torch.tensor(2.0, requires_grad=True)
+    plain = block(x, scale=scale, tag="t")
+    plain[0].sum().backward()
+    expected = [t.grad.clone() for t in (x, scale, layer.weight)]
+    for form in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint):
+        for t in (x, scale, layer.weight):
+            t.grad = None
+        out, tag, count = form(block, x, scale=scale, tag="t")
+        assert tag == "t" and torch.equal(count, plain[2]) and torch.equal(out, plain[0])
+        out.sum().backward()
+        assert all(torch.equal(t.grad, e) for t, e in zip((x, scale, layer.weight), expected)), form.__name__
+
+
+def test_an_input_modified_in_place_after_the_forward_is_refused() -> None:
+    checkpointing.unconfigure()
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    h = x * 1.0
+    out = checkpointing.checkpoint(layer, h)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place after its forward"):
+        out.sum().backward()
+
+
+def test_non_reentrant_reaches_parameters_when_no_input_requires_grad(caplog: pytest.LogCaptureFixture) -> None:
+    checkpointing.unconfigure()
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4)  # e.g. the output of a frozen embedding
+    checkpointing.non_reentrant_checkpoint(layer, x).sum().backward()
+    assert layer.weight.grad is not None and torch.equal(layer.weight.grad, torch.ones(4, 3) @ x)
+    with caplog.at_level(logging.WARNING, logger="engine.checkpointing"):
+        out = checkpointing.checkpoint(layer, x)
+    assert not out.requires_grad and any("use engine.checkpointing.non_reentrant_checkpoint" in r.message
+                                         for r in caplog.records)
+
+
+def test_profile_logs_each_forward_and_recompute(caplog: pytest.LogCaptureFixture) -> None:
+    checkpointing.unconfigure()
+    checkpointing.configure(None, profile=True, synchronize=True)
+    layer = nn.Linear(4, 4)
+    with caplog.at_level(logging.INFO, logger="engine.checkpointing"):
+        checkpointing.checkpoint(layer, torch.randn(3, 4, requires_grad=True)).sum().backward()
+    checkpointing.unconfigure()
+    phases = [r.message.split(":")[0] for r in caplog.records if r.message.startswith("activation checkpoint ")]
+    assert phases == ["activation checkpoint forward", "activation checkpoint recompute+backward"], phases
+
+
+def test_checkpoints_of_a_forward_without_backward_are_freed_with_its_graph() -> None:
+    """An evaluation forward with grad on keeps checkpoints only while its output lives; reset() drops
+    the arena (DeepSpeed's reset for evaluation loops)."""
+    checkpointing.unconfigure()
+    checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=2)
+    layers = [nn.Linear(4, 4) for _ in range(2)]
+    for _ in range(3):  # a third forward would overflow if the first two kept their blocks
+        h = torch.randn(3, 4, requires_grad=True)
+        for layer in layers:
+            h = checkpointing.checkpoint(layer, h)
+        del h
+        checkpointing.after_forward()
+    assert checkpointing.stats().live_checkpoints == 0
+    arena = checkpointing.arena_stats()
+    assert arena is not None and arena["in_use"] == 0 and arena["peak_in_use"] == arena["capacity"]
+    checkpointing.reset()
+    assert checkpointing.arena_stats() is None
+    checkpointing.unconfigure()

@@ -48,6 +48,8 @@ checks = {
     "lr_schedules": deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,
     "clone": importlib.import_module("deepspeed.checkpoint.utils").clone_tensors_for_torch_save
         is engine.checkpoint.clone.clone_tensors_for_torch_save,
+    "checkpointing": deepspeed.checkpointing is engine.checkpointing
+        and importlib.import_module("deepspeed.runtime.activation_checkpointing.checkpointing") is engine.checkpointing,
     "accelerator": importlib.import_module("deepspeed.accelerator").get_accelerator is engine.accelerator.get_accelerator
         and deepspeed.accelerator.get_accelerator().current_device_name() == "cpu",
 }

@@ -10,7 +10,7 @@ except ImportError as _err:  # the engine is installed from its repository, not 
         "this `deepspeed` is zero-engine's compatibility package and needs zero-engine itself: "
         "pip install -e <zero-engine checkout> (then pip install <checkout>/compat/deepspeed)") from _err
 
-from deepspeed import accelerator, checkpoint, comm, ops, runtime, utils, zero
+from deepspeed import accelerator, checkpoint, checkpointing, comm, ops, runtime, utils, zero
 from engine import add_config_arguments, init_distributed, initialize
 from engine.engine import Engine as DeepSpeedEngine
 from engine.unsupported import tp_model_init
@@ -23,6 +23,7 @@ __all__ = [
     "accelerator",
     "add_config_arguments",
     "checkpoint",
+    "checkpointing",
     "comm",
     "init_distributed",
     "initialize",
