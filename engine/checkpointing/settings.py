@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch.distributed import ProcessGroup
-
 from engine import comm
+from engine.comm import ProcessGroup
 from engine.config.errors import ConfigError
 from engine.config.types import ActivationCheckpointingConfig, EngineConfig
 from engine.parallel.groups import ParallelGroups
