@@ -62,6 +62,14 @@ def say_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
+def say_if_nothing_to_partition(settings: Settings) -> None:
+    """partition_activations without tensor parallelism: said once, and checkpoints are kept whole."""
+    if settings.options.partition_activations and not settings.partitions:
+        say_once("no-tp", f"{SECTION}.partition_activations is set but there is no tensor parallelism (the "
+                          "tensor-parallel size is 1), so checkpoints are kept whole; partitioning needs "
+                          "tensor_parallel.autotp_size or mpu= with a tensor-parallel size above 1")
+
+
 def tensor_parallel_of(mpu: Any) -> TensorParallel:
     """The tensor-parallel group of `mpu`: engine.parallel's ParallelGroups, the engine.parallel module or
     a user's Megatron-style object (get_tensor_model_parallel_* or the older get_model_parallel_*)."""
@@ -128,10 +136,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     ledger.reset_peak()
     _said.clear()
     _settings = Settings(options, tensor_parallel, configured_by)
-    if options.partition_activations and tensor_parallel.size == 1:
-        say_once("no-tp", f"{SECTION}.partition_activations is set but there is no tensor parallelism (the "
-                          "tensor-parallel size is 1), so checkpoints are kept whole; partitioning needs "
-                          "tensor_parallel.autotp_size or mpu= with a tensor-parallel size above 1")
+    say_if_nothing_to_partition(_settings)
     if not comm.is_initialized() or comm.get_rank() == 0:
         logger.info("activation checkpointing: partition_activations=%s (tensor-parallel size %d), "
                     "cpu_checkpointing=%s, contiguous_memory_optimization=%s, number_checkpoints=%s, "

@@ -65,9 +65,6 @@ class KeptInputs:
         self._settings = settings
         tp = settings.tensor_parallel
         partition = settings.partitions
-        if settings.options.partition_activations and not partition:
-            say_once("no-tp", f"{SECTION}.partition_activations is set but there is no tensor parallelism (the "
-                              "tensor-parallel size is 1), so checkpoints are kept whole")
         plans: list[tuple[int, torch.Tensor, bool, bool]] = []  # (index, tensor, partitioned, to host)
         self._kept: list[_Kept] = []
         for index, arg in enumerate(args):
