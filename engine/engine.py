@@ -20,9 +20,10 @@ from engine.atomic_file import atomic_save
 from engine.checkpoint import store
 from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
-from engine.monitor.csv_monitor import CsvMonitor
+from engine.monitor.events import StepRecord, step_events
 from engine.monitor.log import get_logger
 from engine.monitor.memory import memory_line
+from engine.monitor.monitors import Monitors
 from engine.monitor.timers import WallClockTimers
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.same_inputs import check_same_inputs
@@ -126,7 +127,13 @@ class Engine:
         self._report_steps = 0
         self._comm_at_step = comm.comm_stats()
         self._last_step_comm: dict[str, dict[str, int]] = {"bytes_sent": {}, "calls": {}}
-        self._csv = CsvMonitor(config.csv_monitor) if config.csv_monitor.enabled and self.global_rank == 0 else None
+        # Rank 0 writes the monitors, as DeepSpeed's; the packages were checked at initialize.
+        self._monitors = Monitors(config) if self.global_rank == 0 else None
+        self._step_ended: float | None = None
+        """perf_counter() when the last optimizer step ended: the next step's wall time starts there."""
+        self._step_flops: float | None = None
+        """Floating-point operations of one optimizer step on this rank, once the flops profiler measured it."""
+        self._peak_flops: float | None = None
 
     # ------------------------------------------------------------------------ fall-through
     def __getattr__(self, name: str) -> Any:
@@ -229,20 +236,25 @@ class Engine:
         self._last_loss = float(self._window_loss) / max(self._window_micro, 1)
         self._window_loss, self._window_micro = 0.0, 0
         self._report_steps += 1
-        if self._csv is not None:
-            self._csv.write_events([
-                ("Train/Samples/train_loss", self._last_loss, self.global_samples),
-                ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
-            ])
+        now = time.perf_counter()
+        if self._monitors:
+            scale = self.precision.scaler.scale if self.precision.scaler is not None else None
+            self._monitors.write_events(step_events(StepRecord(
+                global_samples=self.global_samples, loss=self._last_loss, lr=self.get_lr()[0], loss_scale=scale,
+                grad_norm=self._global_grad_norm, samples=self.train_batch_size(),
+                seconds=now - self._step_ended if self._step_ended is not None else None,
+                flops=self._step_flops, peak_flops=self._peak_flops,
+                comm_bytes=sum(self._last_step_comm["bytes_sent"].values()), memory=self.memory_report())))
+        self._step_ended = now
         every = self.engine_config.steps_per_print
         if every and self.global_steps % every == 0:
             elapsed = time.perf_counter() - self._report_started
             rate = self._report_steps * self.train_batch_size() / max(elapsed, 1e-9)
             if self.global_rank == 0:
                 lr = ", ".join(f"{x:.3e}" for x in self.get_lr())
-                logger.info("step %d | loss %.4f | lr [%s] | grad norm %.3f | %.1f samples/s | skipped %d",
+                logger.info("step %d | loss %.4f | lr [%s] | grad norm %.3f | %.1f samples/s%s | skipped %d",
                             self.global_steps, self._last_loss, lr, self._global_grad_norm or 0.0, rate,
-                            self.skipped_steps)
+                            self._flops_text(elapsed / max(self._report_steps, 1)), self.skipped_steps)
                 if self._timers:
                     logger.info(self._timers.report())
                 if self.engine_config.memory_breakdown:
@@ -254,6 +266,14 @@ class Engine:
                         or "nothing sent")
             self._report_started = time.perf_counter()
             self._report_steps = 0
+
+    def _flops_text(self, step_seconds: float) -> str:
+        """" | 1.23 TFLOPs (MFU 45.6% of 2.70)" once the flops profiler measured a step; else nothing."""
+        if not self._step_flops:
+            return ""
+        achieved = self._step_flops / max(step_seconds, 1e-9)
+        mfu = f" (MFU {achieved / self._peak_flops:.1%} of {self._peak_flops / 1e12:.2f})" if self._peak_flops else ""
+        return f" | {achieved / 1e12:.3f} TFLOPs{mfu}"
 
     def zero_grad(self) -> None:
         self._require_alive().zero_grad()
@@ -456,8 +476,8 @@ class Engine:
         self._stage = None
         if self.optimizer is not None:
             self.optimizer.state.clear()
-        if self._csv is not None:
-            self._csv.close()
+        if self._monitors is not None:
+            self._monitors.close()
         self.training_dataloader = None
         if self._owns_process_group:
             comm.release_process_group()

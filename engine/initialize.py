@@ -13,6 +13,7 @@ from engine.accelerator import get_accelerator
 from engine.config import EngineConfig, load_config, run_checks
 from engine.data import build_dataloader
 from engine.engine import Engine
+from engine.monitor import monitors
 from engine.monitor.log import get_logger
 from engine.optim import build_optimizer, build_scheduler
 from engine.parallel import setup
@@ -138,6 +139,7 @@ def initialize(
             run_checks.check_stage(cfg, _STAGES)
             run_checks.check_not_given_twice(cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
             checkpointing.check_options(cfg.activation_checkpointing)
+            monitors.check_packages(cfg)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)

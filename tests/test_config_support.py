@@ -234,10 +234,10 @@ def test_warned_key_is_warned_once_per_process() -> None:
     reset_warned()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load({"tensorboard": {"enabled": True, "output_path": "tb"}})
-        load({"tensorboard": {"enabled": True, "output_path": "tb"}})
+        load({"trackio": {"enabled": True, "project": "p"}})
+        load({"trackio": {"enabled": True, "project": "p"}})
     mine = [
-        w for w in caught if issubclass(w.category, ConfigWarning) and "tensorboard.enabled" in str(w.message)
+        w for w in caught if issubclass(w.category, ConfigWarning) and "trackio.enabled" in str(w.message)
     ]
     assert len(mine) == 1
     assert "no writer for it in this engine yet" in str(mine[0].message)
@@ -246,7 +246,7 @@ def test_warned_key_is_warned_once_per_process() -> None:
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"wandb": {"enabled": True}}, "wandb.enabled"),
+        ({"trackio": {"enabled": True}}, "trackio.enabled"),
         ({"flops_profiler": {"enabled": True, "profile_step": 2}}, "flops_profiler.enabled"),
         ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint"),
         ({"dump_state": True}, "dump_state"),
@@ -266,9 +266,9 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ConfigError):
-            load({"wandb": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
-        load({"wandb": {"enabled": True}})
-    assert sum("wandb.enabled" in str(w.message) for w in caught) == 1
+            load({"trackio": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+        load({"trackio": {"enabled": True}})
+    assert sum("trackio.enabled" in str(w.message) for w in caught) == 1
 
 
 # --- surface freeze (STYLE item 8) ---------------------------------------------------------------

@@ -15,12 +15,15 @@ from engine.config.batch import BatchSizes
 from engine.config.types import (
     ActivationCheckpointingConfig,
     BF16Config,
+    CometConfig,
     EngineConfig,
+    FlopsProfilerConfig,
     FP16Config,
     MonitorConfig,
     OffloadConfig,
     OptimizerConfig,
     SchedulerConfig,
+    WandbConfig,
     ZeroConfig,
 )
 
@@ -47,6 +50,10 @@ FIELD_OF_KEY: dict[str, str] = {
     "zero_optimization": "zero",
     "zero_allow_untested_optimizer": "zero_allow_untested_optimizer",
     "csv_monitor": "csv_monitor",
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "comet": "comet",
+    "flops_profiler": "flops_profiler",
     "dataloader_drop_last": "dataloader_drop_last",
     "seed": "seed",
     "collectives": "collectives",
@@ -137,6 +144,10 @@ def build_engine_config(
         comms_logger=bool((config.get("comms_logger") or {}).get("enabled", False)),
         zero=_zero(config.get("zero_optimization") or {}),
         csv_monitor=_section(MonitorConfig, config.get("csv_monitor")),
+        tensorboard=_section(MonitorConfig, config.get("tensorboard")),
+        wandb=_section(WandbConfig, config.get("wandb")),
+        comet=_section(CometConfig, config.get("comet")),
+        flops_profiler=_section(FlopsProfilerConfig, config.get("flops_profiler")),
         activation_checkpointing=(_section(ActivationCheckpointingConfig, config["activation_checkpointing"])
                                   if "activation_checkpointing" in config else None),
         autotp_size=max(int((config.get("tensor_parallel") or {}).get("autotp_size") or 0), 1),

@@ -148,6 +148,15 @@ TABLE: tuple[Entry, ...] = (
     Entry("memory_breakdown", S.IMPLEMENTED, PRESENT,
           "rank 0's model-state bytes per category (memory_report) and peak RSS at every steps_per_print line"),
     Entry("csv_monitor", S.IMPLEMENTED, PRESENT, "CSV metrics writer (engine/monitor)"),
+    Entry("tensorboard", S.IMPLEMENTED, PRESENT,
+          "TensorBoard event files in output_path/job_name from rank 0 (needs the tensorboard package: "
+          "pip install 'zero-engine[tensorboard]'; missing, enabling it is a ConfigError)"),
+    Entry("wandb", S.IMPLEMENTED, PRESENT,
+          "Weights & Biases run from rank 0: wandb.init(project, group, entity=team) (pip install "
+          "'zero-engine[wandb]'; WANDB_MODE=offline works without an account)"),
+    Entry("comet", S.IMPLEMENTED, PRESENT,
+          "Comet experiment from rank 0 with every key (comet_ml.start; samples_log_interval honoured; "
+          "pip install 'zero-engine[comet]'; online: false writes an offline archive)"),
     Entry(
         "zero_optimization",
         S.IMPLEMENTED,
@@ -477,9 +486,6 @@ TABLE: tuple[Entry, ...] = (
         "remove it",
     ),
     # --- warned: accepted, no effect on the trained numbers ----------------------------------------
-    Entry("tensorboard.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
-    Entry("wandb.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
-    Entry("comet.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
     Entry("trackio.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
     Entry(
         "flops_profiler.enabled",

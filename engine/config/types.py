@@ -119,11 +119,52 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """`csv_monitor` (`tensorboard`, `wandb` and `comet` have no writer yet: the support table warns)."""
+    """`csv_monitor` and `tensorboard`: files under output_path/job_name (DeepSpeed's keys and defaults)."""
 
     enabled: bool = False
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """`wandb`: wandb.init(project=, group=, entity=team) on rank 0 (DeepSpeed's keys and defaults)."""
+
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+@dataclass(frozen=True)
+class CometConfig:
+    """`comet`: comet_ml.start(...) on rank 0 (DeepSpeed's keys and defaults)."""
+
+    enabled: bool = False
+    samples_log_interval: int = 100
+    """Log an event when at least this many samples passed since it was last logged."""
+    project: str | None = None
+    workspace: str | None = None
+    api_key: str | None = None
+    experiment_name: str | None = None
+    experiment_key: str | None = None
+    online: bool | None = None
+    mode: str | None = None
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """`flops_profiler` (DeepSpeed's keys and defaults): profile the step `profile_step` and print the
+    per-module table (engine/profiling)."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = 0.0
+    """Extra forward passes per step from activation recomputation (0.0: none; 1.0: every layer)."""
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +223,10 @@ class EngineConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = False
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """The `activation_checkpointing` section; None when the config has none (engine.initialize then
     leaves engine.checkpointing as the user configured it)."""
