@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine import checkpointing, comm, rank_agreement
+from engine import checkpointing, comm, cpu_precision, rank_agreement
 from engine.accelerator import get_accelerator
 from engine.config import EngineConfig, load_config, run_checks
 from engine.data import build_dataloader
@@ -150,6 +150,7 @@ def initialize(
                         "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)
         model.to(device)
         precision = Precision(cfg)
+        cpu_precision.warn_if_slow(precision.model_dtype, device)
         precision.cast_module(model)
         # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was; with tensor
         # parallelism the first rank of each data-parallel group (its tensor-parallel slices differ).

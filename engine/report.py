@@ -14,6 +14,7 @@ import subprocess
 
 import torch
 
+from engine import cpu_precision
 from engine.ops import builder, cuda_builder
 
 OPS = {
@@ -63,6 +64,16 @@ def lines() -> list[str]:
         out.append(f"{op:<26} {state:<9} {what}")
     if not native:
         out.append(f"(fallback because: {status.reason})")
+    out.append("-" * 60)
+    flags = cpu_precision.cpu_flags()
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        native_here = sorted(set(cpu_precision.NATIVE_FLAGS[dtype]) & flags)
+        out.append(f"CPU {name} matmul ......... " + (f"native ({', '.join(native_here)})" if native_here
+                                                   else "unknown (no /proc/cpuinfo flags)" if not flags
+                                                   else "converted per element (no native instructions)"))
+        warning = cpu_precision.slow_low_precision(dtype, flags)
+        if warning:
+            out.append(f"WARNING: {warning}")
     return out
 
 
