@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
                         help="checkpoint every block with engine.checkpointing.checkpoint: its activations are "
                         "recomputed in the backward instead of kept; the config's activation_checkpointing "
                         "section says how the checkpoints are kept (partitioned over TP, in an arena)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="write TensorBoard event files under DIR/train_gpt (sets the config's tensorboard "
+                        "section; needs pip install 'zero-engine[tensorboard]'); open with tensorboard --logdir DIR")
     engine.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -77,6 +80,9 @@ def main() -> None:
     config: object = config_path
     if args.tp is not None:  # the config file with tensor_parallel.autotp_size set to --tp
         raw.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
+        config = raw
+    if args.tensorboard is not None:  # and with its tensorboard section turned on
+        raw["tensorboard"] = {"enabled": True, "output_path": args.tensorboard, "job_name": "train_gpt"}
         config = raw
     tensor_parallel = int(raw.get("tensor_parallel", {}).get("autotp_size") or 0) > 1
     # Stage 3: every module is partitioned as soon as it is built (DeepSpeed's zero.Init idiom). Not with
