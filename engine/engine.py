@@ -28,6 +28,7 @@ from engine.monitor.timers import WallClockTimers
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.same_inputs import check_same_inputs
 from engine.precision import Precision
+from engine.profiling.step_profile import StepProfile
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
 from engine.zero.units import full_numel
@@ -134,6 +135,8 @@ class Engine:
         self._step_flops: float | None = None
         """Floating-point operations of one optimizer step on this rank, once the flops profiler measured it."""
         self._peak_flops: float | None = None
+        self._profile = (StepProfile(self, config.flops_profiler, self.precision.model_dtype or torch.float32, device)
+                         if config.flops_profiler.enabled and self.global_rank == 0 else None)
 
     # ------------------------------------------------------------------------ fall-through
     def __getattr__(self, name: str) -> Any:
@@ -161,7 +164,13 @@ class Engine:
             self._inputs_checked = True
         if self._timers:
             self._timers.start("forward")
-        out = self.module(*args, **kwargs)
+        if self._profile is not None:
+            self._profile.before_forward(self.global_steps, self.micro_steps % self.gradient_accumulation_steps() == 0)
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            if self._profile is not None:
+                self._profile.after_forward()
         if self._timers:
             self._timers.stop("forward")
         checkpointing.after_forward()  # number_checkpoints too small: named, before any gradient moves
@@ -185,6 +194,8 @@ class Engine:
             loss = loss / self.gradient_accumulation_steps()
         if self._timers:
             self._timers.start("backward")
+        if self._profile is not None:
+            self._profile.before_backward()
         stage.prepare_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._in_no_sync)
         try:
             self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
@@ -193,6 +204,8 @@ class Engine:
                 raise RuntimeError(_SPENT_GRAPH) from err
             raise
         stage.finish_backward()
+        if self._profile is not None:
+            self._profile.after_backward()
         if self._timers:
             self._timers.stop("backward")
         self._spent_loss = None if retain_graph else weakref.ref(user_loss)
@@ -214,7 +227,11 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             if self._timers:
                 self._timers.start("step")
+            step_started = time.perf_counter()
             outcome = stage.step(self.engine_config.gradient_clipping)
+            if self._profile is not None:
+                self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
+                self._step_flops, self._peak_flops = self._profile.flops_per_step, self._profile.peak_flops
             self._global_grad_norm = outcome.grad_norm
             # DeepSpeed: a skipped (overflowed) step does not advance the LR schedule, but counts.
             if outcome.applied and self.lr_scheduler is not None:

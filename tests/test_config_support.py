@@ -247,7 +247,6 @@ def test_warned_key_is_warned_once_per_process() -> None:
     "extra, key",
     [
         ({"trackio": {"enabled": True}}, "trackio.enabled"),
-        ({"flops_profiler": {"enabled": True, "profile_step": 2}}, "flops_profiler.enabled"),
         ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint"),
         ({"dump_state": True}, "dump_state"),
         ({"sparse_gradients": True}, "sparse_gradients"),

@@ -9,8 +9,10 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import logging
 import math
 import os
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -39,7 +41,8 @@ def _config(root: str) -> dict[str, Any]:
             "tensorboard": {"enabled": True, "output_path": os.path.join(root, "tb"), "job_name": "job"},
             "wandb": {"enabled": True, "project": "zero-engine-test"},
             "comet": {"enabled": True, "online": False, "project": "zero-engine-test", "samples_log_interval": 1,
-                      "experiment_name": "job"}}
+                      "experiment_name": "job"},
+            "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": os.path.join(root, "profile.txt")}}
 
 
 def _train(root: str) -> dict[str, Any]:
@@ -109,8 +112,16 @@ def test_every_writer_gets_the_events_once_from_rank_0(tmp_path: Path) -> None:
         assert [e.value for e in board.Scalars(name)] == pytest.approx(want[key], rel=1e-6), name
     assert board.Scalars("Train/Samples/loss_scale")[0].value == 2.0**8
     assert [e.value for e in board.Scalars("Train/Samples/memory/params")] == [want["memory"]["params"]] * STEPS
-    # samples/s needs the previous step's end: from the second step on.
+    # samples/s needs the previous step's end: from the second step on; TFLOPs and MFU once the flops
+    # profiler measured step 1 (the second step, counting from 0 as DeepSpeed's profile_step does).
     assert [e.step for e in board.Scalars("Train/Samples/samples_per_sec")] == SAMPLES[1:]
+    for tag in ("Train/Samples/tflops", "Train/Samples/mfu"):
+        assert [e.step for e in board.Scalars(tag)] == SAMPLES[1:], tag
+        assert all(e.value > 0 for e in board.Scalars(tag)), tag
+    profile = (tmp_path / "profile.txt").read_text()  # rank 0's report, DeepSpeed's layout
+    assert "Profile Summary at step 1" in profile and "Detailed Profile per GPU" in profile
+    # fwd flops of the MLP on a micro-batch: 2 x rows x (8 x 16 + 16 x 4), counted by FlopCounterMode.
+    assert re.search(rf"fwd flops per GPU:\s+{2 * MICRO * (8 * 16 + 16 * 4)}\s*$", profile, re.M), profile
 
     # wandb, offline: one run, one history row per step at step = global samples.
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -162,3 +173,25 @@ def test_a_writer_without_its_package_is_a_config_error_naming_the_pip_command(
     config[section] = {"enabled": False}  # the failed call left the process able to try again
     eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=config)
     eng.destroy()
+
+
+def test_progress_log_shows_tflops_and_mfu_after_the_profiled_step(caplog: pytest.LogCaptureFixture,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "flops_profiler": {"enabled": True, "profile_step": 2, "module_depth": 1, "detailed": False}}
+    eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=config)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        for _ in range(4 * 2):
+            eng.backward(eng(torch.randn(4, 32)).square().mean())
+            eng.step()
+    eng.destroy()
+    steps = [r.message for r in caplog.records if r.message.startswith("step ")]
+    assert len(steps) == 4 and all("TFLOPs" not in line for line in steps[:2]), steps
+    assert all(re.search(r"\| [0-9.]+ TFLOPs \(MFU [0-9.]+% of [0-9.]+\) \|", line) for line in steps[2:]), steps
+    printed = capsys.readouterr().out  # no output_file: the report goes to stdout, as DeepSpeed's
+    assert "Profile Summary at step 2" in printed and "Detailed Profile per GPU" not in printed
+    flops = 2 * 4 * (32 * 64 + 64 * 32)  # one micro-batch's forward
+    assert re.search(rf"fwd flops per GPU:\s+{flops / 1e3:.2f} K\s*$", printed, re.M), printed

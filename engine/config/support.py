@@ -148,6 +148,11 @@ TABLE: tuple[Entry, ...] = (
     Entry("memory_breakdown", S.IMPLEMENTED, PRESENT,
           "rank 0's model-state bytes per category (memory_report) and peak RSS at every steps_per_print line"),
     Entry("csv_monitor", S.IMPLEMENTED, PRESENT, "CSV metrics writer (engine/monitor)"),
+    Entry("flops_profiler", S.IMPLEMENTED, PRESENT,
+          "rank 0 profiles the forward of step profile_step (torch.utils.flop_counter per module; latency, "
+          "params) and prints DeepSpeed's report (module_depth, top_modules, detailed, output_file); then the "
+          "progress log and the monitors show achieved TFLOPs and MFU against a measured matmul peak; "
+          "recompute_fwd_factor adds the recomputed forwards (engine/profiling)"),
     Entry("tensorboard", S.IMPLEMENTED, PRESENT,
           "TensorBoard event files in output_path/job_name from rank 0 (needs the tensorboard package: "
           "pip install 'zero-engine[tensorboard]'; missing, enabling it is a ConfigError)"),
@@ -487,13 +492,6 @@ TABLE: tuple[Entry, ...] = (
     ),
     # --- warned: accepted, no effect on the trained numbers ----------------------------------------
     Entry("trackio.enabled", S.WARNED, TRUE, _NO_WRITER, "use csv_monitor, or set it to false"),
-    Entry(
-        "flops_profiler.enabled",
-        S.WARNED,
-        TRUE,
-        "the flops profiler is not implemented",
-        "set it to false to silence this",
-    ),
     Entry(
         "activation_checkpointing",
         S.IMPLEMENTED,
