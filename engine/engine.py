@@ -285,12 +285,12 @@ class Engine:
             self._report_steps = 0
 
     def _flops_text(self, step_seconds: float) -> str:
-        """" | 1.23 TFLOPs (MFU 45.6% of 2.70)" once the flops profiler measured a step; else nothing."""
+        """" | 0.063 TFLOPs/rank (MFU 68.2% of 0.09)" once the flops profiler measured a step; else nothing."""
         if not self._step_flops:
             return ""
         achieved = self._step_flops / max(step_seconds, 1e-9)
         mfu = f" (MFU {achieved / self._peak_flops:.1%} of {self._peak_flops / 1e12:.2f})" if self._peak_flops else ""
-        return f" | {achieved / 1e12:.3f} TFLOPs{mfu}"
+        return f" | {achieved / 1e12:.3f} TFLOPs/rank{mfu}"
 
     def zero_grad(self) -> None:
         self._require_alive().zero_grad()

@@ -190,7 +190,7 @@ def test_progress_log_shows_tflops_and_mfu_after_the_profiled_step(caplog: pytes
     eng.destroy()
     steps = [r.message for r in caplog.records if r.message.startswith("step ")]
     assert len(steps) == 4 and all("TFLOPs" not in line for line in steps[:2]), steps
-    assert all(re.search(r"\| [0-9.]+ TFLOPs \(MFU [0-9.]+% of [0-9.]+\) \|", line) for line in steps[2:]), steps
+    assert all(re.search(r"\| [0-9.]+ TFLOPs/rank \(MFU [0-9.]+% of [0-9.]+\) \|", line) for line in steps[2:]), steps
     printed = capsys.readouterr().out  # no output_file: the report goes to stdout, as DeepSpeed's
     assert "Profile Summary at step 2" in printed and "Detailed Profile per GPU" not in printed
     flops = 2 * 4 * (32 * 64 + 64 * 32)  # one micro-batch's forward
