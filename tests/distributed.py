@@ -33,8 +33,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Imported once in the forkserver; each rank forks from it with these already loaded.
-_PRELOAD = ["torch", "torch.distributed"]
+# Imported once in the forkserver; each rank forks from it with these already loaded. torch._dynamo:
+# torch.optim.Optimizer.__init__ imports it on first use (torch._disable_dynamo), 2.8 s of CPU per
+# process here, paid by every rank of every test that builds an optimizer.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def _context() -> Any:
