@@ -37,7 +37,9 @@ class StepProfile:
         """The printed profile."""
 
     def before_forward(self, global_steps: int, first_micro_step: bool) -> None:
-        if self._phase == "waiting" and global_steps == self._config.profile_step and first_micro_step:
+        """An evaluation forward (no grad) at that step is not the training step's: it is skipped."""
+        if (self._phase == "waiting" and global_steps == self._config.profile_step and first_micro_step
+                and torch.is_grad_enabled()):
             self._profiler.start_profile()
             self._phase = "forward"
 
