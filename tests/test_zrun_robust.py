@@ -33,6 +33,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _describe(pids: list[int]) -> list[str]:
+    """pid, state and command line of each process (which one outlived zrun: the agent or a rank)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            state, cmdline = "gone", ""
+        out.append(f"{pid} [{state}] {cmdline.strip()[:200]}")
+    return out
+
+
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
@@ -87,7 +100,7 @@ def test_kill_9_of_zrun_stops_the_agent_and_every_rank(tmp_path: Path) -> None:
         proc.wait()
         # Generous: the agent SIGTERMs its ranks and SIGKILLs them after 5 s; the machine may be loaded.
         left = _wait_gone(tree, 15)
-        assert left == [], f"still running after zrun was killed: {left}"
+        assert left == [], f"still running after zrun was killed: {_describe(left)}\n{(tmp_path / 'stderr').read_text()}"
         assert port_is_free(port)
         assert list((tmp_path / "tmp").glob("zrun_logs_*")) == []  # zrun's temporary log folder went with it
 
