@@ -261,7 +261,8 @@ class Engine:
                 grad_norm=self._global_grad_norm, samples=self.train_batch_size(),
                 seconds=now - self._step_ended if self._step_ended is not None else None,
                 flops=self._step_flops, peak_flops=self._peak_flops,
-                comm_bytes=sum(self._last_step_comm["bytes_sent"].values()), memory=self.memory_report())))
+                comm_bytes=sum(self._last_step_comm["bytes_sent"].values()), memory=self.memory_report(),
+                phase_ms=self._timers.take_step() if self._timers else {})))
         self._step_ended = now
         every = self.engine_config.steps_per_print
         if every and self.global_steps % every == 0:

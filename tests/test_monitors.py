@@ -27,13 +27,15 @@ from tests.distributed import run_distributed
 
 STEPS, MICRO, WORLD = 3, 2, 2
 SAMPLES = [MICRO * WORLD * (s + 1) for s in range(STEPS)]
-DEEPSPEED_EVENTS = ["Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scale"]
+DEEPSPEED_EVENTS = ["Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scale",
+                    "Train/Samples/elapsed_time_ms_forward", "Train/Samples/elapsed_time_ms_backward",
+                    "Train/Samples/elapsed_time_ms_step"]
 OWN_EVENTS = ["Train/Samples/grad_norm", "Train/Samples/comm_bytes", "Train/Samples/memory/params",
               "Train/Samples/memory/gradients", "Train/Samples/memory/optimizer_state"]
 
 
 def _config(root: str) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "wall_clock_breakdown": True,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "fp16": {"enabled": True, "initial_scale_power": 8},
             "zero_optimization": {"stage": 2},

@@ -2,7 +2,8 @@
 
 DeepSpeed's (engine.py, _take_model_step): Train/Samples/train_loss, Train/Samples/lr and, in fp16,
 Train/Samples/loss_scale, all at step = global_samples. Added here: the global gradient norm
-(grad_norm), this step's throughput (samples_per_sec), achieved TFLOPs and model-flops utilisation
+(grad_norm), DeepSpeed's elapsed_time_ms_<phase> with wall_clock_breakdown (forward, backward, step
+summed over the step's micro-steps), this step's throughput (samples_per_sec), achieved TFLOPs and model-flops utilisation
 when the flops profiler has measured the model (tflops, mfu), the bytes this rank sent in the step's
 collectives (comm_bytes) and rank 0's memory per category (memory/<category>, bytes, as
 engine.memory_report()).
@@ -35,6 +36,8 @@ class StepRecord:
     """FLOP/s this rank can reach (engine.profiling.measured_peak_flops)."""
     comm_bytes: int
     memory: Mapping[str, int]
+    phase_ms: Mapping[str, float]
+    """wall_clock_breakdown: milliseconds of forward, backward and step in this optimizer step."""
 
 
 def step_events(record: StepRecord) -> list[Event]:
@@ -51,6 +54,7 @@ def step_events(record: StepRecord) -> list[Event]:
             events.append(("Train/Samples/tflops", achieved / 1e12, at))
             if record.peak_flops:
                 events.append(("Train/Samples/mfu", achieved / record.peak_flops, at))
+    events += [(f"Train/Samples/elapsed_time_ms_{phase}", ms, at) for phase, ms in record.phase_ms.items()]
     events.append(("Train/Samples/comm_bytes", float(record.comm_bytes), at))
     events += [(f"Train/Samples/memory/{name}", float(value), at) for name, value in record.memory.items()]
     return events
