@@ -465,7 +465,15 @@ class Engine:
             self.global_steps = loaded.counters.global_steps
             self.global_samples = loaded.counters.global_samples
             self.skipped_steps = loaded.counters.skipped_steps
-            self.micro_steps = loaded.counters.micro_steps
+            # A checkpoint holds no partly accumulated gradients, and this run's gradient_accumulation_steps
+            # may differ from the saving run's: resume at the start of an accumulation window, as DeepSpeed
+            # does (it does not restore micro_steps), with micro_steps consistent with global_steps.
+            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+            if self.micro_steps != loaded.counters.micro_steps and self.global_rank == 0:
+                logger.info("resumed at step %d at the start of an accumulation window of %d micro-steps "
+                            "(micro_steps %d; the checkpoint had %d: saved inside a window, or with another "
+                            "gradient_accumulation_steps; partial windows are not saved)", self.global_steps,
+                            self.gradient_accumulation_steps(), self.micro_steps, loaded.counters.micro_steps)
         return loaded.path, loaded.client_state
 
     def _training_state(self) -> TrainingState:
