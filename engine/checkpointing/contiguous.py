@@ -20,7 +20,7 @@ import torch
 from engine.checkpointing import ledger
 from engine.checkpointing.settings import SECTION, current
 from engine.config.errors import ConfigError
-from engine.ops.arena import BLOCK_ALIGN, Arena, ArenaStats
+from engine.ops.arena import Arena, ArenaStats, block_bytes
 
 _arena: Arena | None = None
 _checkpoint_bytes = 0
@@ -28,15 +28,11 @@ _checkpoint_bytes = 0
 _overflowed = False
 
 
-def _block(shape: torch.Size, dtype: torch.dtype) -> int:
-    return math.ceil(math.prod(shape) * dtype.itemsize / BLOCK_ALIGN) * BLOCK_ALIGN
-
-
 def place(specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor] | None:
     """Arena blocks for one checkpoint's host tensors, all or none; None when the arena is full (noted
     for check())."""
     global _arena, _checkpoint_bytes, _overflowed
-    needed = sum(_block(shape, dtype) for shape, dtype in specs)
+    needed = sum(block_bytes(math.prod(shape) * dtype.itemsize) for shape, dtype in specs)
     if needed == 0:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
     if _arena is None:

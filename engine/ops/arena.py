@@ -62,6 +62,12 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def block_bytes(nbytes: int) -> int:
+    """Bytes an arena spends on a request of `nbytes` (rounded up to BLOCK_ALIGN): what sizing an arena
+    for known requests adds up."""
+    return _round_up(nbytes, BLOCK_ALIGN)
+
+
 def _full_message(capacity: int, in_use: int, largest_free: int, free_blocks: int, config_key: str,
                   shape: list[int], dtype: torch.dtype, nbytes: int, block: int) -> str:
     # Word for word the compiled message (csrc/cpu/arena.cpp, full_message); a test compares them.
@@ -158,7 +164,7 @@ class TorchArena:
         nbytes = _check_shape(sizes, dtype)
         if nbytes == 0:
             return torch.empty(sizes, dtype=dtype)  # takes no block
-        block = _round_up(nbytes, BLOCK_ALIGN)
+        block = block_bytes(nbytes)
         state = self._state
         with state.lock:
             state.apply_frees()

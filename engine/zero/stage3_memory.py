@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops.arena import BLOCK_ALIGN, Arena
+from engine.ops.arena import BLOCK_ALIGN, Arena, block_bytes
 from engine.zero.bucket_pool import BucketPool
 
 CONFIG_KEY = "zero_optimization.stage3_arena_bytes"
@@ -44,7 +44,7 @@ class UnitBytes:
 
 def _blocks(sizes: Sequence[int]) -> int:
     """Bytes the arena spends on these requests: each rounded up to its block alignment."""
-    return sum((n + BLOCK_ALIGN - 1) // BLOCK_ALIGN * BLOCK_ALIGN for n in sizes)
+    return sum(block_bytes(n) for n in sizes)
 
 
 def auto_capacity(units: Sequence[UnitBytes], max_live_bytes: int, reduces_in_flight: int) -> int:
