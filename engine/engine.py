@@ -20,7 +20,7 @@ from engine.atomic_file import atomic_save
 from engine.checkpoint import store
 from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
-from engine.monitor.events import StepRecord, step_events
+from engine.monitor.events import StepRecord, achieved, step_events
 from engine.monitor.log import get_logger
 from engine.monitor.memory import memory_line
 from engine.monitor.monitors import Monitors
@@ -132,9 +132,6 @@ class Engine:
         self._monitors = Monitors(config) if self.global_rank == 0 else None
         self._step_ended: float | None = None
         """perf_counter() when the last optimizer step ended: the next step's wall time starts there."""
-        self._step_flops: float | None = None
-        """Floating-point operations of one optimizer step on this rank, once the flops profiler measured it."""
-        self._peak_flops: float | None = None
         self._profile = (StepProfile(self, config.flops_profiler, self.precision.model_dtype or torch.float32, device)
                          if config.flops_profiler.enabled and self.global_rank == 0 else None)
 
@@ -227,11 +224,10 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             if self._timers:
                 self._timers.start("step")
-            step_started = time.perf_counter()
+            step_started = time.perf_counter() if self._profile is not None else 0.0
             outcome = stage.step(self.engine_config.gradient_clipping)
             if self._profile is not None:
                 self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
-                self._step_flops, self._peak_flops = self._profile.flops_per_step, self._profile.peak_flops
             self._global_grad_norm = outcome.grad_norm
             # DeepSpeed: a skipped (overflowed) step does not advance the LR schedule, but counts.
             if outcome.applied and self.lr_scheduler is not None:
@@ -260,7 +256,8 @@ class Engine:
                 global_samples=self.global_samples, loss=self._last_loss, lr=self.get_lr()[0], loss_scale=scale,
                 grad_norm=self._global_grad_norm, samples=self.train_batch_size(),
                 seconds=now - self._step_ended if self._step_ended is not None else None,
-                flops=self._step_flops, peak_flops=self._peak_flops,
+                flops=self._profile.flops_per_step if self._profile else None,
+                peak_flops=self._profile.peak_flops if self._profile else None,
                 comm_bytes=sum(self._last_step_comm["bytes_sent"].values()), memory=self.memory_report(),
                 phase_ms=self._timers.take_step() if self._timers else {})))
         self._step_ended = now
@@ -287,11 +284,12 @@ class Engine:
 
     def _flops_text(self, step_seconds: float) -> str:
         """" | 0.063 TFLOPs/rank (MFU 68.2% of 0.09)" once the flops profiler measured a step; else nothing."""
-        if not self._step_flops:
+        if self._profile is None or not self._profile.flops_per_step:
             return ""
-        achieved = self._step_flops / max(step_seconds, 1e-9)
-        mfu = f" (MFU {achieved / self._peak_flops:.1%} of {self._peak_flops / 1e12:.2f})" if self._peak_flops else ""
-        return f" | {achieved / 1e12:.3f} TFLOPs/rank{mfu}"
+        peak = self._profile.peak_flops
+        rate, mfu = achieved(self._profile.flops_per_step, step_seconds, peak)
+        share = f" (MFU {mfu:.1%} of {peak / 1e12:.2f})" if mfu is not None and peak else ""
+        return f" | {rate / 1e12:.3f} TFLOPs/rank{share}"
 
     def zero_grad(self) -> None:
         self._require_alive().zero_grad()

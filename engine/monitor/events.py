@@ -40,6 +40,12 @@ class StepRecord:
     """wall_clock_breakdown: milliseconds of forward, backward and step in this optimizer step."""
 
 
+def achieved(flops: float, seconds: float, peak_flops: float | None) -> tuple[float, float | None]:
+    """(FLOP/s achieved, model-flops utilisation against `peak_flops`, None without a peak)."""
+    rate = flops / max(seconds, 1e-9)
+    return rate, (rate / peak_flops if peak_flops else None)
+
+
 def step_events(record: StepRecord) -> list[Event]:
     at = record.global_samples
     events: list[Event] = [("Train/Samples/train_loss", record.loss, at), ("Train/Samples/lr", record.lr, at)]
@@ -50,10 +56,10 @@ def step_events(record: StepRecord) -> list[Event]:
     if record.seconds:
         events.append(("Train/Samples/samples_per_sec", record.samples / record.seconds, at))
         if record.flops:
-            achieved = record.flops / record.seconds
-            events.append(("Train/Samples/tflops", achieved / 1e12, at))
-            if record.peak_flops:
-                events.append(("Train/Samples/mfu", achieved / record.peak_flops, at))
+            rate, mfu = achieved(record.flops, record.seconds, record.peak_flops)
+            events.append(("Train/Samples/tflops", rate / 1e12, at))
+            if mfu is not None:
+                events.append(("Train/Samples/mfu", mfu, at))
     events += [(f"Train/Samples/elapsed_time_ms_{phase}", ms, at) for phase, ms in record.phase_ms.items()]
     events.append(("Train/Samples/comm_bytes", float(record.comm_bytes), at))
     events += [(f"Train/Samples/memory/{name}", float(value), at) for name, value in record.memory.items()]

@@ -33,8 +33,6 @@ class StepProfile:
         """Floating-point operations of one optimizer step on this rank, once profiled."""
         self.peak_flops: float | None = None
         """FLOP/s this process reaches on a square matmul in the compute dtype (measured once, then)."""
-        self.report = ""
-        """The printed profile."""
 
     def before_forward(self, global_steps: int, first_micro_step: bool) -> None:
         """An evaluation forward (no grad) at that step is not the training step's: it is skipped."""
@@ -65,10 +63,9 @@ class StepProfile:
         self._phase = "done"
         self._profiler.timings["step"] = step_seconds
         config = self._config
-        self.report = self._profiler.print_model_profile(profile_step=config.profile_step,
-                                                         module_depth=config.module_depth,
-                                                         top_modules=config.top_modules, detailed=config.detailed,
-                                                         output_file=config.output_file)
+        self._profiler.print_model_profile(profile_step=config.profile_step, module_depth=config.module_depth,
+                                           top_modules=config.top_modules, detailed=config.detailed,
+                                           output_file=config.output_file)
         forward = float(self._profiler.get_total_flops())
         self.flops_per_step = forward * (3 + config.recompute_fwd_factor) * micro_steps_per_step
         self.peak_flops = measured_peak_flops(self._dtype, str(self._device))
