@@ -20,6 +20,7 @@ from engine.checkpointing.settings import (
     configure_from_engine,
     current,
     is_configured,
+    reset,
     unconfigure,
 )
 from engine.parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
@@ -31,13 +32,6 @@ arena_stats = contiguous.stats
 after_forward = contiguous.check
 """The engine calls it after the model's forward: the named error if number_checkpoints was too small."""
 
-
-def reset() -> None:
-    """DeepSpeed's reset(): drop the contiguous arena and start counting afresh. Call it between
-    forwards that have no backward (evaluation) when their checkpoints were kept; a forward under
-    torch.no_grad() keeps none, so it needs no reset."""
-    contiguous.drop()
-    ledger.reset_peak()
 
 
 __all__ = [

@@ -9,7 +9,6 @@ contiguous arena between evaluation forwards.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -130,10 +129,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
                  "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     options = replace(options, **{k: v for k, v in overrides.items() if v is not None})
     check_options(options)
-    from engine.checkpointing import contiguous, ledger
-
-    contiguous.drop()
-    ledger.reset_peak()
+    reset()
     _said.clear()
     _settings = Settings(options, tensor_parallel, configured_by)
     say_if_nothing_to_partition(_settings)
@@ -161,13 +157,16 @@ def is_configured() -> bool:
 def unconfigure() -> None:
     """Back to the defaults, as if configure() had never been called (tests; a new run in one process)."""
     global _settings
-    from engine.checkpointing import contiguous
-
-    contiguous.drop()
+    reset()
     _said.clear()
     _settings = _DEFAULTS
 
 
-def per_rank_elements(numel: int, size: int) -> int:
-    """Elements each of `size` ranks keeps of a partitioned `numel`-element tensor (the last one padded)."""
-    return math.ceil(numel / size)
+def reset() -> None:
+    """DeepSpeed's reset(): drop the contiguous arena and start counting afresh. Call it between
+    forwards that have no backward (evaluation) when their checkpoints were kept; a forward under
+    torch.no_grad() keeps none, so it needs no reset."""
+    from engine.checkpointing import contiguous, ledger  # contiguous reads current(): imported late
+
+    contiguous.drop()
+    ledger.reset_peak()

@@ -18,6 +18,7 @@ place after the forward would be recomputed from other values, so that is refuse
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 
 from engine import comm
 from engine.checkpointing import contiguous, ledger
-from engine.checkpointing.settings import SECTION, Settings, per_rank_elements, say_once
+from engine.checkpointing.settings import SECTION, Settings, say_once
 
 
 @dataclass
@@ -92,7 +93,7 @@ class KeptInputs:
         for _, arg, part, _ in plans:
             flat = arg.detach().reshape(-1)
             if part:
-                per = per_rank_elements(flat.numel(), tp.size)
+                per = math.ceil(flat.numel() / tp.size)  # each rank's elements, the last piece padded
                 flat = flat[tp.rank * per:(tp.rank + 1) * per]
                 if flat.numel() < per:  # the last rank's piece of a count that does not divide
                     flat = torch.cat([flat, flat.new_zeros(per - flat.numel())])
