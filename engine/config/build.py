@@ -39,6 +39,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "bf16": "bf16",
     "bfloat16": "bf16",
     "gradient_clipping": "gradient_clipping",
+    "check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad",
     "prescale_gradients": "prescale_gradients",
     "gradient_predivide_factor": "gradient_predivide_factor",
     "communication_data_type": "communication_data_type",
@@ -116,6 +117,7 @@ def build_engine_config(
         k: config[k]
         for k in (
             "gradient_clipping",
+            "check_for_nan_in_loss_and_grad",
             "prescale_gradients",
             "gradient_predivide_factor",
             "steps_per_print",

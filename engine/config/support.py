@@ -126,6 +126,14 @@ TABLE: tuple[Entry, ...] = (
         PRESENT,
         "global grad-norm clipping; default 1.0 as DeepSpeed 0.19.8",
     ),
+    Entry(
+        "check_for_nan_in_loss_and_grad",
+        S.IMPLEMENTED,
+        PRESENT,
+        "engine-specific, Megatron-LM's name: true stops fp32/bf16 training with NonFiniteGradientError at a step "
+        "whose global gradient norm is inf/nan, before anything is updated; false (default) skips the step with a "
+        "warning and counts it in skipped_steps (fp16: its loss scaler skips overflows either way)",
+    ),
     Entry("prescale_gradients", S.IMPLEMENTED, PRESENT, "divide gradients before the all-reduce"),
     Entry("gradient_predivide_factor", S.IMPLEMENTED, PRESENT, "pre-division factor for the all-reduce"),
     Entry(
@@ -357,10 +365,11 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "bf16.check_grad_overflow",
-        S.REFUSED,
-        TRUE,
-        "skipping bf16 steps on inf/nan gradients is not implemented (only fp16 loss scaling skips steps)",
-        "set it to false or remove it",
+        S.ACCEPTED,
+        PRESENT,
+        "a step whose global gradient norm is inf/nan is always skipped (DeepSpeed 0.19's default, true; "
+        "fp32 too here), or stops training with check_for_nan_in_loss_and_grad; false does not apply such a "
+        "step, which would write NaN into every weight",
     ),
     Entry(
         "amp.enabled",

@@ -204,6 +204,11 @@ class EngineConfig:
     bf16: BF16Config = field(default_factory=BF16Config)
     gradient_clipping: float = 1.0
     """Max global grad norm; 0 disables. DeepSpeed 0.19.8 clips at 1.0 when the key is absent."""
+    check_for_nan_in_loss_and_grad: bool = False
+    """Not a DeepSpeed key (Megatron-LM's name): an fp32/bf16 step whose global gradient norm is inf/nan
+    raises NonFiniteGradientError on every rank, before anything is updated. False: the step is skipped
+    with a warning and counted in skipped_steps, as fp16's loss scaler skips an overflow (fp16 always
+    does that, whatever this says: overflow is how its dynamic loss scale finds its level)."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
