@@ -12,11 +12,18 @@ from typing import Any
 from engine.config.errors import ConfigError
 from engine.config.types import EngineConfig
 
-ELEMENTWISE_OPTIMIZERS = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam",
-                                    "RAdam", "Lion", "ReferenceAdam", "ASGD"})
-"""Optimizers whose update is elementwise, so running them on a flat shard that mixes parameters equals
-running them per parameter. Per-tensor statistics (LAMB's trust ratio, LARS, Adafactor's factored
-moments) would silently change meaning on a shard."""
+ELEMENTWISE_OPTIMIZERS = frozenset({
+    # torch.optim and the engine's own (engine/optim, engine/ops/adam.py)
+    "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Lion",
+    "ReferenceAdam", "CPUAdam",
+    # DeepSpeed's classes under their own names (engine/optim/deepspeed_classes.py, deepspeed.ops.*): the
+    # ones DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS lists (runtime/zero/utils.py) that this engine provides
+    "DeepSpeedCPUAdam", "FusedAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion",
+})
+"""Optimizer class names (type(optimizer).__name__) whose update is elementwise, so running them on a flat
+shard that mixes parameters equals running them per parameter. Per-tensor statistics (LAMB's trust ratio,
+so Lamb and DeepSpeed's FusedLamb; LARS; Adafactor's factored moments) would silently change meaning on a
+shard, so they stay refused at stages 1-3."""
 
 
 def config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -73,9 +80,10 @@ def check_optimizer_for_stage(cfg: EngineConfig, optimizer_name: str) -> None:
     raise ConfigError(
         f"optimizer {optimizer_name} at zero_optimization.stage {stage}: the partitioned stages run the optimizer "
         f"on flat shards that mix parameters, which is only equivalent for elementwise optimizers "
-        f"({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}); {optimizer_name} may compute per-tensor statistics "
-        "(LAMB's trust ratio does). Use one of those, zero_optimization.stage 0, or set "
-        "\"zero_allow_untested_optimizer\": true if you know it is elementwise")
+        f"({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}); {optimizer_name} is not one of them, and an optimizer "
+        "with per-tensor statistics (LAMB's trust ratio) would compute them over the shard instead. Use one of "
+        "those, zero_optimization.stage 0, or set \"zero_allow_untested_optimizer\": true if you know it is "
+        "elementwise")
 
 
 def check_leaf_module(leaf_module: Mapping[str, Any] | None, model_name: str, matched: bool) -> None:

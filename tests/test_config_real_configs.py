@@ -1,0 +1,98 @@
+"""What the configs and scripts popular projects ship ask of the config layer (issue 30): DeepSpeed's own
+optimizer classes at stages 1-3, offload_param, unknown top-level keys, and AutoTP batch arithmetic as
+Accelerate writes it. Each is compared with what DeepSpeed 0.19 does with the same input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import global_batches, make_model, rank_micro_batch
+
+import engine
+from engine.optim.deepspeed_classes import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion, FusedAdam
+
+STEPS, MICRO, LR = 4, 2, 1e-2
+
+# DeepSpeed's classes as DeepSpeed-API scripts build them (FastChat, axolotl's zero2 configs with the
+# DeepSpeed API; Accelerate swaps in the CPU classes for offload). deepspeed.ops.adam re-exports these.
+DEEPSPEED_CLASSES: dict[str, Any] = {
+    "DeepSpeedCPUAdam": lambda params: DeepSpeedCPUAdam(params, lr=LR, weight_decay=0.1),
+    "FusedAdam": lambda params: FusedAdam(params, lr=LR, weight_decay=0.1),
+    "DeepSpeedCPUAdagrad": lambda params: DeepSpeedCPUAdagrad(params, lr=LR),
+    "DeepSpeedCPULion": lambda params: DeepSpeedCPULion(params, lr=LR * 0.1),
+}
+# The update each one computes, as torch (or the engine's Lion) computes it.
+REFERENCES: dict[str, Any] = {
+    "DeepSpeedCPUAdam": lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.1),
+    "FusedAdam": lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.1),
+    "DeepSpeedCPUAdagrad": lambda params: torch.optim.Adagrad(params, lr=LR),
+    "DeepSpeedCPULion": lambda params: engine.optim.Lion(params, lr=LR * 0.1, betas=(0.9, 0.999)),
+}
+
+
+def _train_stage2_with_client_optimizers(names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each optimizer object passed to initialize at stage 2, STEPS steps on this rank's half of the batch."""
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for name in names:
+        model = make_model(5)
+        eng, *_ = engine.initialize(model=model, optimizer=DEEPSPEED_CLASSES[name](model.parameters()), config={
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}})
+        for batch in global_batches(STEPS, MICRO * ws):
+            x, y = rank_micro_batch(batch, rank, ws, MICRO, 0)
+            eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+            eng.step()
+        out[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        eng.destroy()
+    return out
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    model = make_model(5)
+    opt = REFERENCES[name](model.parameters())
+    for x, y in global_batches(STEPS, MICRO * 2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_deepspeed_optimizer_classes_train_at_stage_2() -> None:
+    """DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS (runtime/zero/utils.py) has DeepSpeedCPUAdam, FusedAdam,
+    DeepSpeedCPUAdagrad and DeepSpeedCPULion: they train at stages 1-3 without zero_allow_untested_optimizer,
+    and on 2 ranks give what the same update gives in one process on the whole batch."""
+    names = list(DEEPSPEED_CLASSES)
+    ranks = run_distributed(_train_stage2_with_client_optimizers, 2, args=(names,))
+    start = make_model(5).state_dict()
+    for name in names:
+        got, want = ranks[0][name], _reference(name)
+        assert any(not torch.equal(got[k], start[k]) for k in start), f"{name}: the weights did not move"
+        for key in want:
+            # Same update, fp32: only the order of the gradient sums differs (two halves, then the mean).
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=f"{name} {key}")
+        for key in got:
+            torch.testing.assert_close(ranks[1][name][key], got[key], atol=0, rtol=0)
+
+
+def test_every_optimizer_class_the_engine_ships_is_accepted_on_shards_and_lamb_is_not() -> None:
+    """By the names initialize checks (type(optimizer).__name__): every DeepSpeed class the engine provides
+    and its own fused CPUAdam; per-tensor LAMB (the engine's Lamb, DeepSpeed's FusedLamb) stays refused."""
+    import inspect
+
+    from engine.config import load_config, run_checks
+    from engine.optim import deepspeed_classes
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}, world_size=1,
+                      world_size_source="test")
+    shipped = [c.__name__ for _, c in inspect.getmembers(deepspeed_classes, inspect.isclass)
+               if issubclass(c, torch.optim.Optimizer) and c.__module__ == deepspeed_classes.__name__]
+    assert sorted(shipped) == sorted(DEEPSPEED_CLASSES)  # the distributed test above trains each of them
+    for name in [*shipped, engine.ops.adam.CPUAdam.__name__]:
+        run_checks.check_optimizer_for_stage(cfg, name)
+    for name in ("Lamb", "FusedLamb"):
+        with pytest.raises(engine.ConfigError, match=rf"^optimizer {name} at zero_optimization.stage 2: .* {name} is "
+                                                     r"not one of them.*zero_allow_untested_optimizer"):
+            run_checks.check_optimizer_for_stage(cfg, name)
