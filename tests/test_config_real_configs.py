@@ -96,3 +96,76 @@ def test_every_optimizer_class_the_engine_ships_is_accepted_on_shards_and_lamb_i
         with pytest.raises(engine.ConfigError, match=rf"^optimizer {name} at zero_optimization.stage 2: .* {name} is "
                                                      r"not one of them.*zero_allow_untested_optimizer"):
             run_checks.check_optimizer_for_stage(cfg, name)
+
+
+# ------------------------------------------------------------------ offload_param
+# axolotl's, LLaMA-Factory's, transformers', FastChat's and open-instruct's "zero3 offload" configs.
+OFFLOAD_PARAM = {"device": "cpu", "pin_memory": True, "buffer_count": 5, "buffer_size": "auto", "max_in_cpu": "auto"}
+
+
+def _zero3_with_and_without_offload_param() -> list[dict[str, torch.Tensor]]:
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    states = []
+    for zero in ({"stage": 3, "offload_param": OFFLOAD_PARAM}, {"stage": 3}):
+        model = make_model(6)
+        eng, *_ = engine.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}}})
+        for batch in global_batches(STEPS, MICRO * ws):
+            x, y = rank_micro_batch(batch, rank, ws, MICRO, 0)
+            eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+            eng.step()
+        states.append(eng.consolidated_state_dict())
+        eng.destroy()
+    return states
+
+
+def test_offload_param_cpu_at_stage_3_trains_on_cpu_as_without_it() -> None:
+    with_it, without = run_distributed(_zero3_with_and_without_offload_param, 2)[0]
+    start = make_model(6).state_dict()
+    assert any(not torch.equal(with_it[k], start[k]) for k in start), "the weights did not move"
+    for key, want in without.items():
+        torch.testing.assert_close(with_it[key], want, atol=0, rtol=0, msg=key)
+
+
+def _stage_config(stage: int) -> Any:
+    from engine.config import load_config
+
+    return load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": stage, "offload_param": OFFLOAD_PARAM}}, world_size=2, world_size_source="test")
+
+
+def test_offload_param_cpu_is_said_on_cpu_and_refused_on_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    from engine.config import run_checks
+
+    cfg = _stage_config(3)
+    assert cfg.zero.offload_param.device == "cpu" and cfg.zero.offload_param.pin_memory
+    with caplog.at_level("INFO", logger="engine.config"):
+        run_checks.check_offload(cfg, "cpu")
+    assert 'zero_optimization.offload_param.device "cpu" at stage 3 on CPU: the partitioned parameters already ' \
+           "live in host memory (each rank keeps its 1/2 of every parameter" in caplog.text
+    with pytest.raises(engine.ConfigError, match=r'^zero_optimization.offload_param.device "cpu" while training on '
+                                                 r"cuda: parameter offload to host memory on a CUDA device has not "
+                                                 r"been tested on a GPU yet; fix: remove offload_param, or train on CPU"):
+        run_checks.check_offload(cfg, "cuda")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_offload_param_below_stage_3_is_ignored_by_name_on_rank_0(rank: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed reads offload_param only at stage 3 (its stage 1-2 optimizer never receives it)."""
+    import warnings
+
+    from engine.config import ConfigWarning, run_checks
+    from engine.config.warn import reset_warned
+
+    reset_warned()
+    monkeypatch.setenv("RANK", rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for device in ("cpu", "cuda"):  # ignored, so not refused on CUDA either
+            run_checks.check_offload(_stage_config(2), device)
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    expected = ['zero_optimization.offload_param.device "cpu" is ignored at zero_optimization.stage 2, as DeepSpeed '
+                "ignores it there: only stage 3 partitions parameters, so only stage 3 can offload them; remove "
+                "offload_param, or use stage 3"]
+    assert said == (expected if rank == "0" else []), said

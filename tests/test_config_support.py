@@ -34,7 +34,6 @@ def refusal(extra: dict[str, Any]) -> str:
     [
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
          "zero_optimization.offload_optimizer.device"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device"),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
             "zero_optimization.offload_optimizer.super_offload",

@@ -6,11 +6,15 @@ problem is never a ValueError from deep inside a stage.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from engine.config.errors import ConfigError
 from engine.config.types import EngineConfig
+from engine.config.warn import warn_once
+
+logger = logging.getLogger("engine.config")
 
 ELEMENTWISE_OPTIMIZERS = frozenset({
     # torch.optim and the engine's own (engine/optim, engine/ops/adam.py)
@@ -52,6 +56,12 @@ def check_stage(cfg: EngineConfig, implemented: Collection[int]) -> None:
 
 
 def check_offload(cfg: EngineConfig, device_type: str) -> None:
+    """zero_optimization.offload_optimizer and offload_param against the stage and the training device."""
+    _check_optimizer_offload(cfg, device_type)
+    _check_param_offload(cfg, device_type)
+
+
+def _check_optimizer_offload(cfg: EngineConfig, device_type: str) -> None:
     if cfg.zero.offload_optimizer.device != "cpu":
         return
     if cfg.zero.stage == 0:
@@ -60,6 +70,29 @@ def check_offload(cfg: EngineConfig, device_type: str) -> None:
     if device_type != "cpu":
         raise ConfigError(f'zero_optimization.offload_optimizer.device "cpu" while training on {device_type} is not '
                           "implemented yet (only CPU training runs the fused offload step); remove offload_optimizer")
+
+
+def _check_param_offload(cfg: EngineConfig, device_type: str) -> None:
+    """offload_param "cpu" ("nvme" is refused by the support table). DeepSpeed reads it only at stage 3 (its
+    stage 1-2 optimizer never sees it; runtime/zero/offload_config.py: "Valid only with stage 3"), so at
+    stages 0-2 it is ignored as there, by name. At stage 3 on CPU the partitions are in host memory already."""
+    if cfg.zero.offload_param.device != "cpu":
+        return
+    stage = cfg.zero.stage
+    if stage != 3:
+        warn_once("zero_optimization.offload_param",
+                  f'zero_optimization.offload_param.device "cpu" is ignored at zero_optimization.stage {stage}, as '
+                  "DeepSpeed ignores it there: only stage 3 partitions parameters, so only stage 3 can offload "
+                  "them; remove offload_param, or use stage 3", rank_zero_only=True)
+        return
+    if device_type != "cpu":
+        raise ConfigError(f'zero_optimization.offload_param.device "cpu" while training on {device_type}: parameter '
+                          "offload to host memory on a CUDA device has not been tested on a GPU yet; fix: remove "
+                          "offload_param, or train on CPU")
+    logger.info('zero_optimization.offload_param.device "cpu" at stage 3 on CPU: the partitioned parameters already '
+                "live in host memory (each rank keeps its 1/%d of every parameter there and gathers a unit only for "
+                "its forward and backward), so parameter offload changes nothing here; pin_memory, buffer_count, "
+                "buffer_size and max_in_cpu have no effect", cfg.world_size)
 
 
 def check_not_given_twice(cfg: EngineConfig, *, optimizer: Any, lr_scheduler: Any) -> None:

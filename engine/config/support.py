@@ -288,10 +288,21 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "zero_optimization.offload_param.device",
+        S.IMPLEMENTED,
+        one_of("cpu"),
+        "stage 3, CPU training: the partitioned parameters already live in host memory (each rank keeps its "
+        "1/N of every parameter there and gathers a unit for its forward and backward), so it changes nothing "
+        "and initialize says so; CUDA training: refused at initialize until parameter offload to host memory "
+        "has been tested on a GPU; pin_memory, buffer_count, buffer_size and max_in_cpu accepted without effect; "
+        "stages 0-2: ignored with a warning, as DeepSpeed ignores it there (valid only with stage 3)",
+    ),
+    Entry(
+        "zero_optimization.offload_param.device",
         S.REFUSED,
-        not_in("none"),
-        "parameter offload is not implemented (and needs stage 3)",
-        'set zero_optimization.offload_param.device to "none" or remove offload_param',
+        one_of("nvme"),
+        "NVMe parameter offload (ZeRO-Infinity) is not implemented; the memory plan you asked for would "
+        "silently not happen",
+        'use "cpu" (stage 3) or "none", or remove offload_param',
     ),
     Entry(
         "zero_optimization.zero_quantized_weights",

@@ -7,6 +7,7 @@ should not repeat the same advice on every load.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 logger = logging.getLogger("engine.config")
@@ -19,11 +20,15 @@ class ConfigWarning(UserWarning):
 _warned: set[str] = set()
 
 
-def warn_once(key: str, message: str) -> bool:
-    """Emit `message` the first time `key` is seen in this process; True when it was emitted."""
+def warn_once(key: str, message: str, *, rank_zero_only: bool = False) -> bool:
+    """Emit `message` the first time `key` is seen in this process; True when it was emitted.
+    rank_zero_only: only rank 0 says it (advice about the config, the same on every rank), by the RANK the
+    launcher set (engine/comm.py maps MPI's to it), the rule the engine logger's INFO lines follow."""
     if key in _warned:
         return False
     _warned.add(key)
+    if rank_zero_only and os.environ.get("RANK", "0") != "0":
+        return False
     # stacklevel 3: caller -> load_config -> here, so the warning points at the code that loaded the config.
     warnings.warn(message, ConfigWarning, stacklevel=3)
     return True
