@@ -165,7 +165,7 @@ def test_offload_param_below_stage_3_is_ignored_by_name_on_rank_0(rank: str, mon
         for device in ("cpu", "cuda"):  # ignored, so not refused on CUDA either
             run_checks.check_offload(_stage_config(2), device)
     said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-    expected = ['zero_optimization.offload_param.device "cpu" is ignored at zero_optimization.stage 2, as DeepSpeed '
-                "ignores it there: only stage 3 partitions parameters, so only stage 3 can offload them; remove "
-                "offload_param, or use stage 3"]
+    expected = [('zero_optimization.offload_param.device "cpu" is ignored at zero_optimization.stage 2, as '
+                 "DeepSpeed ignores it there: only stage 3 partitions parameters, so only stage 3 can offload them; "
+                 "remove offload_param, or use stage 3")]
     assert said == (expected if rank == "0" else []), said
