@@ -4,6 +4,7 @@ Accelerate writes it. Each is compared with what DeepSpeed 0.19 does with the sa
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -153,8 +154,6 @@ def test_offload_param_cpu_is_said_on_cpu_and_refused_on_cuda(caplog: pytest.Log
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_offload_param_below_stage_3_is_ignored_by_name_on_rank_0(rank: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSpeed reads offload_param only at stage 3 (its stage 1-2 optimizer never receives it)."""
-    import warnings
-
     from engine.config import ConfigWarning, run_checks
     from engine.config.warn import reset_warned
 
@@ -169,3 +168,72 @@ def test_offload_param_below_stage_3_is_ignored_by_name_on_rank_0(rank: str, mon
                  "DeepSpeed ignores it there: only stage 3 partitions parameters, so only stage 3 can offload them; "
                  "remove offload_param, or use stage 3")]
     assert said == (expected if rank == "0" else []), said
+
+
+# ------------------------------------------------------------------ unknown top-level keys
+def _load_catching(config: dict[str, Any]) -> tuple[Any, list[str]]:
+    """(EngineConfig, ConfigWarning messages) for a fresh process's first load of `config`."""
+    from engine.config import ConfigWarning, load_config
+    from engine.config.warn import reset_warned
+
+    reset_warned()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config({"train_micro_batch_size_per_gpu": 2, **config}, world_size=1, world_size_source="test")
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_other_tools_top_level_keys_are_ignored_by_name_on_rank_0(rank: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys shipped configs carry (refused before, "comms_config" as a typo of comms_logger)."""
+    monkeypatch.setenv("RANK", rank)
+    shipped = {"cuda_visible_devices": "0,1", "comms_config": {"verbose": False}, "monitor_config": {"enabled": True}}
+    cfg, said = _load_catching({**shipped, "zero_optimization": {"stage": 2}})
+    assert cfg.zero.stage == 2
+    if rank != "0":
+        assert said == []
+        return
+    assert said == [f"{key}: unknown top-level key, ignored (DeepSpeed ignores unknown top-level keys too); if it "
+                    'was meant as a setting, see docs/config-keys.md for the keys read; start its name with "_" to '
+                    "mark it as a comment" for key in shipped]
+
+
+def test_underscore_keys_are_comments() -> None:
+    cfg, said = _load_catching({"_comment": "zero 2 for 8 GPUs", "_notes": ["a", "b"], "_x": float("nan")})
+    assert said == [] and "_comment" not in cfg.raw
+
+
+def test_dotted_top_level_keys_are_ignored_naming_the_nested_form() -> None:
+    """TRL writes these; DeepSpeed reads only the nested section, so the value has no effect there either."""
+    cfg, said = _load_catching({"zero_optimization.reduce_bucket_size": 500000, "zero_optimization": {"stage": 2}})
+    assert cfg.zero.reduce_bucket_size is None
+    assert said == [("zero_optimization.reduce_bucket_size: a dotted top-level key is ignored, as DeepSpeed ignores "
+                     "it (it reads nested sections only); to set it, write it nested: "
+                     '{"zero_optimization": {"reduce_bucket_size": 500000}}')]
+
+
+def test_each_ignored_key_is_said_once_per_process() -> None:
+    from engine.config import load_config
+
+    _, first = _load_catching({"comms_config": {}})
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        load_config({"train_micro_batch_size_per_gpu": 2, "comms_config": {}}, world_size=1, world_size_source="t")
+    assert len(first) == 1 and again == []
+
+
+@pytest.mark.parametrize("typo, meant", [("zero_optimisation", "zero_optimization"), ("optimiser", "optimizer"),
+                                         ("gradient_clip", "gradient_clipping"), ("Zero_Optimization", "zero_optimization"),
+                                         ("train_micro_batch_size", "train_micro_batch_size_per_gpu"),
+                                         ("activation_checkpoint", "activation_checkpointing")])
+def test_likely_typos_of_top_level_keys_stay_refused(typo: str, meant: str) -> None:
+    with pytest.raises(engine.ConfigError) as err:
+        _load_catching({typo: {}})
+    assert err.value.problems == [f"{typo}: unknown key; did you mean {meant}?"]
+
+
+def test_sections_stay_closed_as_deepspeed_pydantic_sections_are() -> None:
+    with pytest.raises(engine.ConfigError) as err:
+        _load_catching({"zero_optimization": {"stage": 2, "_comment": "x", "comms_config": {}}})
+    hint = "unknown key; see docs/config-keys.md for the keys this engine reads"
+    assert sorted(err.value.problems) == [f"zero_optimization._comment: {hint}", f"zero_optimization.comms_config: {hint}"]

@@ -2,7 +2,7 @@
 
 Every check runs even when an earlier one failed (bad values are dropped first so later checks see only
 well-typed data), and all problems are raised together as one ConfigError: a user fixes them in one run.
-Phases: read -> finite numbers -> schema -> aliases -> "auto" -> batch sizes -> support table -> build.
+Phases: read -> ignored top-level keys -> finite numbers -> schema -> aliases -> "auto" -> batch sizes -> support table -> build.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from engine.config.finite import check_finite
 from engine.config.source import DICT_SOURCE, ConfigSource, read_source, stack_backstop
 from engine.config.support import check_support
 from engine.config.types import EngineConfig
-from engine.config.validate import check_schema
+from engine.config.unknown_keys import Ignored, drop_ignored_keys
+from engine.config.validate import check_schema, top_level_keys
 from engine.config.warn import warn_once
 
 logger = logging.getLogger("engine.config")
@@ -40,6 +41,8 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r} (from {world_size_source})")
     raw, where = read_source(source)
+    # First: keys DeepSpeed ignores are ignored here too, whatever they hold (see engine/config/unknown_keys.py).
+    ignored = drop_ignored_keys(raw, top_level_keys()) if isinstance(raw, dict) else Ignored()
     # Before the schema: NaN passes its range checks, and Infinity's documented meanings must be in place.
     raw, problems = check_finite(raw)
     schema_problems, bad_paths = check_schema(raw)
@@ -75,6 +78,8 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
         )
     for key, message in aliases.deprecations + warnings_:
         warn_once(key, message)
+    for key, message in ignored.warnings:
+        warn_once(key, message, rank_zero_only=True)
     return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
 
 

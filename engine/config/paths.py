@@ -56,11 +56,11 @@ def delete(tree: Any, path: Sequence[str | int]) -> None:
         parent[last] = None
 
 
-def closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The known key a typo most likely meant; case-insensitive first, then difflib."""
+def closest(name: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known key a typo most likely meant; case-insensitive first, then difflib (ratio >= cutoff)."""
     pool = sorted(set(candidates))
     for cand in pool:
         if cand.lower() == name.lower():
             return cand
-    matches = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
+    matches = difflib.get_close_matches(name, pool, n=1, cutoff=cutoff)
     return matches[0] if matches else None
