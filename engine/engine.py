@@ -32,6 +32,7 @@ from engine.profiling.step_profile import StepProfile
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
 from engine.zero.units import full_numel
+from engine.zero_optimizer import ZeroOptimizer
 
 logger = get_logger()
 
@@ -39,12 +40,6 @@ _SPENT_GRAPH = (
     "engine.backward() was called on a loss whose graph an earlier backward() already freed (torch: \"Trying to "
     "backward through the graph a second time\"); run a new forward for each backward, or pass retain_graph=True "
     "to the earlier engine.backward() if the graph must be backpropagated twice")
-
-
-def _set_overflow(optimizer: torch.optim.Optimizer, overflow: bool) -> None:
-    """DeepSpeed's `optimizer.overflow` (was the last step skipped?), set on the user's optimizer object,
-    where torch declares no such attribute."""
-    vars(optimizer)["overflow"] = overflow
 
 
 class NoOptimizerError(RuntimeError):
@@ -70,8 +65,11 @@ class DestroyedEngineError(RuntimeError):
             "AttributeError): train first, or evaluate with a separate Trainer")
 
 
-class Engine:
-    """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface."""
+class Engine(torch.nn.Module):
+    """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface. A
+    torch.nn.Module as DeepSpeedEngine is (Lightning Fabric finds the engine by scanning
+    `module.modules()`; user code checks isinstance(model, nn.Module)), with the model registered as
+    its submodule `module`."""
 
     def __init__(
         self,
@@ -86,14 +84,16 @@ class Engine:
         owns_process_group: bool = False,
         parallel: ParallelGroups | None = None,
     ) -> None:
+        super().__init__()
         self.module = module
         self.engine_config = config
         self.config: Mapping[str, Any] = config.raw  # DeepSpeed exposes the user's dict here
-        self.optimizer = optimizer
-        if optimizer is not None:
-            # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow); Accelerate
-            # checks hasattr(optimizer, "overflow") once, when it wraps the optimizer, so it exists now.
-            _set_overflow(optimizer, False)
+        self.basic_optimizer = optimizer
+        """The torch optimizer stepping the fp32 masters (DeepSpeed's name); the stage drives it."""
+        self.optimizer: ZeroOptimizer | None = ZeroOptimizer(self, optimizer) if optimizer is not None else None
+        """What engine.initialize returns (DeepSpeed's ZeRO optimizer): zero_grad() always safe, step() the
+        whole ZeRO step; it carries DeepSpeed's `overflow` flag (Accelerate checks it exists when it wraps)."""
+        self._warned_empty_step = False
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.device = device
@@ -137,11 +137,15 @@ class Engine:
 
     # ------------------------------------------------------------------------ fall-through
     def __getattr__(self, name: str) -> Any:
-        # Only reached when normal lookup fails: unknown attributes come from the wrapped module,
-        # as with DeepSpeedEngine (engine.config_class, engine.generate, ...).
-        module = self.__dict__.get("module")
+        # Only reached when normal lookup fails: nn.Module's registered submodules (`module`), then
+        # the wrapped module's attributes, as with DeepSpeedEngine (engine.config_class, engine.generate).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
         if module is None:
-            raise AttributeError(name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(module, name)
 
     def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
@@ -150,9 +154,6 @@ class Engine:
         refuse_compile(backend, compile_kwargs, **kwargs)
 
     # ---------------------------------------------------------------------------- training
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_alive()
         if not self._inputs_checked:
@@ -222,27 +223,53 @@ class Engine:
                                "across ranks; leave the no_sync() block before calling step()")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            if self._timers:
-                self._timers.start("step")
-            step_started = time.perf_counter() if self._profile is not None else 0.0
-            outcome = stage.step(self.engine_config.gradient_clipping)
-            if self._profile is not None:
-                self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
-            self._global_grad_norm = outcome.grad_norm
-            # DeepSpeed: a skipped (overflowed) step does not advance the LR schedule, but counts.
-            if outcome.applied and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            if not outcome.applied:
-                self.skipped_steps += 1
-            if self._timers:
-                self._timers.stop("step")
-            self._step_applied = outcome.applied
-            _set_overflow(self.optimizer, not outcome.applied)
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            self._after_optimizer_step()
+            self._optimizer_step(stage)
         self.micro_steps += 1
         self._boundary_override = None
+
+    def step_from_optimizer(self) -> None:
+        """optimizer.step() on the optimizer initialize returned (Lightning Fabric's loop): the boundary
+        step now, wherever the window is; the next micro-step starts a new window."""
+        stage = self._require_alive()
+        if self._in_no_sync:
+            raise RuntimeError("optimizer.step() inside engine.no_sync(): gradients there are not reduced "
+                               "across ranks; leave the no_sync() block before stepping")
+        if self._window_micro == 0:
+            # engine.step() already took this window's step (a loop calling both), or no backward ran:
+            # a second update from zero gradients would still move Adam's weights.
+            if not self._warned_empty_step and self.global_rank == 0:
+                logger.warning("optimizer.step() with no engine.backward() since the last optimizer step (a loop "
+                               "that also calls engine.step(), or no backward yet): nothing to step, skipped. "
+                               "Call one of engine.step() or optimizer.step() per step (said once)")
+                self._warned_empty_step = True
+            return
+        self._step_applied = False
+        self._optimizer_step(stage)
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self._boundary_override = None
+
+    def _optimizer_step(self, stage: ZeroStage) -> None:
+        """The step at an accumulation boundary: clip, update, zero gradients, LR schedule, counters, logs."""
+        assert self.optimizer is not None
+        if self._timers:
+            self._timers.start("step")
+        step_started = time.perf_counter() if self._profile is not None else 0.0
+        outcome = stage.step(self.engine_config.gradient_clipping)
+        if self._profile is not None:
+            self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
+        self._global_grad_norm = outcome.grad_norm
+        # DeepSpeed: a skipped (overflowed) step does not advance the LR schedule, but counts.
+        if outcome.applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        if not outcome.applied:
+            self.skipped_steps += 1
+        if self._timers:
+            self._timers.stop("step")
+        self._step_applied = outcome.applied
+        self.optimizer.overflow = not outcome.applied
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._after_optimizer_step()
 
     def _after_optimizer_step(self) -> None:
         self._record_step_comm()
@@ -291,7 +318,9 @@ class Engine:
         share = f" (MFU {mfu:.1%} of {peak / 1e12:.2f})" if mfu is not None and peak else ""
         return f" | {rate / 1e12:.3f} TFLOPs/rank{share}"
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients accumulated since the last optimizer step (start the window again).
+        The optimizer's zero_grad() never does this (engine/zero_optimizer.py)."""
         self._require_alive().zero_grad()
 
     @contextlib.contextmanager
@@ -312,13 +341,6 @@ class Engine:
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary for the current micro-step (frameworks that manage accumulation)."""
         self._boundary_override = is_boundary
-
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
 
     # --------------------------------------------------------------------------- accessors
     @property
@@ -478,7 +500,7 @@ class Engine:
         """What a checkpoint saves from and loads into (engine/checkpoint/training_state.py)."""
         stage = self._require_alive()
         return TrainingState(
-            module=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            module=self.module, optimizer=self.basic_optimizer, lr_scheduler=self.lr_scheduler,
             loss_scaler=self.precision.scaler, stage=stage,
             model_dtype=self.precision.model_dtype,
             counters=Counters(global_steps=self.global_steps, global_samples=self.global_samples,
@@ -498,8 +520,8 @@ class Engine:
             return
         self._stage.destroy()
         self._stage = None
-        if self.optimizer is not None:
-            self.optimizer.state.clear()
+        if self.basic_optimizer is not None:
+            self.basic_optimizer.state.clear()
         if self._monitors is not None:
             self._monitors.close()
         self.training_dataloader = None

@@ -89,7 +89,7 @@ def test_config_from_args_and_add_config_arguments(tmp_path) -> None:
     assert not hasattr(args, "local_rank")
     eng, opt, _, _ = engine.initialize(args=args, model=make_model())
     try:
-        assert isinstance(opt, torch.optim.SGD)
+        assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt.optimizer, torch.optim.SGD)
     finally:
         eng.destroy()
     with pytest.raises(engine.ConfigError, match="given twice"):

@@ -25,6 +25,14 @@ cannot join the update's pass.
 
 Optimizer state stays in `optimizer.state[master]` under torch's AdamW keys ("step", "exp_avg",
 "exp_avg_sq") on both paths, so state_dict() and checkpoints do not depend on the path taken.
+
+# [Note: the optimizer object the user still holds]
+# The torch optimizer given to initialize() steps the masters, so the user's own reference to it
+# must not break the engine. Its zero_grad() (set_to_none, the default) drops the masters' `.grad`:
+# the plain path therefore binds each fp32 gradient as `.grad` right before every step instead of
+# once (a binding made once was silently undone by zero_grad, and the step updated nothing). Its
+# step() would update the masters from unreduced, unclipped gradients and bypass the stage: a
+# step pre-hook refuses any step() that this class did not start, naming what to call instead.
 """
 
 from __future__ import annotations
@@ -39,6 +47,31 @@ from engine.config.types import EngineConfig
 from engine.ops.adam import AdamEntry, CPUAdam, adam_state, adam_step_entries
 from engine.optim.adam import ReferenceAdam
 from engine.zero.layout import contiguous_pieces
+
+_STEPPING = "_zero_engine_stepping"
+"""Set in the optimizer's __dict__ while MasterStep runs its step(): the guard lets that one through."""
+_GUARDED = "_zero_engine_step_guard"
+"""The guard's hook handle, in the optimizer's __dict__ (registered once per optimizer object)."""
+
+
+class DirectOptimizerStepError(RuntimeError):
+    """step() on the torch optimizer given to engine.initialize(), outside the engine's step."""
+
+
+def _refuse_direct_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not vars(optimizer).get(_STEPPING):
+        raise DirectOptimizerStepError(
+            f"step() was called on the {type(optimizer).__name__} given to engine.initialize(); the engine "
+            "owns it now (its parameters are the engine's fp32 masters, and a step needs the gradients reduced "
+            "across ranks, unscaled and clipped first), so nothing was updated. Call engine.step(), or step() "
+            "on the optimizer engine.initialize() returned, which takes the whole ZeRO step")
+
+
+def guard_direct_step(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse step() on `optimizer` unless MasterStep runs it. See [Note: the optimizer object the user
+    still holds]."""
+    if _GUARDED not in vars(optimizer):
+        vars(optimizer)[_GUARDED] = optimizer.register_step_pre_hook(_refuse_direct_step)
 
 
 def offload_enabled(config: EngineConfig) -> bool:
@@ -85,9 +118,10 @@ class MasterStep:
         self.offload = offload
         self._low_precision = any(t.grad.dtype != torch.float32 for t in targets)
         for t in targets:
-            # An fp32 gradient is the master's .grad for good (the plain path and user code see it);
-            # a low-precision one cannot be (torch wants the parameter's dtype).
+            # An fp32 gradient is the master's .grad (user code reading it sees the gradient); a
+            # low-precision one cannot be (torch wants the parameter's dtype).
             t.master.grad = t.grad if t.grad.dtype == torch.float32 else None
+        guard_direct_step(optimizer)
         self.fused_steps = 0
         """Steps taken by the fused kernel (the rest ran the optimizer's own step)."""
 
@@ -120,12 +154,17 @@ class MasterStep:
             if t.grad.dtype == torch.float32:
                 if coef != 1.0:
                     t.grad.mul_(coef)
+                # Bound now, not once: the user's optimizer.zero_grad() may have dropped it. See
+                # [Note: the optimizer object the user still holds].
+                t.master.grad = t.grad
             else:
                 t.master.grad = t.grad.to(torch.float32).mul_(coef)
                 transient.append(t)
+        vars(self.optimizer)[_STEPPING] = True
         try:
             self.optimizer.step()
         finally:
+            vars(self.optimizer)[_STEPPING] = False
             for t in transient:
                 t.master.grad = None
         if self._refresh is not None:
