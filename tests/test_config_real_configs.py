@@ -237,3 +237,102 @@ def test_sections_stay_closed_as_deepspeed_pydantic_sections_are() -> None:
         _load_catching({"zero_optimization": {"stage": 2, "_comment": "x", "comms_config": {}}})
     hint = "unknown key; see docs/config-keys.md for the keys this engine reads"
     assert sorted(err.value.problems) == [f"zero_optimization._comment: {hint}", f"zero_optimization.comms_config: {hint}"]
+
+
+# ------------------------------------------------------------------ AutoTP batch arithmetic
+# DeepSpeed 0.19 reads train_batch_size against DeepSpeedConfig.world_size: mpu.get_data_parallel_world_size()
+# with an mpu, else dist.get_world_size() (runtime/config.py, DeepSpeedConfig.__init__); for AutoTP
+# deepspeed.initialize builds it with no mpu (__init__.py), so every rank counts. Accelerate writes
+# train_batch_size = micro x gas x num_processes (accelerator.py, _prepare_deepspeed).
+def _load_tp(config: dict[str, Any], world_size: int, model_parallel_size: int | None = None) -> Any:
+    from engine.config import load_config
+
+    return load_config(config, world_size=world_size, world_size_source="WORLD_SIZE=2 in the environment (launcher)"
+                       if world_size == 2 else "test", model_parallel_size=model_parallel_size)
+
+
+def test_autotp_train_batch_size_as_accelerate_writes_it_is_read_as_deepspeed_reads_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    autotp = {"tensor_parallel": {"autotp_size": 2}}
+    with caplog.at_level("INFO", logger="engine.config"):
+        cfg = _load_tp({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                        **autotp}, 2)
+    # engine.train_batch_size() stays the samples of one step: one data-parallel rank x 2 x 2.
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+            cfg.world_size) == (4, 2, 2, 1)
+    assert ("train_batch_size 8 counts every rank (2 x 2 x world size 2), as DeepSpeed does; samples per optimizer "
+            "step (engine.train_batch_size()): 2 x 2 x data-parallel size 1 = 4") in caplog.text
+    # gas inferred as DeepSpeed infers it (8 // 2 // world 4 = 1; the data-parallel count would give 2).
+    cfg = _load_tp({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, **autotp}, 4)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (4, 1)
+    # All three written in the data-parallel count (the engine's own rule before) still load.
+    cfg = _load_tp({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                    **autotp}, 4)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (4, 1)
+    # With the groups given to initialize (mpu=), DeepSpeed counts data-parallel ranks: gas 8 // 2 // 2 = 2.
+    cfg = _load_tp({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, 4, model_parallel_size=2)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 2)
+
+
+def test_autotp_batch_refusal_names_world_tensor_and_data_parallel_sizes() -> None:
+    with pytest.raises(engine.ConfigError) as err:
+        _load_tp({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "tensor_parallel": {"autotp_size": 2}}, 2)
+    assert err.value.problems == [
+        "train_batch_size (6) is neither train_micro_batch_size_per_gpu (2) x gradient_accumulation_steps (1) x world "
+        "size (2) = 4 nor x data-parallel size (1) = 2; world size 2 (WORLD_SIZE=2 in the environment (launcher)), "
+        "tensor-parallel size 2 (from tensor_parallel.autotp_size), data-parallel size 1 = 2 / 2; with the "
+        "tensor-parallel size from tensor_parallel.autotp_size, DeepSpeed counts every rank in train_batch_size (as "
+        "Accelerate writes it: micro x gas x number of processes); fix: set train_batch_size to 4 (every rank, as "
+        "DeepSpeed and Accelerate count it with AutoTP) or 2 (the samples of one step), or remove one of the three "
+        "keys so it is inferred from the other two"]
+    with pytest.raises(engine.ConfigError) as err:
+        _load_tp({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}}, 4)
+    (message,) = err.value.problems
+    assert message.startswith("train_batch_size (6) is not a positive multiple of train_micro_batch_size_per_gpu "
+                              "(2) x world size (4) = 8, so gradient_accumulation_steps cannot be inferred; world size "
+                              "4 (test), tensor-parallel size 2 (from tensor_parallel.autotp_size), data-parallel "
+                              "size 2 = 4 / 2; with the tensor-parallel size from")
+
+
+def _autotp_gpt_losses(written_train: bool) -> dict[str, Any]:
+    """A GPT sharded by AutoTP over both ranks (one data-parallel rank), 2 steps of 2 micro-batches."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from gpt import GPT, GPTConfig
+
+    import engine.parallel as mpu
+
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2))
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                              "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2},
+                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if written_train:
+        config["train_batch_size"] = 2 * 2 * torch.distributed.get_world_size()  # Accelerate's arithmetic
+    eng, *_ = engine.initialize(model=model, config=config)
+    g = torch.Generator().manual_seed(4)
+    losses = []
+    for _ in range(2 * 2):
+        ids = torch.randint(0, 32, (2, 8), generator=g)  # the same on both ranks: one tensor-parallel group
+        loss = eng(ids, torch.roll(ids, -1, dims=1))
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    out = {"losses": losses, "steps": eng.global_steps, "train_batch_size": eng.train_batch_size()}
+    eng.destroy()
+    mpu.destroy_model_parallel()
+    return out
+
+
+def _autotp_both_ways() -> list[dict[str, Any]]:
+    return [_autotp_gpt_losses(True), _autotp_gpt_losses(False)]
+
+
+def test_autotp_trains_with_accelerates_train_batch_size_at_2_ranks() -> None:
+    written, inferred = run_distributed(_autotp_both_ways, 2)[0]
+    assert written["steps"] == 2 and written["train_batch_size"] == 4
+    assert written["losses"][-1] < written["losses"][0]
+    assert written == inferred  # the same training as without train_batch_size

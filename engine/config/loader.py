@@ -14,7 +14,7 @@ from typing import Any
 from engine.config import paths
 from engine.config.aliases import normalize
 from engine.config.auto import resolve_auto
-from engine.config.batch import GAS, MICRO, TRAIN, BatchSizes, resolve_batch_sizes
+from engine.config.batch import GAS, MICRO, TRAIN, BatchSizes, TensorParallel, resolve_batch_sizes
 from engine.config.build import build_engine_config
 from engine.config.errors import ConfigError
 from engine.config.finite import check_finite
@@ -34,9 +34,10 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
     """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` ranks.
 
     `world_size_source` says where the world size came from (e.g. "WORLD_SIZE env (torchrun)"); batch-size
-    errors quote it. Batch sizes count data-parallel ranks: the world divided by the tensor-parallel
-    size, `model_parallel_size` (from mpu= or groups made before) or else the config's
-    tensor_parallel.autotp_size. Raises ConfigError listing every problem found.
+    errors quote it. The tensor-parallel size is `model_parallel_size` (from mpu= or groups made before)
+    or else the config's tensor_parallel.autotp_size; the resolved train_batch_size counts data-parallel
+    ranks (the world over it), a written one is read as DeepSpeed reads it (engine/config/batch.py).
+    Raises ConfigError listing every problem found.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r} (from {world_size_source})")
@@ -58,9 +59,10 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
     problems += aliases.problems
     auto = resolve_auto(config)
     problems += auto.problems
-    dp_size, dp_source, tp_problems = _data_parallel_size(config, world_size, world_size_source, model_parallel_size)
+    tensor_parallel, tp_problems = _tensor_parallel(config, world_size, world_size_source, model_parallel_size)
     problems += tp_problems
-    sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, dp_size, dp_source)
+    sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, world_size, world_size_source,
+                                                tensor_parallel)
     problems += batch_problems
     refusals, warnings_ = check_support(config, aliases.origins)
     problems += refusals
@@ -80,28 +82,30 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
         warn_once(key, message)
     for key, message in ignored.warnings:
         warn_once(key, message, rank_zero_only=True)
+    dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
     return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
 
 
-def _data_parallel_size(config: dict[str, Any], world_size: int, world_size_source: str,
-                        model_parallel_size: int | None) -> tuple[int, str, list[str]]:
-    """(data-parallel size, where it came from, problems): the world over the tensor-parallel size."""
+def _tensor_parallel(config: dict[str, Any], world_size: int, world_size_source: str,
+                     model_parallel_size: int | None) -> tuple[TensorParallel | None, list[str]]:
+    """(the tensor-parallel size batch sizes are read with, or None without one; problems)."""
     autotp = paths.get(config, ("tensor_parallel", "autotp_size"))
     tp = model_parallel_size or (autotp if isinstance(autotp, int) and not isinstance(autotp, bool) else 1)
     if tp <= 1:
-        return world_size, world_size_source, []
-    said = "the model-parallel groups (mpu=)" if model_parallel_size else "tensor_parallel.autotp_size"
+        return None, []
+    said = ("the model-parallel groups (mpu=, or made before initialize)" if model_parallel_size
+            else "tensor_parallel.autotp_size")
     if world_size % tp:
         divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
         problem = (f"tensor_parallel.autotp_size: tensor-parallel size {tp} (from {said}) does not divide the world "
                    f"size {world_size} ({world_size_source}); use one of {divisors}")
-        return world_size, world_size_source, [problem]
-    return world_size // tp, (f"{world_size_source}: {world_size} ranks / tensor-parallel size {tp} from {said} "
-                              f"= {world_size // tp} data-parallel ranks"), []
+        return None, [problem]
+    return TensorParallel(tp, said, from_config=not model_parallel_size), []
 
 
 def _batch_sizes(
-    config: dict[str, Any], batch_auto: set[str], world_size: int, world_size_source: str
+    config: dict[str, Any], batch_auto: set[str], world_size: int, world_size_source: str,
+    tensor_parallel: TensorParallel | None,
 ) -> tuple[BatchSizes | None, list[str], list[str]]:
     """(sizes, notes, problems); "auto" batch keys were removed from `config` and are inferred here."""
     if batch_auto and config.get(TRAIN) is None and config.get(MICRO) is None:
@@ -121,6 +125,7 @@ def _batch_sizes(
         _int_or_none(config.get(GAS)),
         world_size=world_size,
         world_size_source=world_size_source,
+        tensor_parallel=tensor_parallel,
     )
     return sizes, notes, problems
 
