@@ -40,6 +40,11 @@ _SPENT_GRAPH = (
     "engine.backward() was called on a loss whose graph an earlier backward() already freed (torch: \"Trying to "
     "backward through the graph a second time\"); run a new forward for each backward, or pass retain_graph=True "
     "to the earlier engine.backward() if the graph must be backpropagated twice")
+_SAME_LOSS_AGAIN = (
+    "engine.backward() was called twice on the same loss: the earlier backward (retain_graph=True) already "
+    "added its gradients, and a second one would count this micro-batch twice (and at stage 3 run through "
+    "parameters already partitioned again); nothing was changed. For several losses on one graph, add them "
+    "and call engine.backward() once on the sum")
 
 
 class NoOptimizerError(RuntimeError):
@@ -120,8 +125,10 @@ class Engine(torch.nn.Module):
         self._window_loss: torch.Tensor | float = 0.0  # sum of unscaled micro-batch losses since the last optimizer step
         self._window_micro = 0
         self._last_loss: float | None = None
-        self._spent_loss: weakref.ref[torch.Tensor] | None = None
-        """The last loss backpropagated without retain_graph: its graph is freed."""
+        self._last_backward: tuple[weakref.ref[torch.Tensor], bool] | None = None
+        """The last loss backpropagated, and whether its graph was retained: backpropagating it again is
+        refused by name before any stage state moves, at every stage (stage 2 summed it in silently,
+        stage 3 failed inside torch)."""
 
         self._timers = WallClockTimers(device) if config.wall_clock_breakdown else None
         self._report_started = time.perf_counter()
@@ -185,8 +192,8 @@ class Engine(torch.nn.Module):
             raise ValueError(f"engine.backward() needs a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         # Checked before any stage state moves: the same error at every stage, and the step can go on.
-        if self._spent_loss is not None and self._spent_loss() is loss:
-            raise RuntimeError(_SPENT_GRAPH)
+        if self._last_backward is not None and self._last_backward[0]() is loss:
+            raise RuntimeError(_SAME_LOSS_AGAIN if self._last_backward[1] else _SPENT_GRAPH)
         unscaled = loss.detach()
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
@@ -206,7 +213,7 @@ class Engine(torch.nn.Module):
             self._profile.after_backward()
         if self._timers:
             self._timers.stop("backward")
-        self._spent_loss = None if retain_graph else weakref.ref(user_loss)
+        self._last_backward = (weakref.ref(user_loss), retain_graph)
         # Kept as a tensor: converting here would synchronise a GPU on every micro-step.
         self._window_loss = self._window_loss + unscaled
         self._window_micro += 1
