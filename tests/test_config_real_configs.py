@@ -278,14 +278,14 @@ def test_autotp_batch_refusal_names_world_tensor_and_data_parallel_sizes() -> No
     with pytest.raises(engine.ConfigError) as err:
         _load_tp({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                   "tensor_parallel": {"autotp_size": 2}}, 2)
-    assert err.value.problems == [
+    assert err.value.problems == [(
         "train_batch_size (6) is neither train_micro_batch_size_per_gpu (2) x gradient_accumulation_steps (1) x world "
         "size (2) = 4 nor x data-parallel size (1) = 2; world size 2 (WORLD_SIZE=2 in the environment (launcher)), "
         "tensor-parallel size 2 (from tensor_parallel.autotp_size), data-parallel size 1 = 2 / 2; with the "
         "tensor-parallel size from tensor_parallel.autotp_size, DeepSpeed counts every rank in train_batch_size (as "
         "Accelerate writes it: micro x gas x number of processes); fix: set train_batch_size to 4 (every rank, as "
         "DeepSpeed and Accelerate count it with AutoTP) or 2 (the samples of one step), or remove one of the three "
-        "keys so it is inferred from the other two"]
+        "keys so it is inferred from the other two")]
     with pytest.raises(engine.ConfigError) as err:
         _load_tp({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}}, 4)
     (message,) = err.value.problems
