@@ -138,7 +138,7 @@ def initialize(
             run_checks.check_offload(cfg, device.type)
             run_checks.check_stage(cfg, _STAGES)
             run_checks.check_not_given_twice(cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
-            checkpointing.check_options(cfg.activation_checkpointing)
+            checkpointing.check_engine_options(cfg)
             monitors.check_packages(cfg)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err

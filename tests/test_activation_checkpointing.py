@@ -210,6 +210,28 @@ def test_contiguous_without_number_checkpoints_is_a_config_error() -> None:
     assert not checkpointing.is_configured()  # the failed call left the previous setting
 
 
+def _megatron_order() -> tuple[str, int | None]:
+    """Megatron configures checkpointing before initialize; its arguments take precedence over the
+    config's section, which alone would be refused (contiguous without number_checkpoints)."""
+    mpu.model_parallel_manual_seed(1234)
+    checkpointing.configure(None, num_checkpoints=LAYERS)
+    model = Net(1, "reentrant")
+    config = _config(2, {"contiguous_memory_optimization": True})
+    eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(), config=config)
+    loss = eng(*_batch(0, 0, 0))
+    eng.backward(loss)
+    eng.step()
+    settings = checkpointing.current()
+    eng.destroy()
+    checkpointing.unconfigure()
+    return settings.configured_by, settings.options.number_checkpoints
+
+
+def test_configure_before_initialize_takes_precedence_over_the_section() -> None:
+    """Refused before: initialize checked the config's section although configure() had been called."""
+    assert run_distributed(_megatron_order, world_size=2)[0] == ("user", LAYERS)
+
+
 def test_configure_reads_the_section_of_a_config_file_and_arguments_override_it(tmp_path: Any) -> None:
     path = tmp_path / "ds.json"
     path.write_text('{"train_batch_size": 4, "activation_checkpointing": {"cpu_checkpointing": true, '

@@ -15,6 +15,7 @@ from __future__ import annotations
 from engine.checkpointing import contiguous, ledger
 from engine.checkpointing.function import checkpoint, non_reentrant_checkpoint
 from engine.checkpointing.settings import (
+    check_engine_options,
     check_options,
     configure,
     configure_from_engine,
@@ -37,6 +38,7 @@ after_forward = contiguous.check
 __all__ = [
     "after_forward",
     "arena_stats",
+    "check_engine_options",
     "check_options",
     "checkpoint",
     "configure",

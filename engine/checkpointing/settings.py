@@ -112,6 +112,15 @@ def check_options(options: ActivationCheckpointingConfig | None) -> None:
                           "configure(num_checkpoints=N)")
 
 
+def check_engine_options(config: EngineConfig) -> None:
+    """What engine.initialize checks: the config's section, unless the user called configure() before
+    initialize (Megatron's order): their settings take precedence and configure_from_engine leaves them,
+    so the section they override must not be refused (contiguous_memory_optimization without
+    number_checkpoints, given to configure(num_checkpoints=N), is a working setup)."""
+    if _settings.configured_by != "user":
+        check_options(config.activation_checkpointing)
+
+
 def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
