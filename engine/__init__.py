@@ -10,11 +10,13 @@ from engine.config import ConfigError, EngineConfig, load_config
 from engine.engine import Engine
 from engine.initialize import add_config_arguments, initialize
 from engine.parallel.autotp import tp_model_init
+from engine.precision import NonFiniteGradientError
 
 __all__ = [
     "ConfigError",
     "Engine",
     "EngineConfig",
+    "NonFiniteGradientError",
     "add_config_arguments",
     "checkpointing",
     "comm_stats",

@@ -4,20 +4,25 @@ scaling, and the global-norm / overflow computation over gradient shards.
 bf16 and fp16 configs cast the model to that dtype; the stages keep an fp32 master copy for every
 flat group whose dtype is not fp32 (fp32 groups need none: the optimizer updates them in place).
 fp16 scales the loss (engine/loss_scaler.py); an overflow anywhere skips the step on every rank.
+fp32 and bf16 skip the same way when the global gradient norm is inf/nan (a NaN or inf loss on any
+rank would otherwise write NaN into every weight), with a warning, or stop with NonFiniteGradientError
+when the config sets check_for_nan_in_loss_and_grad.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine import comm
 from engine.config.types import EngineConfig
 from engine.loss_scaler import LossScaler
+from engine.monitor.log import get_logger
 from engine.ops.overflow import sum_squares_and_overflow
 
 if TYPE_CHECKING:
@@ -43,6 +48,31 @@ class GradNorm:
     overflow: bool
 
 
+class StepCounters(Protocol):
+    """What names a step in the non-finite-norm warning and error: the Engine's counters."""
+
+    global_steps: int
+    skipped_steps: int
+
+
+class NonFiniteGradientError(RuntimeError):
+    """The global gradient norm of an optimizer step was inf or nan and the config sets
+    check_for_nan_in_loss_and_grad. Raised on every rank together (the norm is all-reduced, so every
+    rank sees it) before anything is updated: weights, optimizer state, LR schedule and step counters
+    are as before the step, and the step's gradients were dropped."""
+
+    def __init__(self, step: str, norm: float, rank: int) -> None:
+        super().__init__(
+            f"{step}: the global gradient norm is {norm} on rank {rank} (the norm is all-reduced, so every rank "
+            "stops here): the loss or a gradient of this step is NaN or infinite on at least one rank, and "
+            "\"check_for_nan_in_loss_and_grad\": true stops training on it. Nothing was updated: the weights, the "
+            "optimizer state, the LR schedule and the step counters are as before the step and its gradients were "
+            "dropped, so the process can save a checkpoint or run the step again. Fix the cause (a NaN or inf in "
+            "the inputs or labels, a log or division of zero, a learning rate too high; "
+            "torch.autograd.set_detect_anomaly(True) names the operation that produced it), or remove the key to "
+            "skip such steps with a warning instead (counted in engine.skipped_steps)")
+
+
 class Precision:
     """The dtypes and loss scaler of one engine."""
 
@@ -58,6 +88,14 @@ class Precision:
         """dtype gradients travel in; None = the gradient's own dtype (DeepSpeed's default)."""
         self.accum_dtype = dtype_from_name(config.grad_accum_dtype)
         """dtype of the full-size gradient accumulation buffer; None = the parameter's dtype."""
+        self.stop_on_non_finite = config.check_for_nan_in_loss_and_grad
+        """fp32/bf16: raise NonFiniteGradientError on an inf/nan norm instead of skipping the step."""
+        self._counters: Callable[[], StepCounters | None] = lambda: None
+        """The Engine's counters, for the step number in the non-finite-norm warning and error."""
+
+    def name_steps_from(self, counters: StepCounters) -> None:
+        """Name steps as `counters` (the Engine) numbers them. A weak reference: the Engine owns this object."""
+        self._counters = weakref.ref(counters)
 
     def cast_module(self, module: torch.nn.Module) -> None:
         """bf16/fp16 configs train the model in that dtype (DeepSpeed calls module.half()/bfloat16())."""
@@ -86,10 +124,12 @@ class Precision:
         check all ranks agree on.
         """
         # One fused pass over every row (engine/ops/overflow.py), in the rows' own dtype: the sum of
-        # squares in float64 and whether any element is inf/nan, which becomes an inf sum so the
-        # all-reduce carries it.
+        # squares in float64 and whether any element is inf/nan, which makes the sum nan (a nan element)
+        # or inf so the all-reduce carries it, and the norm says which.
         local, overflow = sum_squares_and_overflow(rows)
-        sumsq = torch.tensor([math.inf if overflow else local], dtype=torch.float32)
+        if overflow:
+            local = math.nan if math.isnan(local) else math.inf
+        sumsq = torch.tensor([local], dtype=torch.float32)
         if scope.reduce and comm.group_size(scope.group) > 1:
             comm.all_reduce(sumsq, group=scope.group)
         total = float(sumsq) ** 0.5 * abs(factor)
@@ -98,7 +138,8 @@ class Precision:
     def step_shards(self, rows: list[torch.Tensor], update: Callable[[float], None], *, max_grad_norm: float,
                     average: float, scope: NormScope) -> tuple[float, bool]:
         """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
-        vote), a skip on fp16 overflow, then `update(coef)` (engine/zero/master_step.py), where coef
+        vote), a skip on an inf/nan norm (the loss scaler's overflow in fp16; in fp32 and bf16 a warning,
+        or NonFiniteGradientError), then `update(coef)` (engine/zero/master_step.py), where coef
         folds averaging, unscaling and clipping (like torch.nn.utils.clip_grad_norm_) into the one
         factor the optimizer step applies to each gradient as it reads it, and the loss-scale update.
         Returns (global norm before clipping, whether the step was applied)."""
@@ -106,6 +147,9 @@ class Precision:
         norm = self.global_norm(rows, factor=factor, scope=scope)
         if norm.overflow and self.scaler is not None:
             self.scaler.update(overflow=True)
+            return norm.norm, False
+        if norm.overflow:  # fp32/bf16: the norm is global, so every rank takes this branch together
+            self._non_finite(norm.norm)
             return norm.norm, False
         coef = factor
         if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
@@ -115,3 +159,16 @@ class Precision:
             self.scaler.update(overflow=False)
         return norm.norm, True
 
+    def _non_finite(self, norm: float) -> None:
+        """An fp32/bf16 step whose global norm is inf/nan: stop (check_for_nan_in_loss_and_grad), or
+        say on rank 0 that it is skipped. Applying it would write NaN into every weight."""
+        counters = self._counters()
+        step = f"step {counters.global_steps + 1}" if counters is not None else "this optimizer step"
+        if self.stop_on_non_finite:
+            raise NonFiniteGradientError(step, norm, comm.get_rank())
+        if comm.get_rank() == 0:
+            skipped = f", skipped_steps {counters.skipped_steps + 1}" if counters is not None else ""
+            get_logger().warning(
+                "%s: gradient norm is %s (non-finite loss or gradients); the step was skipped: weights and optimizer "
+                "state are unchanged and the LR schedule did not advance%s. Set \"check_for_nan_in_loss_and_grad\": "
+                "true to stop training at such a step instead", step, norm, skipped)

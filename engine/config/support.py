@@ -378,9 +378,9 @@ TABLE: tuple[Entry, ...] = (
         "bf16.check_grad_overflow",
         S.ACCEPTED,
         PRESENT,
-        "a step whose global gradient norm is inf/nan is always skipped (DeepSpeed 0.19's default, true; "
-        "fp32 too here), or stops training with check_for_nan_in_loss_and_grad; false does not apply such a "
-        "step, which would write NaN into every weight",
+        "a step whose global gradient norm is inf/nan is always skipped (DeepSpeed 0.19's default, true, which "
+        "it honours at stages 1-2; here at every stage, fp32 too), or stops training with "
+        "check_for_nan_in_loss_and_grad; false does not apply such a step, which would write NaN into every weight",
     ),
     Entry(
         "amp.enabled",

@@ -18,9 +18,10 @@ from engine.checkpoint.records import ShardRecord
 @dataclass(frozen=True)
 class StepOutcome:
     grad_norm: float
-    """Global gradient norm before clipping (unscaled; inf/nan when fp16 overflowed)."""
+    """Global gradient norm before clipping (unscaled; inf/nan when the step was skipped)."""
     applied: bool
-    """False when the step was skipped (fp16 overflow on any rank)."""
+    """False when the step was skipped: an inf/nan gradient on any rank (fp16's overflow, or a NaN/inf
+    loss or gradient in fp32/bf16; engine/precision.py)."""
 
 
 class ZeroStage(Protocol):
@@ -41,7 +42,9 @@ class ZeroStage(Protocol):
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         """At an accumulation boundary: finish gradient reduction, clip to max_grad_norm (0: off),
-        step the optimizer (unless fp16 overflowed), zero the gradients."""
+        step the optimizer (unless the global norm is inf/nan), zero the gradients. Raises
+        NonFiniteGradientError instead of skipping when check_for_nan_in_loss_and_grad asks, after zeroing
+        the gradients and before anything else changes."""
 
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (start a new accumulation window)."""

@@ -1,6 +1,6 @@
 """The end of every stage's optimizer step, once: stale gradient rows zeroed, then the global norm,
-the fp16 overflow vote, and the optimizer step with one factor that averages, unscales and clips
-(engine/precision.py's step_shards, engine/zero/master_step.py)."""
+the vote on an inf/nan norm (which skips the step), and the optimizer step with one factor that
+averages, unscales and clips (engine/precision.py's step_shards, engine/zero/master_step.py)."""
 
 from __future__ import annotations
 
