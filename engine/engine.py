@@ -17,6 +17,7 @@ import torch
 
 from engine import checkpointing, comm
 from engine.atomic_file import atomic_save
+from engine.auto_cast import to_half
 from engine.checkpoint import store
 from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
@@ -111,6 +112,8 @@ class Engine(torch.nn.Module):
         self.world_size = comm.get_world_size()
         self.parallel = parallel or ParallelGroups.data_parallel_only()
         """The tensor- and data-parallel groups (engine/parallel/): ZeRO partitions over the data-parallel one."""
+        self._auto_cast = config.fp16.enabled and config.fp16.auto_cast
+        """fp16.auto_cast: floating positional inputs are cast to fp16 in forward (engine/auto_cast.py)."""
         self._inputs_checked = False
         """The first forward's check that a tensor-parallel group's ranks got one batch (same_inputs.py) ran."""
 
@@ -163,6 +166,8 @@ class Engine(torch.nn.Module):
     # ---------------------------------------------------------------------------- training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_alive()
+        if self._auto_cast:
+            args = to_half(args)
         if not self._inputs_checked:
             if self.parallel.tp_size > 1:
                 check_same_inputs(args, kwargs, self.parallel)

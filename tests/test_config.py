@@ -108,7 +108,7 @@ def test_dict_source_is_not_modified() -> None:
     with pytest.warns(ConfigWarning, match='boolean form of "zero_optimization" is deprecated'):
         assert load(cfg).zero.stage == 1
     assert cfg == snapshot
-    failing = {**cfg, "fp16": {"enabled": True, "auto_cast": True}}  # auto_cast is refused
+    failing = {**cfg, "fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}  # refused
     snapshot = json.loads(json.dumps(failing))
     with pytest.raises(ConfigError):
         load(failing)
@@ -208,7 +208,7 @@ def test_several_problems_reported_together() -> None:
         "gradient_accumulation_steps": 2,
         "zero_optimisation": {},
         "zero_optimization": {"stage": 2, "overlap_com": True, "offload_optimizer": {"device": "nvme"}},
-        "fp16": {"enabled": True, "auto_cast": True},
+        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
         "optimizer": {"type": "Adam", "params": {"lr": "auto"}},
     }
     with pytest.raises(ConfigError) as info:
@@ -221,7 +221,7 @@ def test_several_problems_reported_together() -> None:
         "zero_optimisation: unknown key",
         "zero_optimization.overlap_com: unknown key",
         'zero_optimization.offload_optimizer.device: "nvme" is not supported',
-        "fp16.auto_cast: true is not supported",
+        "fp16.fp16_master_weights_and_grads: true is not supported",
         'optimizer.params.lr: "auto"',
         "train_batch_size (32) != ",
     ):

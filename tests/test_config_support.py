@@ -49,7 +49,7 @@ def refusal(extra: dict[str, Any]) -> str:
         ),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size"),
-        ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
         ({"quantize_training": {"enabled": True}}, "quantize_training.enabled"),
         ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),

@@ -348,10 +348,10 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "fp16.auto_cast",
-        S.REFUSED,
+        S.IMPLEMENTED,
         TRUE,
-        "casting forward inputs to fp16 is not implemented; ignoring it would feed fp32 inputs to an fp16 model",
-        "set fp16.auto_cast to false and cast inputs yourself (or use bf16)",
+        "with fp16 enabled, the engine's forward casts floating tensors among the positional inputs (in "
+        "lists, tuples and dicts too) to fp16, as DeepSpeed does; keyword inputs pass unchanged, as in DeepSpeed",
     ),
     Entry(
         "fp16.fp16_master_weights_and_grads",
