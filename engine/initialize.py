@@ -131,13 +131,15 @@ def initialize(
         local_error: Exception | None = None
         try:
             known_groups = setup.groups_before_config(mpu)
+            given = frozenset(name for name, obj in (("optimizer", optimizer), ("scheduler", lr_scheduler))
+                              if obj is not None)
             cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source(),
-                              model_parallel_size=known_groups.tp_size if known_groups else None)
+                              model_parallel_size=known_groups.tp_size if known_groups else None,
+                              given_objects=given)
             comm.set_collectives(cfg.collectives)
             device = _device()
             run_checks.check_offload(cfg, device.type)
             run_checks.check_stage(cfg, _STAGES)
-            run_checks.check_not_given_twice(cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
             checkpointing.check_engine_options(cfg)
             monitors.check_packages(cfg)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it

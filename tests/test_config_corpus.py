@@ -116,7 +116,7 @@ EXPECTED: dict[str, str | Refused] = {
         "ZeroOneAdam", "0/1 Adam's compressed communication is not implemented"),
     "DeepSpeedExamples/training/gan/gan_deepspeed_config.json": TRAINS,
     "DeepSpeedExamples/training/imagenet/config/ds_config.json": TRAINS,  # unknown key cuda_visible_devices
-    # REFUSED when written: "fp16.auto_cast: true is not supported" (issue 30 item 6).
+    # fp16.auto_cast: refused before issue 30 item 6, now the engine casts the fp32 inputs.
     "DeepSpeedExamples/training/imagenet/config/ds_fp16_z1_config.json": TRAINS,
     "DeepSpeedExamples/training/pipeline_parallelism/ds_config.json": TRAINS,
     "DeepSpeedExamples/training/tensor_parallel/hf_integration/configs/ds_config.json": Refused(
@@ -134,10 +134,8 @@ EXPECTED: dict[str, str | Refused] = {
     "DeepSpeedExamples/compression/cifar/config/ds_config.json": Refused(
         r"train_batch_size.*32", "train_batch_size 32 = micro 32 x 1 GPU: no 2-rank split (DeepSpeed fails too)"),
     # Megatron-DeepSpeed
-    # Megatron passes its own optimizer, which overrides the config's "optimizer" section in DeepSpeed (its
-    # max_grad_norm is then never read). REFUSED when written: "optimizer.params.max_grad_norm: 1.0 is not
-    # supported" (engine/config/support.py), and without it "an optimizer was passed to initialize() and the
-    # config also has optimizer.type 'Adam'" (engine/config/run_checks.py check_not_given_twice).
+    # Megatron passes its own optimizer, which overrides the config's "optimizer" section as in DeepSpeed (its
+    # max_grad_norm is then never read; refused before, with "remove one of them").
     "Megatron-DeepSpeed/examples_deepspeed/curriculum_learning/ds_zero_stage_1_config_baseline.json": TRAINS,
     "Megatron-DeepSpeed/examples_deepspeed/finetune_hf_llama/ds_config.json": TRAINS,
     "Megatron-DeepSpeed/examples_deepspeed/finetune_hf_llama/ds_config_empty.json": TRAINS,

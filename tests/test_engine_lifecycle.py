@@ -170,3 +170,30 @@ def test_step_log_wall_clock_breakdown_and_csv_monitor(tmp_path, capsys) -> None
     assert rows[0] == "step,Train/Samples/train_loss"
     assert [int(r.split(",")[0]) for r in rows[1:]] == [4, 8, 12, 16]  # global samples after each step
     assert (tmp_path / "job" / "Train_Samples_lr.csv").exists()
+
+
+def test_objects_given_to_initialize_take_precedence_over_the_config_sections() -> None:
+    """DeepSpeed's contract (Megatron relies on it): an optimizer or schedule passed to initialize wins over
+    the config's section, which is ignored unchecked with a warning. Refused before ("remove one of them"),
+    and the section's optimizer.params.max_grad_norm (refused when the engine builds the optimizer) with it."""
+    from engine.config.warn import ConfigWarning
+
+    config = {"train_batch_size": 4,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(ConfigWarning) as caught:
+        eng, opt, _, sched = engine.initialize(model=model, optimizer=sgd, config=config,
+                                               lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    try:
+        said = " ".join(str(w.message) for w in caught)
+        assert "optimizer section (type 'Adam') is ignored" in said and "given optimizer=" in said, said
+        assert "scheduler section (type 'WarmupLR') is ignored" in said and "given lr_scheduler=" in said, said
+        assert opt.optimizer is sgd and isinstance(sched, torch.optim.lr_scheduler.StepLR)
+        assert eng.config["optimizer"]["type"] == "Adam"  # engine.config still shows the user's whole config
+        eng.backward(eng(torch.randn(4, 16)).pow(2).mean())
+        eng.step()
+        assert eng.get_lr() == [0.05]  # the given schedule stepped the given optimizer
+    finally:
+        eng.destroy()

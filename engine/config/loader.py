@@ -30,18 +30,27 @@ logger = logging.getLogger("engine.config")
 
 @stack_backstop
 def load_config(source: ConfigSource, *, world_size: int, world_size_source: str,
-                model_parallel_size: int | None = None) -> EngineConfig:
+                model_parallel_size: int | None = None, given_objects: frozenset[str] = frozenset()) -> EngineConfig:
     """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` ranks.
 
     `world_size_source` says where the world size came from (e.g. "WORLD_SIZE env (torchrun)"); batch-size
     errors quote it. The tensor-parallel size is `model_parallel_size` (from mpu= or groups made before)
     or else the config's tensor_parallel.autotp_size; the resolved train_batch_size counts data-parallel
     ranks (the world over it), a written one is read as DeepSpeed reads it (engine/config/batch.py).
+    `given_objects` names the sections ("optimizer", "scheduler") engine.initialize got an object or
+    callable for: as in DeepSpeed, that object takes precedence and the config's section is ignored
+    unchecked (Megatron passes its own optimizer beside configs whose optimizer section DeepSpeed would
+    refuse to build, e.g. with params.max_grad_norm), with a warning naming it; engine.config keeps it.
     Raises ConfigError listing every problem found.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r} (from {world_size_source})")
     raw, where = read_source(source)
+    overridden: list[str] = []
+    if isinstance(raw, dict) and any(name in raw for name in given_objects):
+        overridden = [name for name in ("optimizer", "scheduler") if name in given_objects and name in raw]
+        kept = raw
+        raw = {k: v for k, v in raw.items() if k not in overridden}
     # First: keys DeepSpeed ignores are ignored here too, whatever they hold (see engine/config/unknown_keys.py).
     ignored = drop_ignored_keys(raw, top_level_keys()) if isinstance(raw, dict) else Ignored()
     # Before the schema: NaN passes its range checks, and Infinity's documented meanings must be in place.
@@ -82,6 +91,13 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
         warn_once(key, message)
     for key, message in ignored.warnings:
         warn_once(key, message, rank_zero_only=True)
+    for name in overridden:
+        kind = "lr_scheduler" if name == "scheduler" else name
+        warn_once(name, f"the config's {name} section (type {paths.get(kept, (name, 'type'))!r}) is ignored: "
+                  f"engine.initialize() was given {kind}=, which takes precedence, as in DeepSpeed; remove one of "
+                  "them to silence this", rank_zero_only=True)
+    if overridden:
+        raw = {**raw, **{name: kept[name] for name in overridden}}  # engine.config shows the user's whole config
     dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
     return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
 

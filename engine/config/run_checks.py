@@ -95,16 +95,6 @@ def _check_param_offload(cfg: EngineConfig, device_type: str) -> None:
                 "buffer_size and max_in_cpu have no effect", cfg.world_size)
 
 
-def check_not_given_twice(cfg: EngineConfig, *, optimizer: Any, lr_scheduler: Any) -> None:
-    """An optimizer or schedule passed to initialize() and also named in the config."""
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError(f"an optimizer was passed to initialize() and the config also has "
-                          f"optimizer.type {cfg.optimizer.type!r}; remove one of them")
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError(f"an lr_scheduler was passed to initialize() and the config also has "
-                          f"scheduler.type {cfg.scheduler.type!r}; remove one of them")
-
-
 def check_optimizer_for_stage(cfg: EngineConfig, optimizer_name: str) -> None:
     """Stages 1-3 step flat shards that mix parameters: only an elementwise optimizer means the same there."""
     stage = cfg.zero.stage
