@@ -45,6 +45,7 @@ from engine import comm
 from engine.accelerator import get_accelerator  # noqa: F401 - DeepSpeed's partition_parameters has it; transformers calls pp.get_accelerator()
 from engine.config import run_checks, zero_stage
 from engine.monitor.log import get_logger
+from engine.zero.released import ZeroParamStatus  # noqa: F401 - DeepSpeed's partition_parameters has it (TRL imports it)
 
 logger = get_logger()
 

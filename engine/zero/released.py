@@ -11,6 +11,7 @@ through; the check costs one attribute read per tensor argument.
 
 from __future__ import annotations
 
+import enum
 import warnings
 from typing import Any, ClassVar
 
@@ -22,8 +23,20 @@ class ReleasedParameterWarning(UserWarning):
     """A partitioned (released) stage-3 parameter was read outside forward."""
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's `param.ds_status` values (deepspeed.runtime.zero.partition_parameters.ZeroParamStatus):
+    TRL reads them to gather only what is not gathered already."""
+
+    AVAILABLE = 1
+    """Gathered: `.data` is the whole parameter (a view of its unit's buffer)."""
+    NOT_AVAILABLE = 2
+    """Released: `.data` is empty; this rank keeps its slice of the unit."""
+    INFLIGHT = 3
+    """Its unit's all-gather was started (a prefetch) and not yet waited for."""
+
+
 # The attributes a ZeroParameter carries (set with setattr: torch.nn.Parameter declares neither).
-_NAME, _RELEASED = "_zero_name", "_zero_released"
+_NAME, _RELEASED, _INFLIGHT, _PARTITION_NUMEL = "_zero_name", "_zero_released", "_zero_inflight", "_zero_partition_numel"
 
 # Reading these does not touch the (missing) values.
 _METADATA = frozenset({
@@ -38,6 +51,19 @@ class ZeroParameter(torch.nn.Parameter):
     """A stage-3 parameter; `_zero_released` is set by the stage while it holds no data."""
 
     _warned: ClassVar[bool] = False
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        """DeepSpeed's: AVAILABLE while gathered, INFLIGHT while its gather is in flight, else NOT_AVAILABLE."""
+        if not getattr(self, _RELEASED, False):
+            return ZeroParamStatus.AVAILABLE
+        return ZeroParamStatus.INFLIGHT if getattr(self, _INFLIGHT, False) else ZeroParamStatus.NOT_AVAILABLE
+
+    def partition_numel(self) -> int:
+        """DeepSpeed's: elements of this parameter that this rank stores (its part of the unit's slice;
+        Lightning's model summary sums them)."""
+        numel: int = getattr(self, _PARTITION_NUMEL, 0)
+        return numel
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -63,20 +89,28 @@ class ZeroParameter(torch.nn.Parameter):
             ReleasedParameterWarning, stacklevel=3)
 
 
-def adopt(param: torch.nn.Parameter, name: str) -> None:
-    """Make a stage-3 parameter a ZeroParameter (in place: every module and user reference keeps it)."""
+def adopt(param: torch.nn.Parameter, name: str, partition_numel: int) -> None:
+    """Make a stage-3 parameter a ZeroParameter (in place: every module and user reference keeps it);
+    `partition_numel`: its elements in this rank's slice."""
     param.__class__ = ZeroParameter
     setattr(param, _NAME, name)
+    setattr(param, _PARTITION_NUMEL, partition_numel)
     set_released(param, True)
 
 
 def set_released(param: torch.Tensor, released: bool) -> None:
     """Stage 3 marks `param` released (its `.data` is empty) or gathered (a view of its unit)."""
     setattr(param, _RELEASED, released)
+    setattr(param, _INFLIGHT, False)
+
+
+def set_inflight(param: torch.Tensor, inflight: bool) -> None:
+    """Stage 3 started (True) or dropped (False) the all-gather of `param`'s unit; gathering ends it."""
+    setattr(param, _INFLIGHT, inflight)
 
 
 def give_back(param: torch.nn.Parameter) -> None:
     param.__class__ = torch.nn.Parameter
-    for attr in (_NAME, _RELEASED):
+    for attr in (_NAME, _RELEASED, _INFLIGHT, _PARTITION_NUMEL):
         if attr in param.__dict__:
             delattr(param, attr)

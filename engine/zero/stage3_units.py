@@ -168,11 +168,11 @@ def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: i
     start, end = layout.slice_range(0, rank)
     shard = flat[start:end].clone()
     del flat
-    for p, name in zip(params, names):
+    for p, name, span in zip(params, names, layout.params):
         p.data = torch.empty(0, dtype=dtype, device=device)
         if partitioned_init.is_partitioned(p):
             partitioned_init.drop_shard(p)
-        released.adopt(p, name)
+        released.adopt(p, name, partition_numel=max(0, min(end, span.end) - max(start, span.offset)))
     if opt_group is None:
         return ShardedGroup(params=params, names=names, shapes=shapes, layout=layout, shard=shard, dtype=dtype,
                             device=device, unit_name=unit_name)
