@@ -28,7 +28,7 @@ from engine.monitor.monitors import Monitors
 from engine.monitor.timers import WallClockTimers
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.same_inputs import check_same_inputs
-from engine.precision import Precision
+from engine.precision import NonFiniteGradientError, Precision
 from engine.profiling.step_profile import StepProfile
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
@@ -105,6 +105,7 @@ class Engine(torch.nn.Module):
         self.device = device
         self._stage: ZeroStage | None = stage
         self.precision = precision if precision is not None else Precision(config)
+        self.precision.name_steps_from(self)  # the non-finite-norm warning and error name this engine's step
         self._owns_process_group = owns_process_group
 
         self.global_rank = comm.get_rank()
@@ -266,7 +267,17 @@ class Engine(torch.nn.Module):
         if self._timers:
             self._timers.start("step")
         step_started = time.perf_counter() if self._profile is not None else 0.0
-        outcome = stage.step(self.engine_config.gradient_clipping)
+        try:
+            outcome = stage.step(self.engine_config.gradient_clipping)
+        except NonFiniteGradientError:
+            # check_for_nan_in_loss_and_grad: nothing was updated and the stage dropped the window's
+            # gradients; start the window again so the caller can rerun the step (or save and stop).
+            self._window_loss, self._window_micro = 0.0, 0
+            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+            self._boundary_override = None
+            if self._timers:
+                self._timers.stop("step")
+            raise
         if self._profile is not None:
             self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
         self._global_grad_norm = outcome.grad_norm

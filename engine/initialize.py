@@ -175,6 +175,5 @@ def initialize(
                                   seed=cfg.seed if cfg.seed is not None else 0)
     engine = Engine(model, cfg, stage, opt, scheduler, device, loader, precision=precision,
                     owns_process_group=owns_group, parallel=parallel)
-    precision.name_steps_from(engine)  # the non-finite-norm warning and error name the Engine's step
     # DeepSpeed returns its ZeRO optimizer, not the torch one it was given (engine/zero_optimizer.py).
     return engine, engine.optimizer, loader, scheduler

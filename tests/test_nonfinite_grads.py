@@ -113,3 +113,37 @@ def test_nan_loss_on_one_rank_skips_or_stops_the_step_everywhere(stage: int) -> 
                            "such a step instead")
                 want = [warning] if rank == 0 else []
                 assert r["warnings"] == want, case
+
+
+def _stop_inside_a_window() -> dict[str, Any]:
+    """gradient_accumulation_steps 2 with the stop option: after the error the window starts again, so
+    rerunning its two micro-steps takes the step (before, micro_steps stayed on the window's last
+    micro-step, the rerun's first backward was taken as a boundary, and the logged loss kept the NaN)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+           "check_for_nan_in_loss_and_grad": True, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    eng, *_ = engine.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(torch.distributed.get_rank())
+    try:
+        _one_step(eng, g, torch.float32, nan=False)
+        try:
+            _one_step(eng, g, torch.float32, nan=torch.distributed.get_rank() == 1)
+            raised = False
+        except NonFiniteGradientError:
+            raised = True
+        after_error = (eng.global_steps, eng.micro_steps, eng.is_gradient_accumulation_boundary())
+        _one_step(eng, g, torch.float32, nan=False)
+        _one_step(eng, g, torch.float32, nan=False)
+        loss = eng.get_loss()
+        return {"raised": raised, "after_error": after_error, "applied": eng.was_step_applied(),
+                "after_rerun": (eng.global_steps, eng.micro_steps), "loss_finite": loss is not None and loss == loss}
+    finally:
+        eng.destroy()
+
+
+def test_stop_inside_an_accumulation_window_restarts_the_window() -> None:
+    for r in run_distributed(_stop_inside_a_window, 2):
+        assert r["raised"] and r["after_error"] == (0, 0, False), r
+        assert r["applied"] and r["after_rerun"] == (1, 2) and r["loss_finite"], r
