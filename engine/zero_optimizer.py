@@ -32,7 +32,14 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class DeepSpeedOptimizer:
+    """DeepSpeed's base class of the optimizers its engine returns (runtime/base_optimizer.py, an empty
+    class there too): code written for DeepSpeed recognises the returned optimizer with
+    `isinstance(opt, DeepSpeedOptimizer)` (Lightning Fabric does, deciding whether a checkpoint's state
+    asks for optimizer states). `deepspeed.runtime.base_optimizer.DeepSpeedOptimizer` is this class."""
+
+
+class ZeroOptimizer(torch.optim.Optimizer, DeepSpeedOptimizer):
     """See the module docstring. `optimizer` is the torch optimizer stepping the fp32 masters
     (DeepSpeed's name for it on its ZeRO optimizers)."""
 
