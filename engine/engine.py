@@ -491,11 +491,13 @@ class Engine(torch.nn.Module):
         self._comm_at_step = now
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """DeepSpeed's save_checkpoint: every rank writes its own shard files into save_dir/tag
         (default tag global_step<N>), the tag appears complete or not at all, then `latest` names it.
-        Every rank must call it. Returns the tag directory. See engine/checkpoint/."""
-        return store.save(self._training_state(), save_dir, tag, client_state, save_latest)
+        exclude_frozen_parameters leaves the values of requires_grad=False parameters out (loading then
+        needs load_module_strict=False and keeps the model's own). Every rank must call it. Returns the
+        tag directory. See engine/checkpoint/."""
+        return store.save(self._training_state(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -57,30 +57,40 @@ of the manifest's `pieces`."""
 
 # ----------------------------------------------------------------------------------------- save
 def save(state: TrainingState, save_dir: str, tag: str | None, client_state: dict[str, Any] | None,
-         save_latest: bool) -> str:
+         save_latest: bool, exclude_frozen_parameters: bool = False) -> str:
     """Every rank writes its files into save_dir/.<tag>.partial; rank 0 writes the manifest, renames the
-    folder to save_dir/<tag> and then writes `latest`. Returns save_dir/<tag>."""
+    folder to save_dir/<tag> and then writes `latest`. Returns save_dir/<tag>. With
+    exclude_frozen_parameters the values of parameters with requires_grad=False are not written (as
+    DeepSpeed leaves them out of its module state): loading such a checkpoint keeps the model's own
+    values for them and needs load_module_strict=False."""
     rank, world = comm.get_rank(), comm.get_world_size()
     tag = check_tag(str(tag) if tag is not None else f"global_step{state.counters.global_steps}", "save_checkpoint")
     client_state = _agree_on_client_state(client_state)
     started = time.perf_counter()
     names = CheckpointNames.of(state.module, state.parallel)
     records = names.for_saving(state.stage.checkpoint_shards())
+    left_out = _frozen_names(state.module, names) if exclude_frozen_parameters else set()
     final, partial = os.path.join(save_dir, tag), partial_dir(save_dir, tag)
     _start_partial(save_dir, partial)
 
-    pieces = _collect_pieces(records, state.optimizer)
-    whole = _whole_tensors(state.module, names)
+    pieces = _collect_pieces(records, state.optimizer, left_out)
+    whole = _whole_tensors(state.module, names, left_out)
     pieces.index.extend(("model", name, 0, int(value.numel())) for name, value in whole.items())
     model_state: dict[str, Any] = {"pieces": pieces.model, "whole": whole, "rng": rng_state()}
     if rank == 0:
         model_state.update(_rank0_head(state, client_state))
-    checksums = _write_rank_files(partial, rank, model_state, pieces)
+        # The client state's keys at the top level too, where DeepSpeed keeps them and where tools that read
+        # DeepSpeed's files look (Lightning's convert_zero_checkpoint_to_fp32_state_dict). The values are the
+        # same objects as under "client_state", which the pickle stores once; a key the engine itself uses
+        # stays only there (DeepSpeed's load drops such keys from the client state too; this engine's does not).
+        for key, value in client_state.items():
+            model_state.setdefault(key, value)
+    checksums = _write_rank_files(partial, rank, model_state, pieces, state.stage.stage)
 
     gathered = comm.all_gather_object((pieces.index, checksums, names.spec_row(_aliases(state.module))))
     tensor_parallel = manifest_section(state.parallel.tp_size, state.parallel.dp_size, [g[2] for g in gathered])
     if rank == 0:
-        manifest = _manifest(state, tag, world, [g[:2] for g in gathered], tensor_parallel)
+        manifest = _manifest(state, tag, world, [g[:2] for g in gathered], tensor_parallel, exclude_frozen_parameters)
         _write_text(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
         _publish(save_dir, tag, save_latest)
     comm.barrier()
@@ -138,19 +148,29 @@ def _remove_partial_saves(save_dir: str) -> None:
             shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
 
 
-def _collect_pieces(records: list[ShardRecord], optimizer: torch.optim.Optimizer | None) -> _Pieces:
-    """The records this rank writes, cut into named pieces (cloned: a file holds only its pieces' bytes)."""
+def _frozen_names(module: torch.nn.Module, names: CheckpointNames) -> set[str]:
+    """The saved names of the parameters with requires_grad=False."""
+    return {names.saved_name(name) for name, p in module.named_parameters() if not p.requires_grad}
+
+
+def _collect_pieces(records: list[ShardRecord], optimizer: torch.optim.Optimizer | None,
+                    left_out: set[str]) -> _Pieces:
+    """The records this rank writes, cut into named pieces (cloned: a file holds only its pieces' bytes),
+    except the pieces of the parameters `left_out` names."""
     pieces = _Pieces()
     for record in records:
         if record.write:
-            _add_record(pieces, record, optimizer)
+            _add_record(pieces, record, optimizer, left_out)
     return pieces
 
 
-def _add_record(pieces: _Pieces, record: ShardRecord, optimizer: torch.optim.Optimizer | None) -> None:
+def _add_record(pieces: _Pieces, record: ShardRecord, optimizer: torch.optim.Optimizer | None,
+                left_out: set[str]) -> None:
     flat = record.tensor.detach().reshape(-1)
     if record.opt_group is None:
         for piece in record.pieces:
+            if piece.name in left_out:
+                continue
             lo, hi = piece.tensor_offset, piece.tensor_offset + piece.numel
             pieces.model.setdefault(piece.name, []).append({"offset": piece.param_offset, "model": flat[lo:hi].clone()})
             pieces.index.append(("model", piece.name, piece.param_offset, piece.numel))
@@ -191,15 +211,16 @@ def _managed_ids(module: torch.nn.Module) -> set[int]:
     return {id(p) for p in module.parameters() if p.requires_grad}
 
 
-def _whole_tensors(module: torch.nn.Module, names: CheckpointNames) -> dict[str, torch.Tensor]:
+def _whole_tensors(module: torch.nn.Module, names: CheckpointNames,
+                   left_out: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """What this rank saves whole, by saved name: buffers, and frozen parameters at stages 0-2. Rank 0
     without tensor parallelism; with it, the first rank of each data-parallel group its slices of
-    them, and rank 0 also the replicated ones."""
+    them, and rank 0 also the replicated ones. Not the parameters `left_out` names (by saved name)."""
     if not names.writes_whole():
         return {}
     managed = _managed_ids(module)
     return {names.saved_name(n): t.detach().clone() for n, t in module.state_dict(keep_vars=True).items()
-            if id(t) not in managed and t.numel() > 0 and names.writes(n)}
+            if id(t) not in managed and t.numel() > 0 and names.writes(n) and names.saved_name(n) not in left_out}
 
 
 def _rank0_head(state: TrainingState, client_state: dict[str, Any]) -> dict[str, Any]:
@@ -215,16 +236,18 @@ def _rank0_head(state: TrainingState, client_state: dict[str, Any]) -> dict[str,
     }
 
 
-def _write_rank_files(partial: str, rank: int, model_state: dict[str, Any],
-                      pieces: _Pieces) -> dict[str, dict[str, int]]:
-    """This rank's two files, each written atomically; their checksums, for the manifest."""
+def _write_rank_files(partial: str, rank: int, model_state: dict[str, Any], pieces: _Pieces,
+                      stage: int) -> dict[str, dict[str, int]]:
+    """This rank's two files, each written atomically; their checksums, for the manifest. The optimizer
+    file also names the ZeRO stage under DeepSpeed's keys, which tools written for DeepSpeed read from
+    it themselves (Lightning: optim_state["optimizer_state_dict"]["zero_stage"])."""
+    optim_state = {"pieces": pieces.optim, "scalars": pieces.scalars, "optimizer_state_dict": {"zero_stage": stage}}
     return {model_file(rank): atomic_save(model_state, os.path.join(partial, model_file(rank))),
-            optim_file(rank): atomic_save({"pieces": pieces.optim, "scalars": pieces.scalars},
-                                          os.path.join(partial, optim_file(rank)))}
+            optim_file(rank): atomic_save(optim_state, os.path.join(partial, optim_file(rank)))}
 
 
 def _manifest(state: TrainingState, tag: str, world: int, gathered: list[tuple[PieceIndex, dict[str, dict[str, int]]]],
-              tensor_parallel: dict[str, Any]) -> dict[str, Any]:
+              tensor_parallel: dict[str, Any], exclude_frozen_parameters: bool) -> dict[str, Any]:
     """manifest.json (engine/checkpoint/files.py), from every rank's pieces and file checksums. A
     tensor-parallel parameter's shape is its whole one (its slices' are in tensor_parallel)."""
     sliced = tensor_parallel["params"]
@@ -236,6 +259,7 @@ def _manifest(state: TrainingState, tag: str, world: int, gathered: list[tuple[P
         "tag": tag, "world_size": world, "stage": state.stage.stage,
         "model_dtype": str(state.model_dtype).removeprefix("torch.") if state.model_dtype is not None
         else "as built", "global_steps": state.counters.global_steps, "params": params,
+        "exclude_frozen_parameters": exclude_frozen_parameters,
         "aliases": _aliases(state.module), "tensor_parallel": tensor_parallel,
         "files": {"model": [model_file(r) for r in range(world)], "optim": [optim_file(r) for r in range(world)]},
         "pieces": [[list(entry) for entry in entries] for entries, _ in gathered],
@@ -327,17 +351,25 @@ def _fill_records(reader: PieceReader, records: list[ShardRecord], optimizer: to
     for record in records:
         missing.extend(_fill_record(reader, record, optimizer))
     if missing and strict:
-        raise CheckpointError(f"checkpoint {reader.tag_dir} has no values for parameters {sorted(set(missing))[:5]}; "
-                              "pass load_module_strict=False to keep their current values")
+        raise CheckpointError(f"checkpoint {reader.tag_dir} has no values for parameters {sorted(set(missing))[:5]}"
+                              f"{_excluded(reader)}; pass load_module_strict=False to keep their current values")
+
+
+def _excluded(reader: PieceReader) -> str:
+    """Why parameters may be missing from a checkpoint, when it says so."""
+    return " (it was saved with exclude_frozen_parameters=True: frozen parameters were not written)" \
+        if reader.manifest.get("exclude_frozen_parameters") else ""
 
 
 def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.optim.Optimizer | None) -> list[str]:
     """One record, its pieces read into a flat copy and copied in at once; returns the names of the
-    pieces the checkpoint has no values for."""
-    flat = torch.empty(record.tensor.numel(), dtype=record.tensor.dtype)
+    pieces the checkpoint has no values for. The copy starts from the record's current values, so what
+    the checkpoint lacks (a frozen parameter saved with exclude_frozen_parameters, loaded with
+    load_module_strict=False) keeps them instead of taking uninitialised memory."""
+    flat = record.tensor.detach().reshape(-1).clone()
     states = _state_to_fill(reader, record, optimizer) \
         if record.opt_group is not None and optimizer is not None and record.pieces else {}
-    state_flats = {k: torch.empty(v.numel(), dtype=v.dtype) for k, v in states.items()}
+    state_flats = {k: v.detach().reshape(-1).clone() for k, v in states.items()}
     missing: list[str] = []
     for piece in record.pieces:
         kind = _saved_kind(reader, record, piece.name)
@@ -391,7 +423,7 @@ def _fill_whole_tensors(reader: PieceReader, module: torch.nn.Module, names: Che
         kind = "model" if reader.has(name, "model") else "optim" if reader.has(name, "optim") else None
         if kind is None:
             if strict and id(tensor) not in managed:
-                raise CheckpointError(f"checkpoint {reader.tag_dir} has no entry {name!r}; pass "
+                raise CheckpointError(f"checkpoint {reader.tag_dir} has no entry {name!r}{_excluded(reader)}; pass "
                                       "load_module_strict=False to keep its current value")
             continue
         flat = torch.empty(tensor.numel(), dtype=torch.float32 if kind == "optim" else tensor.dtype)

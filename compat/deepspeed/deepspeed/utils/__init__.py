@@ -1,9 +1,10 @@
-"""`deepspeed.utils` -> the engine's logger and stage-3 leaf-module registry."""
+"""`deepspeed.utils` -> the engine's logger, stage-3 leaf-module registry and checkpoint consolidation
+(`deepspeed.utils.zero_to_fp32`, over the engine's own checkpoint files)."""
 
+from deepspeed.utils import logging, zero_to_fp32
+from deepspeed.utils.logging import logger
 from engine.comm import is_initialized
-from engine.monitor.log import get_logger as _get_logger
 from engine.zero import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
 
-logger = _get_logger()
-
-__all__ = ["get_z3_leaf_modules", "is_initialized", "logger", "set_z3_leaf_modules", "unset_z3_leaf_modules"]
+__all__ = ["get_z3_leaf_modules", "is_initialized", "logger", "logging", "set_z3_leaf_modules",
+           "unset_z3_leaf_modules", "zero_to_fp32"]

@@ -1,0 +1,133 @@
+"""DeepSpeed's `deepspeed.utils.zero_to_fp32` over this engine's checkpoints: the fp32 state dict is
+consolidate.py's, and the files of a tag directory are the ones its manifest lists.
+
+Tools written for DeepSpeed also open those files themselves. Lightning's
+convert_zero_checkpoint_to_fp32_state_dict (lightning/pytorch/utilities/deepspeed.py) reads
+`torch.load(get_optim_files(tag_dir)[0])["optimizer_state_dict"]["zero_stage"]`, then takes the top-level
+keys of `torch.load(get_model_state_file(tag_dir, zero_stage))` as its client state. So every optimizer
+file carries {"optimizer_state_dict": {"zero_stage": N}} and rank 0's model file holds the client state's
+keys at its top level as well (engine/checkpoint/store.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from engine.checkpoint.consolidate import consolidate
+from engine.checkpoint.files import MANIFEST, CheckpointError, model_file, optim_file, read_manifest, resolve_tag_dir
+from engine.monitor.log import get_logger
+
+_DEEPSPEED_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+    """The model's state dict from checkpoint_dir/<tag> (tag None: the one `latest` names), in CPU
+    memory: trainable parameters from the fp32 masters, frozen ones in fp32 (left out with
+    exclude_frozen_parameters), buffers as saved, tied names sharing one tensor. Any stage, any world
+    size. lazy_mode is accepted for DeepSpeed's callers: the values are tensors already, which answer
+    the `.contiguous()` those callers use to materialise DeepSpeed's lazy ones."""
+    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
+    manifest = _manifest(tag_dir)
+    state = consolidate(checkpoint_dir, tag)
+    if exclude_frozen_parameters:
+        frozen = {name for name, spec in manifest["params"].items() if spec.get("trainable") is False}
+        frozen |= {alias for alias, target in manifest.get("aliases", {}).items() if target in frozen}
+        state = {name: value for name, value in state.items() if name not in frozen}
+    return state
+
+
+def get_optim_files(checkpoint_dir: str) -> list[str]:
+    """Every rank's optimizer-state file of a tag directory, in rank order (DeepSpeed: its
+    *_optim_states.pt files in natural order)."""
+    manifest = _manifest(checkpoint_dir)
+    return [os.path.join(checkpoint_dir, optim_file(rank)) for rank in range(manifest["world_size"])]
+
+
+def get_model_state_files(checkpoint_dir: str) -> list[str]:
+    """Every rank's model-state file of a tag directory, in rank order."""
+    manifest = _manifest(checkpoint_dir)
+    return [os.path.join(checkpoint_dir, model_file(rank)) for rank in range(manifest["world_size"])]
+
+
+def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
+    """The file holding the engine counters, LR scheduler and client state of a tag directory: rank 0's
+    model-state file at every stage (DeepSpeed names a different file at stage 3; zero_stage only chose
+    between its names)."""
+    return get_model_state_files(checkpoint_dir)[0]
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,
+                                         tag: str | None = None) -> torch.nn.Module:
+    """As DeepSpeed's: the model moved to the CPU and loaded (strict=False) with the consolidated fp32
+    state dict. Like DeepSpeed's, the model no longer belongs to an engine afterwards."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str,
+                                               max_shard_size: int | str | None = "5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> None:
+    """As DeepSpeed's: the fp32 state dict written into output_dir as pytorch_model.bin (model.safetensors
+    with safe_serialization), split into shards of at most max_shard_size with an index file as
+    Hugging Face names them when it is larger (huggingface_hub splits it, as in DeepSpeed)."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    files: dict[str, list[str]] = {weights_name: list(state)}
+    index: dict[str, Any] | None = None
+    if max_shard_size is not None:
+        from huggingface_hub import split_torch_state_dict_into_shards
+
+        pattern = weights_name.replace(".bin", "{suffix}.bin").replace(".safetensors", "{suffix}.safetensors")
+        split = split_torch_state_dict_into_shards(state, filename_pattern=pattern, max_shard_size=max_shard_size)
+        files = split.filename_to_tensors
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    os.makedirs(output_dir, exist_ok=True)
+    for name, keys in files.items():
+        _save(_untied({key: state[key] for key in keys}) if safe_serialization else {key: state[key] for key in keys},
+              os.path.join(output_dir, name), safe_serialization)
+    if index is not None:
+        import json
+
+        index_name = f"{weights_name}.index.json"
+        with open(os.path.join(output_dir, index_name), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    get_logger().info("wrote the fp32 state dict of %s into %s (%d file(s))", checkpoint_dir, output_dir, len(files))
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied names): each gets its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        out[key] = value.clone() if id(value) in seen else value
+        seen.add(id(value))
+    return out
+
+
+def _save(state: dict[str, torch.Tensor], path: str, safe_serialization: bool) -> None:
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+    else:
+        torch.save(state, path)
+
+
+def _manifest(tag_dir: str) -> dict[str, Any]:
+    """The tag directory's manifest; a DeepSpeed checkpoint (DeepSpeed's own files, no manifest) is named
+    as such instead of "not a complete checkpoint"."""
+    if not os.path.isfile(os.path.join(tag_dir, MANIFEST)) and \
+            any(os.path.isfile(os.path.join(tag_dir, name)) for name in _DEEPSPEED_FILES):
+        raise CheckpointError(f"{tag_dir} is a checkpoint written by DeepSpeed, not by this engine (it has DeepSpeed's "
+                              f"model-state files and no {MANIFEST}); consolidate it with DeepSpeed's own zero_to_fp32.py "
+                              "(saved beside it), or save it again with this engine")
+    return read_manifest(tag_dir)

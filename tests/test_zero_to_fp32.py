@@ -1,0 +1,166 @@
+"""DeepSpeed's zero_to_fp32 functions and save_checkpoint(exclude_frozen_parameters=) over the engine's own
+checkpoints, saved at 2 ranks at stages 2 and 3 from a model whose last layer is frozen:
+
+- get_fp32_state_dict_from_zero_checkpoint is the engine's consolidated state dict (fp32 masters), the
+  frozen layer left out with exclude_frozen_parameters=True;
+- the files DeepSpeed tools open themselves answer as DeepSpeed's do (Lightning's
+  convert_zero_checkpoint_to_fp32_state_dict: `torch.load(get_optim_files(d)[0])["optimizer_state_dict"]
+  ["zero_stage"]`, and the client state's keys at the top level of get_model_state_file(d, stage));
+- save_checkpoint(exclude_frozen_parameters=True) writes no frozen values: a strict load refuses, saying
+  why; load_module_strict=False keeps the model's own frozen values and loads the rest (DeepSpeed's
+  semantics);
+- load_state_dict_from_zero_checkpoint and convert_zero_checkpoint_to_fp32_state_dict (one file, and
+  shards with an index, torch and safetensors) give the same tensors;
+- a DeepSpeed checkpoint is named as such; the returned optimizer is a DeepSpeedOptimizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+from torch import nn
+
+import engine
+from engine.checkpoint import CheckpointError
+from engine.checkpoint.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    get_model_state_file,
+    get_optim_files,
+    load_state_dict_from_zero_checkpoint,
+)
+from engine.zero_optimizer import DeepSpeedOptimizer
+
+FROZEN = {"2.weight", "2.bias"}
+
+
+def build(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    model[2].requires_grad_(False)
+    return model
+
+
+def make_engine(stage: int, seed: int) -> tuple[Any, Any]:
+    model = build(seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    eng, opt, _, _ = engine.initialize(model=model, optimizer=optimizer, config=config)
+    return eng, opt
+
+
+def _cpu(state: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+    return {k: v.tolist() for k, v in state.items()}
+
+
+def _save_and_reload(root: str) -> dict[int, dict[str, Any]]:
+    results = {}
+    for stage in (2, 3):
+        save_dir = f"{root}/stage{stage}"
+        eng, opt = make_engine(stage, seed=0)
+        for step in range(2):
+            x = torch.randn(2, 6, generator=torch.Generator().manual_seed(step * 2 + torch.distributed.get_rank()))
+            eng.backward(eng(x).pow(2).mean())
+            eng.step()
+        reference = eng.consolidated_state_dict()
+        eng.save_checkpoint(save_dir, tag="all", client_state={"epoch": 3, "note": "kept"})
+        eng.save_checkpoint(save_dir, tag="trainable", client_state={"epoch": 3}, exclude_frozen_parameters=True)
+        eng.destroy()
+
+        fresh, _ = make_engine(stage, seed=1)  # other values everywhere, the frozen layer included
+        own = fresh.consolidated_state_dict()
+        try:
+            fresh.load_checkpoint(save_dir, tag="trainable")
+            strict = "loaded"
+        except CheckpointError as err:
+            strict = str(err)
+        fresh.load_checkpoint(save_dir, tag="trainable", load_module_strict=False)
+        loaded = fresh.consolidated_state_dict()
+        fresh.destroy()
+        results[stage] = {"reference": _cpu(reference), "own": _cpu(own), "loaded": _cpu(loaded), "strict": strict,
+                          "is_deepspeed_optimizer": isinstance(opt, DeepSpeedOptimizer)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("zero_to_fp32")
+    return root, run_distributed(_save_and_reload, world_size=2, args=(str(root),))[0]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_exclude_frozen_parameters(saved: tuple[Path, dict[int, dict[str, Any]]], stage: int) -> None:
+    root, results = saved
+    got = results[stage]
+    assert got["is_deepspeed_optimizer"]
+    assert "saved with exclude_frozen_parameters=True" in got["strict"] and "load_module_strict=False" in got["strict"]
+    for name, value in got["loaded"].items():
+        want = got["own"] if name in FROZEN else got["reference"]
+        assert value == want[name], name
+    assert got["own"]["2.weight"] != got["reference"]["2.weight"]  # the kept frozen values are the fresh model's
+    trainable = get_fp32_state_dict_from_zero_checkpoint(str(root / f"stage{stage}"), tag="trainable")
+    assert set(trainable) == set(got["reference"]) - FROZEN
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_state_dict_and_the_files_deepspeed_tools_read(saved: tuple[Path, dict[int, dict[str, Any]]],
+                                                       stage: int) -> None:
+    root, results = saved
+    reference = {k: torch.tensor(v) for k, v in results[stage]["reference"].items()}
+    ckpt = str(root / f"stage{stage}")
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="all")
+    assert state.keys() == reference.keys()
+    for name, value in state.items():
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
+    assert set(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="all", exclude_frozen_parameters=True)) == \
+        set(reference) - FROZEN
+
+    tag_dir = str(root / f"stage{stage}" / "all")
+    optim_files = get_optim_files(tag_dir)
+    assert [Path(f).name for f in optim_files] == ["rank_0_optim_states.pt", "rank_1_optim_states.pt"]
+    zero_stage = torch.load(optim_files[0], weights_only=False)["optimizer_state_dict"]["zero_stage"]
+    assert zero_stage == stage
+    top = torch.load(get_model_state_file(tag_dir, zero_stage), weights_only=False)
+    assert (top["epoch"], top["note"]) == (3, "kept")
+
+    model = load_state_dict_from_zero_checkpoint(build(seed=5), ckpt, tag="all")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_convert_to_files(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    root, results = saved
+    reference = {k: torch.tensor(v) for k, v in results[3]["reference"].items()}
+    ckpt = str(root / "stage3")
+    convert_zero_checkpoint_to_fp32_state_dict(ckpt, str(tmp_path / "one"), tag="all")
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["pytorch_model.bin"]
+    torch.testing.assert_close(torch.load(tmp_path / "one" / "pytorch_model.bin", weights_only=True), reference)
+
+    convert_zero_checkpoint_to_fp32_state_dict(ckpt, str(tmp_path / "shards"), max_shard_size=200,
+                                               safe_serialization=True, tag="all")
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and sorted(index["weight_map"]) == sorted(reference)
+    merged: dict[str, torch.Tensor] = {}
+    for name in files:
+        merged.update(load_file(str(tmp_path / "shards" / name)))
+    torch.testing.assert_close(merged, reference)
+
+
+def test_a_deepspeed_checkpoint_is_named(tmp_path: Path) -> None:
+    (tmp_path / "global_step1").mkdir()
+    (tmp_path / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("global_step1")
+    with pytest.raises(CheckpointError, match="written by DeepSpeed, not by this engine"):
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    with pytest.raises(CheckpointError, match="written by DeepSpeed"):
+        get_optim_files(str(tmp_path / "global_step1"))
