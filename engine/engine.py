@@ -290,6 +290,8 @@ class Engine(torch.nn.Module):
             self._timers.stop("step")
         self._step_applied = outcome.applied
         self.optimizer.overflow = not outcome.applied
+        if outcome.applied:  # a schedule built on the returned optimizer sees the step engine.step() took
+            vars(self.optimizer)["_opt_called"] = True
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._after_optimizer_step()

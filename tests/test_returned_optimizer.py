@@ -9,6 +9,7 @@ README loop in fp32 must match plain single-process AdamW.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -152,3 +153,27 @@ def test_step_on_the_users_own_optimizer_is_refused_and_the_engine_is_a_module(s
     for r in results:
         assert "engine.step()" in r["raised"] and "AdamW given to engine.initialize()" in r["raised"], r["raised"]
         assert r["is_module"] and r["found"] and r["is_optimizer"] and r["same_groups"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torch_schedules_see_the_engines_steps(precision: str) -> None:
+    """A torch schedule built on the user's optimizer (lr_scheduler= callable) or on the returned one must
+    not warn "lr_scheduler.step() before optimizer.step()": bf16's fused Adam steps without calling
+    optimizer.step() (it warned before), and engine.step() steps without the returned optimizer's step()."""
+    model = make_model()
+    config = {**_config(2, precision, 1), "train_micro_batch_size_per_gpu": MICRO}
+    config.pop("scheduler")
+    eng, opt, _, _ = engine.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                           config=config,
+                                           lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    on_returned = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    dtype = next(eng.module.parameters()).dtype
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*lr_scheduler.step.*before.*optimizer.step")
+            for x, y in global_batches(2, MICRO):
+                eng.backward(torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y))
+                eng.step()  # steps the given schedule itself
+                on_returned.step()
+    finally:
+        eng.destroy()

@@ -134,6 +134,9 @@ class MasterStep:
                 assert mode is not None
                 self._fused_group(group, coef, *mode)
             self.fused_steps += 1
+            # The optimizer was stepped, by the kernel instead of its step(): torch's LR schedulers watch
+            # for step() and would warn "lr_scheduler.step() before optimizer.step()" at every bf16 run.
+            vars(self.optimizer)["_opt_called"] = True
         else:
             self._plain_step(coef)
 
