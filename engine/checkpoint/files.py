@@ -8,8 +8,13 @@
                                               buffers and whole non-trainable tensors (with TP, the
                                               first rank of every data-parallel group: its slices of
                                               them), engine counters, LR scheduler, loss scaler,
-                                              client state
-    save_dir/<tag>/rank_<r>_optim_states.pt   rank r: fp32 master pieces with their optimizer state
+                                              client state (its keys also at the top level, where
+                                              tools written for DeepSpeed's files read them)
+    save_dir/<tag>/rank_<r>_optim_states.pt   rank r: fp32 master pieces with their optimizer state,
+                                              and {"optimizer_state_dict": {"zero_stage": N}} (DeepSpeed's
+                                              keys, read by Lightning's convert)
+With save_checkpoint(exclude_frozen_parameters=True) no frozen parameter's values are written and
+the manifest says so.
 
 A tag directory appears complete or not at all: every file is written into a hidden
 `.<tag>.partial` directory (each file itself atomically), the manifest last, then the directory is
