@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.unsupported import refuse_zero3_hook_internals
+
 if TYPE_CHECKING:
     from engine.engine import Engine
 
@@ -85,6 +87,15 @@ class ZeroOptimizer(torch.optim.Optimizer, DeepSpeedOptimizer):
         raise RuntimeError("add_param_group() on the engine's optimizer: the engine laid out (and partitioned) "
                            "every parameter at engine.initialize(), so groups cannot be added afterwards; pass "
                            "all parameter groups to the optimizer before engine.initialize()")
+
+    @property
+    def parameter_offload(self) -> Any:
+        """DeepSpeed's stage-3 optimizer keeps its module hooks here; TRL's generation removes and re-adds
+        them through it. At stage 3 refused by name (a non-AttributeError, so TRL's hasattr() probe raises
+        it); at stages 0-2 absent, as on DeepSpeed's stage 1-2 optimizers."""
+        if self._owner().zero_optimization_stage() == 3:
+            refuse_zero3_hook_internals()
+        raise AttributeError("parameter_offload")
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: the wrapped optimizer's attributes and hooks.
