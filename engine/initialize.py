@@ -20,7 +20,7 @@ from engine.parallel import setup
 from engine.parallel.groups import ParallelGroups
 from engine.param_groups import normalize_param_groups
 from engine.precision import Precision
-from engine.zero import partitioned_init
+from engine.zero import owners, partitioned_init
 from engine.zero.base import ZeroStage
 from engine.zero.forward_only import ForwardOnly
 from engine.zero.stage0 import Stage0
@@ -140,6 +140,7 @@ def initialize(
             device = _device()
             run_checks.check_offload(cfg, device.type)
             run_checks.check_stage(cfg, _STAGES)
+            owners.check_not_held(model)
             checkpointing.check_engine_options(cfg)
             monitors.check_packages(cfg)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from engine.unsupported import UnsupportedFeatureError
 from engine.zero.base import MasterOwner
 
 
@@ -42,6 +43,22 @@ def unit_of(param: torch.Tensor) -> UnitHandle | None:
     """The stage-3 unit holding `param`, or None (not partitioned by an engine)."""
     handle = _units.get(param)
     return handle if isinstance(handle, UnitHandle) else None
+
+
+def check_not_held(module: torch.nn.Module) -> None:
+    """Refuse a module whose parameters a live stage-3 engine holds. That engine keeps their values in its
+    own shards and leaves each parameter empty, so a second engine would lay out empty tensors (and the
+    first would keep stale values if it could gather them). DeepSpeed shares one partition per parameter
+    between engines; this engine does not."""
+    for name, p in module.named_parameters():
+        if unit_of(p) is not None:
+            raise UnsupportedFeatureError(
+                f"engine.initialize: parameter {name!r} is partitioned by another ZeRO stage 3 engine that is "
+                "still alive; one module cannot be given to two engines here (each keeps its own shards). Call "
+                "destroy() on the other engine first, or give initialize a separate copy of the model. TRL's "
+                "DPOTrainer(precompute_ref_log_probs=True) does this at stage 3 (its log-prob pass wraps the "
+                "policy in an inference engine that it keeps): set precompute_ref_log_probs=False (a separate "
+                "reference model, TRL's default) or train at ZeRO stage 2")
 
 
 def set_masters(param: torch.Tensor, owner: MasterOwner | None) -> None:
