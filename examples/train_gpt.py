@@ -127,15 +127,20 @@ def main() -> None:
                dynamic_ncols=True)
     started = time.perf_counter()
     samples_before = model_engine.global_samples  # a resumed run counts its samples from here
+    rate_from: tuple[float, int] | None = None
     model_engine.train()
     for x, y in loader:
         loss = model_engine(x.to(model_engine.device), y.to(model_engine.device))
         model_engine.backward(loss)
         model_engine.step()
         if model_engine.was_step_applied():
-            elapsed = time.perf_counter() - started
-            bar.set_postfix(loss=f"{model_engine.get_loss():.3f}",
-                            samples_s=f"{(model_engine.global_samples - samples_before) / elapsed:.0f}")
+            if rate_from is None:  # the rate counts from the end of the first step (its one-time costs apart)
+                rate_from = (time.perf_counter(), model_engine.global_samples)
+            elapsed = time.perf_counter() - rate_from[0]
+            rate = (model_engine.global_samples - rate_from[1]) / elapsed if elapsed > 0 else 0.0
+            # refresh=False: one bar line per step (set_postfix and update each printed one)
+            bar.set_postfix(loss=f"{model_engine.get_loss():.3f}", samples_s=f"{rate:.0f}" if rate else "-",
+                            refresh=False)
             bar.update(1)
         if model_engine.global_steps >= args.steps:
             break
