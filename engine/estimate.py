@@ -43,6 +43,7 @@ from typing import overload
 
 import torch
 
+from engine.config.types import DEEPSPEED_BUCKET_SIZE
 from engine.estimate_paper import PAPER_MODELS, PAPER_STAGES, PAPER_TABLE, PAPER_WORLD_SIZES
 from engine.zero.layout import build_layout
 from engine.zero.partitioned_init import full_shape
@@ -50,7 +51,7 @@ from engine.zero.stage3_units import unit_layout
 from engine.zero.units import leaf_test, plan_units
 
 STAGES = (0, 1, 2, 3)
-DEFAULT_BUCKET_SIZE = 500_000_000
+DEFAULT_BUCKET_SIZE = DEEPSPEED_BUCKET_SIZE
 """DeepSpeed's default zero_optimization.reduce_bucket_size, in elements."""
 
 _DTYPE_NAMES: dict[str, str] = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config.paths import dotted
-from engine.config.types import ARENA_AUTO
+from engine.config.types import ARENA_AUTO, DEEPSPEED_BUCKET_SIZE
 
 logger = logging.getLogger("engine.config")
 
@@ -25,8 +25,8 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 
 # DeepSpeed's defaults (runtime/zero/config.py, offload_config.py), element counts.
 ZERO_AUTO_DEFAULTS: dict[str, int | bool] = {
-    "reduce_bucket_size": 500_000_000,
-    "allgather_bucket_size": 500_000_000,
+    "reduce_bucket_size": DEEPSPEED_BUCKET_SIZE,
+    "allgather_bucket_size": DEEPSPEED_BUCKET_SIZE,
     "sub_group_size": 1_000_000_000,
     "stage3_prefetch_bucket_size": 50_000_000,
     "stage3_param_persistence_threshold": 100_000,

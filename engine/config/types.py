@@ -71,6 +71,11 @@ ARENA_AUTO = -1
 """ZeroConfig.stage3_arena_bytes for "auto": size the arena from the model."""
 
 
+DEEPSPEED_BUCKET_SIZE = 500_000_000
+"""DeepSpeed's default reduce_bucket_size and allgather_bucket_size, in elements (runtime/zero/config.py):
+what "auto" means, what the engine falls back to without a measured link, and the estimator's default."""
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """`zero_optimization` section. Element counts, not bytes, as in DeepSpeed."""
@@ -79,7 +84,7 @@ class ZeroConfig:
     reduce_scatter: bool = True
     reduce_bucket_size: int | None = None
     """Elements per gradient-reduction bucket; None (absent): sized from the measured link at start
-    (engine/zero/bucket_sizes.py). DeepSpeed's default is 5e8."""
+    (engine/zero/bucket_sizes.py). DeepSpeed's default is DEEPSPEED_BUCKET_SIZE (5e8)."""
     allgather_partitions: bool = True
     allgather_bucket_size: int | None = None
     """Elements of stages 1-2's parameter all-gathers in flight after a step; None (absent): sized from

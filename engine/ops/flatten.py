@@ -80,7 +80,7 @@ def _copy(out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
 
 def _check(op: str, flat: torch.Tensor, flat_name: str, many: Sequence[torch.Tensor], many_name: str,
            offsets: Sequence[int]) -> None:
-    _check_tensor(op, flat, flat_name)
+    check_tensor(op, flat, flat_name)
     if flat.dim() != 1:
         raise ValueError(f"{op}: {flat_name} must be 1-D, got shape {tuple(flat.shape)}; pass a flat buffer "
                          f"(.view(-1) of a contiguous tensor)")
@@ -89,14 +89,15 @@ def _check(op: str, flat: torch.Tensor, flat_name: str, many: Sequence[torch.Ten
                          f"offset per tensor")
     size = flat.numel()
     for i, (t, offset) in enumerate(zip(many, offsets)):
-        _check_tensor(op, t, f"{many_name}[{i}]")
+        check_tensor(op, t, f"{many_name}[{i}]")
         n = t.numel()
         if offset < 0 or offset + n > size:
             raise ValueError(f"{op}: offsets[{i}] + {many_name}[{i}].numel() = {offset} + {n} is outside "
                              f"{flat_name} (numel {size}); the range must lie inside it")
 
 
-def _check_tensor(op: str, t: torch.Tensor, name: str) -> None:
+def check_tensor(op: str, t: torch.Tensor, name: str) -> None:
+    """The checks every op makes of a tensor argument before the kernel sees it (named TypeError/ValueError)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} is a {type(t).__name__}, not a torch.Tensor")
     if t.dtype not in SUPPORTED_DTYPES:

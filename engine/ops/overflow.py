@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.ops.flatten import SUPPORTED_DTYPES
+from engine.ops.flatten import check_tensor
 from engine.ops.select import compiled_module
 
 _PIECE = 1 << 22
@@ -27,7 +27,7 @@ _PIECE = 1 << 22
 def sum_squares_and_overflow(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> tuple[float, bool]:
     """(sum over all elements of (float(x) * scale)^2 in float64, whether any element is inf/nan)."""
     for i, t in enumerate(tensors):
-        _check_tensor(t, i)
+        check_tensor("sum_squares_and_overflow", t, f"tensors[{i}]")
     ext = compiled_module(tensors)
     if ext is not None:
         total, overflow = ext.sum_squares_and_overflow(list(tensors), float(scale))
@@ -49,14 +49,3 @@ def torch_sum_squares_and_overflow(tensors: Sequence[torch.Tensor], scale: float
                 total += torch.dot(scaled, scaled).to(device)
                 nonfinite |= ~torch.isfinite(piece).all().to(device)
     return total.item(), bool(nonfinite.item())  # one host sync per call, not per tensor
-
-
-def _check_tensor(t: torch.Tensor, i: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"sum_squares_and_overflow: tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"sum_squares_and_overflow: tensors[{i}] has dtype {t.dtype}; supported: float32, "
-                        f"bfloat16, float16 (cast it first)")
-    if not t.is_contiguous():
-        raise ValueError(f"sum_squares_and_overflow: tensors[{i}] is not contiguous (stride {t.stride()}, shape "
-                         f"{tuple(t.shape)}); pass .contiguous()")

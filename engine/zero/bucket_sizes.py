@@ -11,11 +11,10 @@ DeepSpeed's default (engine/config/auto.py).
 from __future__ import annotations
 
 from engine import comm
-from engine.config.types import ZeroConfig
+from engine.config.types import DEEPSPEED_BUCKET_SIZE, ZeroConfig
 from engine.monitor.log import get_logger
 
 logger = get_logger()
-_DEEPSPEED_DEFAULT = 500_000_000
 
 
 def resolve(zero: ZeroConfig, element_size: int, dp_size: int, *, gathers: bool = True) -> tuple[int, int]:
@@ -25,11 +24,11 @@ def resolve(zero: ZeroConfig, element_size: int, dp_size: int, *, gathers: bool 
     link; with tensor parallelism a data-parallel group spans the same machines or more)."""
     reduce, gather = zero.reduce_bucket_size, zero.allgather_bucket_size
     if not gathers:
-        gather = gather or _DEEPSPEED_DEFAULT
+        gather = gather or DEEPSPEED_BUCKET_SIZE
     if reduce is not None and gather is not None:
         return reduce, gather
     if dp_size == 1:  # nothing travels: one bucket is cheapest
-        return reduce or _DEEPSPEED_DEFAULT, gather or _DEEPSPEED_DEFAULT
+        return reduce or DEEPSPEED_BUCKET_SIZE, gather or DEEPSPEED_BUCKET_SIZE
     link = comm.measure_link()
     measured = max(1, link.bucket_bytes() // element_size)
     chosen = (reduce or measured, gather or measured)
