@@ -105,7 +105,6 @@ class Engine(torch.nn.Module):
         self.device = device
         self._stage: ZeroStage | None = stage
         self.precision = precision if precision is not None else Precision(config)
-        self.precision.name_steps_from(self)  # the non-finite-norm warning and error name this engine's step
         self._owns_process_group = owns_process_group
 
         self.global_rank = comm.get_rank()
@@ -269,17 +268,9 @@ class Engine(torch.nn.Module):
         if self._timers:
             self._timers.start("step")
         step_started = time.perf_counter() if self._profile is not None else 0.0
-        try:
-            outcome = stage.step(self.engine_config.gradient_clipping)
-        except NonFiniteGradientError:
-            # check_for_nan_in_loss_and_grad: nothing was updated and the stage dropped the window's
-            # gradients; start the window again so the caller can rerun the step (or save and stop).
-            self._window_loss, self._window_micro = 0.0, 0
-            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
-            self._boundary_override = None
-            if self._timers:
-                self._timers.stop("step")
-            raise
+        outcome = stage.step(self.engine_config.gradient_clipping)
+        if not outcome.applied and self.precision.scaler is None:
+            self._non_finite_step(outcome.grad_norm)  # fp32/bf16: an inf/nan norm skipped the step
         if self._profile is not None:
             self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
         self._global_grad_norm = outcome.grad_norm
@@ -297,6 +288,25 @@ class Engine(torch.nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._after_optimizer_step()
+
+    def _non_finite_step(self, norm: float) -> None:
+        """An fp32/bf16 step whose global norm was inf/nan: the stage updated nothing and dropped its gradients
+        (applying it would write NaN into every weight). Stop (check_for_nan_in_loss_and_grad), with the window
+        started again so the step can be rerun, or say on rank 0 that it is skipped. Every rank sees the same
+        all-reduced norm, so every rank takes the same branch."""
+        if self.engine_config.check_for_nan_in_loss_and_grad:
+            self._window_loss, self._window_micro = 0.0, 0
+            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+            self._boundary_override = None
+            if self._timers:
+                self._timers.stop("step")
+            raise NonFiniteGradientError(self.global_steps + 1, norm, self.global_rank)
+        if self.global_rank == 0:
+            logger.warning(
+                "step %d: gradient norm is %s (non-finite loss or gradients); the step was skipped: weights and "
+                "optimizer state are unchanged and the LR schedule did not advance, skipped_steps %d. Set "
+                "\"check_for_nan_in_loss_and_grad\": true to stop training at such a step instead",
+                self.global_steps + 1, norm, self.skipped_steps + 1)
 
     def _after_optimizer_step(self) -> None:
         self._record_step_comm()

@@ -12,17 +12,15 @@ when the config sets check_for_nan_in_loss_and_grad.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine import comm
 from engine.config.types import EngineConfig
 from engine.loss_scaler import LossScaler
-from engine.monitor.log import get_logger
 from engine.ops.overflow import sum_squares_and_overflow
 
 if TYPE_CHECKING:
@@ -48,22 +46,15 @@ class GradNorm:
     overflow: bool
 
 
-class StepCounters(Protocol):
-    """What names a step in the non-finite-norm warning and error: the Engine's counters."""
-
-    global_steps: int
-    skipped_steps: int
-
-
 class NonFiniteGradientError(RuntimeError):
     """The global gradient norm of an optimizer step was inf or nan and the config sets
     check_for_nan_in_loss_and_grad. Raised on every rank together (the norm is all-reduced, so every
     rank sees it) before anything is updated: weights, optimizer state, LR schedule and step counters
     are as before the step, and the step's gradients were dropped."""
 
-    def __init__(self, step: str, norm: float, rank: int) -> None:
+    def __init__(self, step: int, norm: float, rank: int) -> None:
         super().__init__(
-            f"{step}: the global gradient norm is {norm} on rank {rank} (the norm is all-reduced, so every rank "
+            f"step {step}: the global gradient norm is {norm} on rank {rank} (the norm is all-reduced, so every rank "
             "stops here): the loss or a gradient of this step is NaN or infinite on at least one rank, and "
             "\"check_for_nan_in_loss_and_grad\": true stops training on it. Nothing was updated: the weights, the "
             "optimizer state, the LR schedule and the step counters are as before the step and its gradients were "
@@ -88,14 +79,6 @@ class Precision:
         """dtype gradients travel in; None = the gradient's own dtype (DeepSpeed's default)."""
         self.accum_dtype = dtype_from_name(config.grad_accum_dtype)
         """dtype of the full-size gradient accumulation buffer; None = the parameter's dtype."""
-        self.stop_on_non_finite = config.check_for_nan_in_loss_and_grad
-        """fp32/bf16: raise NonFiniteGradientError on an inf/nan norm instead of skipping the step."""
-        self._counters: Callable[[], StepCounters | None] = lambda: None
-        """The Engine's counters, for the step number in the non-finite-norm warning and error."""
-
-    def name_steps_from(self, counters: StepCounters) -> None:
-        """Name steps as `counters` (the Engine) numbers them. A weak reference: the Engine owns this object."""
-        self._counters = weakref.ref(counters)
 
     def cast_module(self, module: torch.nn.Module) -> None:
         """bf16/fp16 configs train the model in that dtype (DeepSpeed calls module.half()/bfloat16())."""
@@ -138,8 +121,8 @@ class Precision:
     def step_shards(self, rows: list[torch.Tensor], update: Callable[[float], None], *, max_grad_norm: float,
                     average: float, scope: NormScope) -> tuple[float, bool]:
         """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
-        vote), a skip on an inf/nan norm (the loss scaler's overflow in fp16; in fp32 and bf16 a warning,
-        or NonFiniteGradientError), then `update(coef)` (engine/zero/master_step.py), where coef
+        vote), a skip on an inf/nan norm (the loss scaler's overflow in fp16; in fp32 and bf16 the Engine
+        warns or raises NonFiniteGradientError), then `update(coef)` (engine/zero/master_step.py), where coef
         folds averaging, unscaling and clipping (like torch.nn.utils.clip_grad_norm_) into the one
         factor the optimizer step applies to each gradient as it reads it, and the loss-scale update.
         Returns (global norm before clipping, whether the step was applied)."""
@@ -148,8 +131,7 @@ class Precision:
         if norm.overflow and self.scaler is not None:
             self.scaler.update(overflow=True)
             return norm.norm, False
-        if norm.overflow:  # fp32/bf16: the norm is global, so every rank takes this branch together
-            self._non_finite(norm.norm)
+        if norm.overflow:  # fp32/bf16: the norm is global, so every rank skips together (the Engine says so)
             return norm.norm, False
         coef = factor
         if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
@@ -158,17 +140,3 @@ class Precision:
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return norm.norm, True
-
-    def _non_finite(self, norm: float) -> None:
-        """An fp32/bf16 step whose global norm is inf/nan: stop (check_for_nan_in_loss_and_grad), or
-        say on rank 0 that it is skipped. Applying it would write NaN into every weight."""
-        counters = self._counters()
-        step = f"step {counters.global_steps + 1}" if counters is not None else "this optimizer step"
-        if self.stop_on_non_finite:
-            raise NonFiniteGradientError(step, norm, comm.get_rank())
-        if comm.get_rank() == 0:
-            skipped = f", skipped_steps {counters.skipped_steps + 1}" if counters is not None else ""
-            get_logger().warning(
-                "%s: gradient norm is %s (non-finite loss or gradients); the step was skipped: weights and optimizer "
-                "state are unchanged and the LR schedule did not advance%s. Set \"check_for_nan_in_loss_and_grad\": "
-                "true to stop training at such a step instead", step, norm, skipped)

@@ -42,9 +42,8 @@ class ZeroStage(Protocol):
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         """At an accumulation boundary: finish gradient reduction, clip to max_grad_norm (0: off),
-        step the optimizer (unless the global norm is inf/nan), zero the gradients. Raises
-        NonFiniteGradientError instead of skipping when check_for_nan_in_loss_and_grad asks, after zeroing
-        the gradients and before anything else changes."""
+        step the optimizer (unless the global norm is inf/nan: then nothing is updated), zero the
+        gradients."""
 
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (start a new accumulation window)."""

@@ -37,7 +37,7 @@ from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.parallel.groups import ParallelGroups
-from engine.precision import NonFiniteGradientError, Precision
+from engine.precision import Precision
 from engine.zero import bucket_sizes, owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
@@ -282,13 +282,9 @@ class FlatStage:
     def step(self, max_grad_norm: float) -> StepOutcome:
         self._flush()
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
-        try:
-            outcome = shard_step.step_on_gradients(
-                self.precision, self._norm_rows, stale=stale, averaging=self._averaging, max_grad_norm=max_grad_norm,
-                scope=self._norm_scope, update=self.master_step.step)
-        except NonFiniteGradientError:
-            self.zero_grad()  # drop the step's gradients: the step can be run again on fresh ones
-            raise
+        outcome = shard_step.step_on_gradients(
+            self.precision, self._norm_rows, stale=stale, averaging=self._averaging, max_grad_norm=max_grad_norm,
+            scope=self._norm_scope, update=self.master_step.step)
         if outcome.applied:
             self._gather_params()
         self.zero_grad()

@@ -28,7 +28,7 @@ from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.parallel.groups import ParallelGroups
-from engine.precision import NonFiniteGradientError, Precision
+from engine.precision import Precision
 from engine.zero import memory_efficient_linear, owners, released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.flat_groups import bind_shards
@@ -166,13 +166,9 @@ class Stage3:
         self._gathers.drop_prefetched()
         # Norm, clipping, the optimizer step on the shards (rows no reduction wrote are zeroed first).
         assert self.master_step is not None
-        try:
-            outcome = step_on_gradients(self.precision, self._norm_rows, stale=self._grads.stale_rows(),
-                                        averaging=self._averaging, max_grad_norm=max_grad_norm,
-                                        scope=self._norm_scope, update=self.master_step.step)
-        except NonFiniteGradientError:
-            self.zero_grad()  # drop the step's gradients: the step can be run again on fresh ones
-            raise
+        outcome = step_on_gradients(self.precision, self._norm_rows, stale=self._grads.stale_rows(),
+                                    averaging=self._averaging, max_grad_norm=max_grad_norm,
+                                    scope=self._norm_scope, update=self.master_step.step)
         # A new accumulation window.
         self.zero_grad()
         self.steps += 1
