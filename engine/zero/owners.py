@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from engine.unsupported import UnsupportedFeatureError
 from engine.zero.base import MasterOwner
+
+if TYPE_CHECKING:
+    from engine.zero.released import ZeroParamStatus
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,6 +30,8 @@ class UnitHandle:
     release: Callable[[], None]
     scatter_from: Callable[[int], None]
     """Every rank takes rank src's values of the gathered unit into its shard and fp32 master."""
+    status: Callable[[], ZeroParamStatus]
+    """DeepSpeed's `param.ds_status` of the unit's parameters, from its state (Unit.ds_status)."""
 
 
 _units = WeakIdKeyDictionary()  # stage-3 parameter -> UnitHandle

@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from engine.zero import owners
+
 
 class ReleasedParameterWarning(UserWarning):
     """A partitioned (released) stage-3 parameter was read outside forward."""
@@ -36,7 +38,7 @@ class ZeroParamStatus(enum.Enum):
 
 
 # The attributes a ZeroParameter carries (set with setattr: torch.nn.Parameter declares neither).
-_NAME, _RELEASED, _INFLIGHT, _PARTITION_NUMEL = "_zero_name", "_zero_released", "_zero_inflight", "_zero_partition_numel"
+_NAME, _RELEASED, _PARTITION_NUMEL = "_zero_name", "_zero_released", "_zero_partition_numel"
 
 # Reading these does not touch the (missing) values.
 _METADATA = frozenset({
@@ -54,10 +56,10 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_status(self) -> ZeroParamStatus:
-        """DeepSpeed's: AVAILABLE while gathered, INFLIGHT while its gather is in flight, else NOT_AVAILABLE."""
-        if not getattr(self, _RELEASED, False):
-            return ZeroParamStatus.AVAILABLE
-        return ZeroParamStatus.INFLIGHT if getattr(self, _INFLIGHT, False) else ZeroParamStatus.NOT_AVAILABLE
+        """DeepSpeed's: AVAILABLE while its unit is gathered, INFLIGHT while the unit's gather is in flight,
+        else NOT_AVAILABLE; read from the unit's state (UnitState), the one record of it."""
+        handle = owners.unit_of(self)
+        return handle.status() if handle is not None else ZeroParamStatus.NOT_AVAILABLE
 
     def partition_numel(self) -> int:
         """DeepSpeed's: elements of this parameter that this rank stores (its part of the unit's slice;
@@ -101,16 +103,10 @@ def adopt(param: torch.nn.Parameter, name: str, partition_numel: int) -> None:
 def set_released(param: torch.Tensor, released: bool) -> None:
     """Stage 3 marks `param` released (its `.data` is empty) or gathered (a view of its unit)."""
     setattr(param, _RELEASED, released)
-    setattr(param, _INFLIGHT, False)
-
-
-def set_inflight(param: torch.Tensor, inflight: bool) -> None:
-    """Stage 3 started (True) or dropped (False) the all-gather of `param`'s unit; gathering ends it."""
-    setattr(param, _INFLIGHT, inflight)
 
 
 def give_back(param: torch.nn.Parameter) -> None:
     param.__class__ = torch.nn.Parameter
-    for attr in (_NAME, _RELEASED, _INFLIGHT, _PARTITION_NUMEL):
+    for attr in (_NAME, _RELEASED, _PARTITION_NUMEL):
         if attr in param.__dict__:
             delattr(param, attr)

@@ -70,7 +70,7 @@ class Stage3:
         for unit in self.units:
             handle = owners.UnitHandle(gather=partial(self.gather_for_user, unit),
                                        release=partial(self.release_for_user, unit),
-                                       scatter_from=partial(self.scatter_from, unit))
+                                       scatter_from=partial(self.scatter_from, unit), status=unit.ds_status)
             for g in unit.groups:
                 for p in g.params:
                     owners.set_unit(p, handle)  # for engine.zero.GatheredParameters

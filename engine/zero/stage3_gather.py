@@ -93,9 +93,6 @@ class UnitGathers:
             works.append(work)
             self.gathered_bytes += _nbytes(full)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        for g in unit.groups:
-            for p in g.params:
-                released.set_inflight(p, True)  # param.ds_status INFLIGHT until gathered or dropped
         unit.state = UnitState.GATHERING
         return works
 
@@ -152,8 +149,6 @@ class UnitGathers:
             for g in unit.groups:
                 self.gathered_bytes -= _nbytes(_full(g))
                 g.full = None
-                for p in g.params:
-                    released.set_inflight(p, False)
             unit.state = UnitState.PARTITIONED
         self._in_flight.clear()
 

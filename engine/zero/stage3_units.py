@@ -37,6 +37,11 @@ class UnitState(enum.Enum):
     """The full buffers hold the whole unit and every parameter's `.data` is a view into them."""
 
 
+_DS_STATUS = {UnitState.PARTITIONED: released.ZeroParamStatus.NOT_AVAILABLE,
+              UnitState.GATHERING: released.ZeroParamStatus.INFLIGHT,
+              UnitState.GATHERED: released.ZeroParamStatus.AVAILABLE}
+
+
 @dataclass(kw_only=True)
 class ShardedGroup:
     """The parameters of one unit that share an optimizer param group and a dtype."""
@@ -100,6 +105,10 @@ class Unit:
     grads_sent: bool = False
     """Its gradients of this backward were sent to be reduced (and the unit released): a later
     backward hook of its outputs must not gather it again. Cleared by its next forward."""
+
+    def ds_status(self) -> released.ZeroParamStatus:
+        """DeepSpeed's `param.ds_status` of every parameter of the unit."""
+        return _DS_STATUS[self.state]
 
     @property
     def trainable(self) -> list[TrainableGroup]:
