@@ -6,7 +6,6 @@ import argparse
 import ctypes
 import gc
 import resource
-import time
 
 import pytest
 import torch
@@ -200,25 +199,42 @@ def test_objects_given_to_initialize_take_precedence_over_the_config_sections() 
         eng.destroy()
 
 
-class _SlowFirstForward(torch.nn.Module):
-    """Its first forward takes 1 s, as the first step does while the C++ extension builds."""
+class _Clock:
+    """A stand-in for engine.engine's `time`: perf_counter() advances 1 ms per call, and `stall` seconds
+    more at once when asked (no wall time, so the test holds on any machine)."""
 
     def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+class _SlowFirstForward(torch.nn.Module):
+    """Its first forward takes 100 s of the fake clock, as the first step does while the extension builds."""
+
+    def __init__(self, clock: _Clock) -> None:
         super().__init__()
         self.inner = make_model()
+        self.clock = clock
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == 1:
-            time.sleep(1.0)
+            self.clock.now += 100.0
         return self.inner(x)
 
 
-def test_progress_rate_does_not_count_the_first_steps_one_time_costs(capsys) -> None:
+def test_progress_rate_does_not_count_the_first_steps_one_time_costs(capsys, monkeypatch) -> None:
     """Issue 32: the progress line reported 9.1 samples/s at step 50 of a run going at 66, the first
     step's build counted in; the rate now counts from the end of the first step."""
-    eng, _, _, _ = engine.initialize(model=_SlowFirstForward(), config={**CONFIG, "steps_per_print": 3})
+    import engine.engine as engine_module
+
+    clock = _Clock()
+    monkeypatch.setattr(engine_module, "time", clock)
+    eng, _, _, _ = engine.initialize(model=_SlowFirstForward(clock), config={**CONFIG, "steps_per_print": 3})
     try:
         for _ in range(3):
             _one_step(eng)
@@ -226,5 +242,5 @@ def test_progress_rate_does_not_count_the_first_steps_one_time_costs(capsys) -> 
         eng.destroy()
     line = next(line for line in capsys.readouterr().err.splitlines() if "step 3 | loss" in line)
     rate = float(line.split(" samples/s")[0].rsplit("| ", 1)[1])
-    # 2 steps of 4 samples in milliseconds: hundreds per second; counting the 1 s sleep would give < 12.
-    assert rate > 50, line
+    # Steps 2-3 (8 samples) over a few fake milliseconds; counting the stalled first step gives 12 / 100 s.
+    assert rate > 100, line
