@@ -9,11 +9,13 @@ import torch.nn.functional as F
 
 from engine.zero import memory_efficient_linear as linear
 from engine.zero import owners
+from engine.zero.released import ZeroParamStatus
 
 
 def _own(w: torch.Tensor) -> None:
     """What a stage-3 engine does for the weights it owns (a unit that is never gathered here)."""
-    owners.set_unit(w, owners.UnitHandle(gather=lambda: False, release=lambda: None, scatter_from=lambda src: None))
+    owners.set_unit(w, owners.UnitHandle(gather=lambda: False, release=lambda: None, scatter_from=lambda src: None,
+                                         status=lambda: ZeroParamStatus.AVAILABLE))
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7), (0, 7)])
