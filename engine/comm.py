@@ -33,6 +33,12 @@ Work = dist.Work
 # Environment variables a launcher (zrun, torchrun, deepspeed) sets for each rank.
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+# torch 2.13 renamed the flat collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
+# -> reduce_scatter_single) and deprecates the old names; torch 2.4-2.12 have only the old ones. Found on a
+# GPU machine with torch 2.11, where stages 1-3 failed at their first collective.
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class _Subgroup:
@@ -515,7 +521,7 @@ def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torc
     # so output cannot alias what is sent).
     direct = not accumulate and output.dtype == wire
     target = output if direct else torch.empty(c, dtype=wire, device=input.device)
-    work = dist.reduce_scatter_single(target, send, group=group, async_op=True)
+    work = _REDUCE_SCATTER_FLAT(target, send, group=group, async_op=True)
     if direct:
         return _Finish(work)
     return _Finish(work, (lambda: output.add_(target)) if accumulate else (lambda: output.copy_(target)))
@@ -546,7 +552,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
         work: Handle = schedule.all_gather(_transport(group), output, input, rank=group_rank(group), n=n,
                                            seq=_next_seq(group), key=key)
     else:
-        work = _Finish(dist.all_gather_single(output, input, group=group, async_op=True))
+        work = _Finish(_ALL_GATHER_FLAT(output, input, group=group, async_op=True))
     if async_op:
         return work
     work.wait()

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from engine import comm
-from engine.accelerator import get_accelerator  # noqa: F401 - DeepSpeed's partition_parameters has it; transformers calls pp.get_accelerator()
+from engine.accelerator import get_accelerator  # also DeepSpeed's partition_parameters.get_accelerator (transformers)
 from engine.config import run_checks, zero_stage
 from engine.monitor.log import get_logger
 from engine.zero.released import ZeroParamStatus  # noqa: F401 - DeepSpeed's partition_parameters has it (TRL imports it)
@@ -133,6 +133,10 @@ def partition(params: Iterable[torch.Tensor], dtype: torch.dtype | None = None, 
     whole = [p for p in params if not is_partitioned(p)]
     if not whole:
         return
+    device = _collective_device()
+    if device is not None:  # NCCL moves device tensors only: partition where the collectives run, as
+        for p in whole:     # DeepSpeed's Init does on its local_device (found on an H200: a CPU gather failed)
+            p.data = p.data.to(device)
     if src is not None:
         comm.broadcast_coalesced([p.data for p in whole], src=src)
     world, rank = comm.get_world_size(), comm.get_rank()
@@ -172,6 +176,12 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 
 
 _malloc_trim = _find_malloc_trim()
+
+
+def _collective_device() -> torch.device | None:
+    """The accelerator's device when it is not the CPU (parameters partitioned there), else None."""
+    accelerator = get_accelerator()
+    return None if accelerator.device_name() == "cpu" else accelerator.device()
 
 
 def full_value(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -255,6 +265,9 @@ class Init:
         if remote_device not in (None, "cpu"):
             raise ValueError(f"engine.zero.Init: remote_device={remote_device!r} is not supported (parameters "
                              "stay on the device they are built on); use None")
+        if remote_device == "cpu" and enabled and _collective_device() is not None:
+            raise ValueError("engine.zero.Init: remote_device='cpu' on a GPU is not supported yet (it has not run "
+                             "on one); use None: the partitions live on the GPU")
         self.enabled = enabled
         self.dtype = dtype
         source = config_dict_or_path if config_dict_or_path is not None else config

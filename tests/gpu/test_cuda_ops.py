@@ -318,7 +318,7 @@ def test_engine_ops_send_cuda_tensors_to_the_cuda_module(ext, monkeypatch) -> No
     monkeypatch.setattr(flatten, "torch_copy_into", no_fallback)
     monkeypatch.setattr(overflow, "torch_sum_squares_and_overflow", no_fallback)
     monkeypatch.setattr(adam, "adam_step_reference", no_fallback)
-    src = values(1000, 1).cuda()
+    src = values(1000, 1, finite=True).cuda()  # finite: the overflow flag must come back False
     dst = torch.zeros(1000, device="cuda")
     flatten.copy_into(dst, [src], [0], 0.5)
     assert torch.equal(dst, src * 0.5)
