@@ -37,7 +37,7 @@ MICRO = 4
 STEPS = 50
 TOLERANCE = 0.02
 """Largest relative difference of the loss over 50 steps allowed between low-precision gradients and
-fp32 accumulation (stated in the README)."""
+fp32 accumulation (stated in docs/precision.md)."""
 
 
 class Net(torch.nn.Module):
