@@ -1,6 +1,6 @@
 // accumulate: dst += float32(src) * scale in place, one 1-D segment into an accumulator (the gloo
 // reduce-scatter adds each arriving low-precision segment this way; engine/ops/accumulate.py is the
-// Python side and the torch fallback).
+// Python side and the torch fallback, engine/ops/cpu_lib.py checks the tensors and passes their pointers).
 //
 // [Note: accumulate semantics] every element becomes to_dst(float(dst) + float(src) * float(scale)):
 // the scale is rounded to float32, the product is a float32 product rounded on its own (no fused
@@ -18,12 +18,9 @@
 // calling thread with no parallel region and no allocation; above, threads claim kChunk-element
 // chunks from a shared counter as in flatten.cpp. Element-wise math: bitwise the same at any thread
 // count.
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <string_view>
 #include <type_traits>
 
 #include "lanes.h"
@@ -100,77 +97,49 @@ void accumulate_lp(void* dst_ptr, const void* src_ptr, int64_t n, bool scaled, f
   }
 }
 
-// torch's name of a dtype ("float32", "bfloat16", "float64", ...), as the Python checks print it.
-std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).first; }
-
 // The kernel for (dst, src) dtypes, or nullptr for a pair the op does not take.
-Kernel kernel_for(at::ScalarType dst, at::ScalarType src) {
-  if (dst == at::kFloat) {
+Kernel kernel_for(int32_t dst, int32_t src) {
+  if (dst == kFloat32) {
     switch (src) {
-      case at::kFloat: return accumulate_f32<float>;
-      case at::kBFloat16: return accumulate_f32<c10::BFloat16>;
-      case at::kHalf: return accumulate_f32<c10::Half>;
+      case kFloat32: return accumulate_f32<float>;
+      case kBFloat16: return accumulate_f32<c10::BFloat16>;
+      case kFloat16: return accumulate_f32<c10::Half>;
       default: return nullptr;
     }
   }
-  if (dst == src && dst == at::kBFloat16) return accumulate_lp<c10::BFloat16>;
-  if (dst == src && dst == at::kHalf) return accumulate_lp<c10::Half>;
+  if (dst == src && dst == kBFloat16) return accumulate_lp<c10::BFloat16>;
+  if (dst == src && dst == kFloat16) return accumulate_lp<c10::Half>;
   return nullptr;
 }
 
-void check_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.defined(), "accumulate: ", name, " is an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), "accumulate: ", name, " is on ", t.device(),
-              "; the compiled op takes CPU tensors");
-  TORCH_CHECK(t.is_contiguous(), "accumulate: ", name, " is not contiguous (stride ", t.strides(),
-              "); pass .contiguous()");
-  TORCH_CHECK(t.dim() == 1, "accumulate: ", name, " must be 1-D, got shape ", t.sizes(),
-              "; pass .view(-1) of a contiguous tensor");
-}
+}  // namespace
+}  // namespace zero_engine
 
-void accumulate(const at::Tensor& dst, const at::Tensor& src, double scale) {
-  check_tensor(dst, "dst");
-  check_tensor(src, "src");
-  const Kernel kernel = kernel_for(dst.scalar_type(), src.scalar_type());
-  TORCH_CHECK(kernel != nullptr, "accumulate: dst ", dtype_name(dst.scalar_type()), " with src ",
-              dtype_name(src.scalar_type()), " is not supported; supported: dst float32 with src float32, "
-              "bfloat16 or float16, or dst bfloat16 / float16 with src of the same dtype");
-  const int64_t n = dst.numel();
-  TORCH_CHECK(src.numel() == n, "accumulate: dst.numel() = ", n, " != src.numel() = ", src.numel(),
-              "; dst and src must have the same number of elements");
-  char* dst_ptr = static_cast<char*>(dst.data_ptr());
-  const char* src_ptr = static_cast<const char*>(src.data_ptr());
-  const int64_t dst_bytes = dst.element_size(), src_bytes = src.element_size();
-  const bool disjoint = dst_ptr + n * dst_bytes <= src_ptr || src_ptr + n * src_bytes <= dst_ptr;
-  TORCH_CHECK(n == 0 || disjoint || (dst_ptr == src_ptr && dst_bytes == src_bytes),
-              "accumulate: dst and src partially overlap in memory; pass disjoint tensors (or the same one)");
+int32_t ze_accumulate(void* dst, const void* src, int64_t n, int32_t dst_type, int32_t src_type, double scale,
+                      int32_t threads) {
+  using namespace zero_engine;
+  const Kernel kernel = kernel_for(dst_type, src_type);
+  if (kernel == nullptr) return -1;  // cpu_lib.py refuses such a pair by name before calling
+  char* dst_ptr = static_cast<char*>(dst);
+  const char* src_ptr = static_cast<const char*>(src);
+  const int64_t dst_bytes = element_size(dst_type), src_bytes = element_size(src_type);
   const bool scaled = scale != 1.0;
   const float scale_f = static_cast<float>(scale);
   if (n < kParallelElements) {  // the common segment: no parallel region
     kernel(dst_ptr, src_ptr, n, scaled, scale_f);
-    return;
+    return 0;
   }
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t workers = std::min<int64_t>(chunks, at::get_num_threads());
+  const int64_t workers = std::min<int64_t>(chunks, threads);
   // As flatten.cpp: threads claim chunks from a shared counter, so one slowed by other work on its core
   // does not hold the others up.
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  on_threads(workers, [&] {
     for (int64_t c = next++; c < chunks; c = next++) {
       const int64_t begin = c * kChunk;
       kernel(dst_ptr + begin * dst_bytes, src_ptr + begin * src_bytes, std::min(kChunk, n - begin), scaled,
              scale_f);
     }
   });
+  return 0;
 }
-
-}  // namespace
-
-void register_accumulate(pybind11::module_& m) {
-  namespace py = pybind11;
-  // The GIL is released while adding, so Python threads (e.g. the communication thread) keep running.
-  m.def("accumulate", &accumulate, "dst += float(src) * scale in place (float32 math, one rounding into dst)",
-        py::arg("dst"), py::arg("src"), py::arg("scale") = 1.0, py::call_guard<py::gil_scoped_release>());
-}
-
-}  // namespace zero_engine

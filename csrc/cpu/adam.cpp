@@ -14,9 +14,12 @@
 // SIMD: AVX-512 intrinsics (16 floats per instruction) when built with AVX-512 F/BW/VL; the tail
 // of a tensor uses masked loads/stores, so every element runs the same instruction sequence.
 // Without AVX-512, a loop under `#pragma omp simd` left to the compiler (see the generic kernel).
-// Threads: at::parallel_for over a table of kChunk-element chunks of all tensors (one parallel region
-// per call, whatever the number of tensors); the math is element-wise, so the result is bitwise
-// identical at any thread count.
+// Threads: parallel_for (ops.h) over a table of kChunk-element chunks of all tensors (one parallel
+// region per call, whatever the number of tensors); the math is element-wise, so the result is bitwise
+// identical at any thread count. engine/ops/cpu_lib.py checks the tensors and passes their pointers.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -44,7 +47,7 @@ struct Slot {
   float *p, *m, *v;
   const void* g;
   void* lp;
-  at::ScalarType g_type, lp_type;
+  int32_t g_type, lp_type;
 };
 
 struct Chunk {
@@ -81,11 +84,11 @@ inline __m512 rounded(__m512 x) {
 }
 
 inline __m512 load16(const float* x, __mmask16 k) { return _mm512_maskz_loadu_ps(k, x); }
-inline __m512 load16(const at::BFloat16* x, __mmask16 k) {
+inline __m512 load16(const c10::BFloat16* x, __mmask16 k) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-inline __m512 load16(const at::Half* x, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, x)); }
+inline __m512 load16(const c10::Half* x, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, x)); }
 
 // The low-precision copy is only written: a full, 32-byte-aligned group goes out as a streaming store,
 // which skips reading the destination line first (2 of the 30 bytes per parameter; ~4% measured).
@@ -100,7 +103,7 @@ inline void store_halves(void* y, __mmask16 k, __m256i h) {
 inline void store16(NoCopy*, __mmask16, __m512) {}
 // Round to nearest even with integer ops, bit for bit c10's float->bfloat16 (NaN -> 0x7FC0);
 // avx512_bf16's vcvtneps2bf16 would keep NaN payloads instead, and is not on every AVX-512 CPU.
-inline void store16(at::BFloat16* y, __mmask16 k, __m512 x) {
+inline void store16(c10::BFloat16* y, __mmask16 k, __m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
@@ -108,7 +111,7 @@ inline void store16(at::BFloat16* y, __mmask16 k, __m512 x) {
   top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   store_halves(y, k, _mm512_cvtepi32_epi16(top));
 }
-inline void store16(at::Half* y, __mmask16 k, __m512 x) {
+inline void store16(c10::Half* y, __mmask16 k, __m512 x) {
   store_halves(y, k, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
@@ -166,75 +169,44 @@ void run_chunk_typed(const Coeffs& c, const Slot& s, int64_t begin, int64_t n) {
   float *p = s.p + begin, *m = s.m + begin, *v = s.v + begin;
   if (s.lp == nullptr) {
     adam_kernel(c, p, m, v, g, static_cast<NoCopy*>(nullptr), n);
-  } else if (s.lp_type == at::kBFloat16) {
-    adam_kernel(c, p, m, v, g, static_cast<at::BFloat16*>(s.lp) + begin, n);
+  } else if (s.lp_type == kBFloat16) {
+    adam_kernel(c, p, m, v, g, static_cast<c10::BFloat16*>(s.lp) + begin, n);
   } else {
-    adam_kernel(c, p, m, v, g, static_cast<at::Half*>(s.lp) + begin, n);
+    adam_kernel(c, p, m, v, g, static_cast<c10::Half*>(s.lp) + begin, n);
   }
 }
 
 void run_chunk(const Coeffs& c, const Slot& s, int64_t begin, int64_t n) {
   switch (s.g_type) {
-    case at::kFloat: return run_chunk_typed<float>(c, s, begin, n);
-    case at::kBFloat16: return run_chunk_typed<at::BFloat16>(c, s, begin, n);
-    default: return run_chunk_typed<at::Half>(c, s, begin, n);
+    case kFloat32: return run_chunk_typed<float>(c, s, begin, n);
+    case kBFloat16: return run_chunk_typed<c10::BFloat16>(c, s, begin, n);
+    default: return run_chunk_typed<c10::Half>(c, s, begin, n);
   }
 }
 
-enum class Kind { kFp32, kGrad, kLowPrecision };
+// torch's rule (at::internal::GRAIN_SIZE): below this many elements a parallel region costs more than
+// it saves.
+constexpr int64_t kGrainSize = 32768;
 
-void check_tensor(const at::Tensor& t, const char* list, size_t i, int64_t numel, Kind kind) {
-  TORCH_CHECK_VALUE(t.defined(), "adam_step: ", list, "[", i, "] is undefined (None)");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "adam_step: ", list, "[", i, "] is on ", t.device(),
-                    "; the compiled op takes CPU tensors only (engine.ops.adam.adam_step routes other "
-                    "devices to the torch fallback)");
-  const auto dtype = t.scalar_type();
-  if (kind == Kind::kFp32) {
-    TORCH_CHECK_TYPE(dtype == at::kFloat, "adam_step: ", list, "[", i, "] has dtype ", dtype,
-                     "; expected float32 (fp32 master weights and optimizer states)");
-  } else if (kind == Kind::kGrad) {
-    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "adam_step: ", list,
-                     "[", i, "] has dtype ", dtype, "; expected float32, bfloat16 or float16");
-  } else {
-    TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf, "adam_step: ", list, "[", i, "] has dtype ",
-                     dtype, "; expected bfloat16 or float16 (the low-precision copy of params[", i, "])");
-  }
-  TORCH_CHECK_VALUE(t.is_contiguous(), "adam_step: ", list, "[", i, "] is not contiguous; pass .contiguous()");
-  TORCH_CHECK_VALUE(t.numel() == numel, "adam_step: ", list, "[", i, "] has ", t.numel(),
-                    " elements but params[", i, "] has ", numel);
-}
+}  // namespace
+}  // namespace zero_engine
 
-void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> exp_avgs,
-               std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> lp_params, double lr, double beta1,
-               double beta2, double eps, double weight_decay, bool adamw_mode, int64_t step,
-               bool bias_correction, double grad_scale) {
-  const size_t n = params.size();
-  TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-                    "adam_step: one grad, exp_avg and exp_avg_sq per param expected; got ", n, " params, ",
-                    grads.size(), " grads, ", exp_avgs.size(), " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs");
-  TORCH_CHECK_VALUE(lp_params.empty() || lp_params.size() == n, "adam_step: lp_params must be empty or hold one "
-                    "tensor per param; got ", lp_params.size(), " for ", n, " params");
-  TORCH_CHECK_VALUE(step >= 1, "adam_step: step must be >= 1 (the count including this update), got ", step);
-  TORCH_CHECK_VALUE(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "adam_step: betas must be in [0, 1), got (",
-                    beta1, ", ", beta2, ")");
-
-  std::vector<Slot> slots(n);
+void ze_adam_step(float* const* params, const void* const* grads, float* const* exp_avgs,
+                  float* const* exp_avg_sqs, void* const* lp_params, const int64_t* numels,
+                  const int32_t* grad_types, const int32_t* lp_types, int64_t count, double lr, double beta1,
+                  double beta2, double eps, double weight_decay, int32_t adamw_mode, int64_t step,
+                  int32_t bias_correction, double grad_scale, int32_t threads) {
+  using namespace zero_engine;
+  std::vector<Slot> slots(count);
   std::vector<Chunk> chunks;
   int64_t total = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t numel = params[i].defined() ? params[i].numel() : 0;
-    check_tensor(params[i], "params", i, numel, Kind::kFp32);
-    check_tensor(grads[i], "grads", i, numel, Kind::kGrad);
-    check_tensor(exp_avgs[i], "exp_avgs", i, numel, Kind::kFp32);
-    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel, Kind::kFp32);
-    if (!lp_params.empty()) check_tensor(lp_params[i], "lp_params", i, numel, Kind::kLowPrecision);
-    const bool lp = !lp_params.empty();
-    slots[i] = {params[i].data_ptr<float>(), exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(),
-                grads[i].data_ptr(), lp ? lp_params[i].data_ptr() : nullptr, grads[i].scalar_type(),
-                lp ? lp_params[i].scalar_type() : at::kFloat};
-    total += numel;
-    for (int64_t begin = 0; begin < numel; begin += kChunk) {
-      chunks.push_back({static_cast<int64_t>(i), begin, std::min(kChunk, numel - begin)});
+  for (int64_t i = 0; i < count; ++i) {
+    const bool lp = lp_params != nullptr;
+    slots[i] = {params[i], exp_avgs[i], exp_avg_sqs[i], grads[i], lp ? lp_params[i] : nullptr, grad_types[i],
+                lp ? lp_types[i] : kFloat32};
+    total += numels[i];
+    for (int64_t begin = 0; begin < numels[i]; begin += kChunk) {
+      chunks.push_back({i, begin, std::min(kChunk, numels[i] - begin)});
     }
   }
 
@@ -242,8 +214,8 @@ void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, st
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
   Coeffs c{};
   c.grad_scale = static_cast<float>(grad_scale);
-  c.l2 = !adamw_mode && weight_decay != 0.0;
-  c.adamw = adamw_mode && weight_decay != 0.0;
+  c.l2 = adamw_mode == 0 && weight_decay != 0.0;
+  c.adamw = adamw_mode != 0 && weight_decay != 0.0;
   c.l2_decay = static_cast<float>(weight_decay);
   c.adamw_decay = static_cast<float>(1.0 - lr * weight_decay);
   const auto lerp_weight = static_cast<float>(1.0 - beta1);  // torch: lerp_(grad, 1 - beta1)
@@ -255,31 +227,9 @@ void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, st
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-(lr / bc1));
 
-  // Written through raw pointers, so bump the version counters as an in-place torch op would: a
-  // backward that saved one of these tensors then fails loudly instead of using the new values.
-  for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &lp_params}) {
-    for (const auto& t : *list) torch::autograd::impl::bump_version(t);
-  }
   const auto run = [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) run_chunk(c, slots[chunks[i].slot], chunks[i].begin, chunks[i].size);
   };
   const auto num_chunks = static_cast<int64_t>(chunks.size());
-  if (total < at::internal::GRAIN_SIZE) {
-    run(0, num_chunks);  // small work: a parallel region would cost more than it saves (torch's rule too)
-  } else {
-    at::parallel_for(0, num_chunks, 1, run);
-  }
+  parallel_for(num_chunks, total < kGrainSize ? 1 : threads, run);
 }
-
-}  // namespace
-
-void register_adam(pybind11::module_& m) {
-  m.def("adam_step", &adam_step, "Fused Adam/AdamW step over lists of CPU tensors (see csrc/cpu/adam.cpp)",
-        pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"),
-        pybind11::arg("lp_params"), pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"),
-        pybind11::arg("eps"), pybind11::arg("weight_decay"), pybind11::arg("adamw_mode"), pybind11::arg("step"),
-        pybind11::arg("bias_correction"), pybind11::arg("grad_scale"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}
-
-}  // namespace zero_engine

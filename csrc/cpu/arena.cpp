@@ -7,22 +7,22 @@
 // its buffer once, writes every page at creation, and lends 64-byte-aligned blocks as tensors.
 //
 // [Note: arena block lifetime]
-// A block's tensor owns a shared_ptr to the arena's State through its deleter, so the buffer stays
-// valid while any tensor or view of it lives, even after the Python Arena is gone; the last owner
-// frees it. The deleter runs on whichever thread drops the storage (autograd threads too), so every
-// read or change of the free list holds State::mutex, and nothing holding it calls into Python.
-#include "ops.h"
-
-#include <ATen/Parallel.h>
-#include <c10/util/safe_numerics.h>
-
+// This file is the buffer and its free list; engine/ops/cpu_lib.py lends each block as a tensor (its
+// storage holds a Python object whose finalizer gives the block back, the way engine/ops/arena.py's
+// fallback does) and keeps the arena alive while any block's storage lives, so the buffer stays valid
+// after the Python Arena is gone. A block is given back on whichever thread drops the storage (autograd
+// threads too), so every read or change of the free list holds State::mutex; nothing here calls into
+// Python.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <new>
 #include <set>
-#include <sstream>
+#include <utility>
+
+#include "ops.h"
 
 namespace zero_engine {
 namespace {
@@ -38,19 +38,18 @@ struct Usage {
 };
 
 struct State {
-  State(int64_t capacity_bytes, std::string key)
-      : capacity(round_up(capacity_bytes, kBlockAlign)), config_key(std::move(key)) {
+  // Takes and pre-touches the buffer; `base` stays null when the memory cannot be had.
+  State(int64_t capacity_bytes, int64_t threads) : capacity(round_up(capacity_bytes, kBlockAlign)) {
     // No madvise(MADV_HUGEPAGE), measured here (THP "madvise" mode): streaming fills and copies into a
     // touched buffer ran at the same speed (8.8 vs 8.5 GB/s fill, 6.9 vs 6.7 copy, one thread), while
     // creation stalled 0.8-3 s per 256 MiB-1 GiB on compaction whenever memory was fragmented. Large
     // arenas stay 2 MiB-aligned so a THP "always" kernel can still use huge pages.
     void* ptr = nullptr;
     const int64_t align = capacity >= kHugePage ? kHugePage : kBlockAlign;  // small arenas: no 2 MiB hole
-    TORCH_CHECK(posix_memalign(&ptr, align, capacity) == 0, "Arena: could not allocate ", capacity,
-                " bytes; lower ", config_key);
+    if (posix_memalign(&ptr, align, capacity) != 0) return;
     base = static_cast<char*>(ptr);
     // Pre-touch: write every page now so no step pays a first-touch fault.
-    at::parallel_for(0, (capacity + kHugePage - 1) / kHugePage, 1, [&](int64_t begin, int64_t end) {
+    parallel_for((capacity + kHugePage - 1) / kHugePage, threads, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         std::memset(base + i * kHugePage, 0, std::min(kHugePage, capacity - i * kHugePage));
       }
@@ -111,103 +110,57 @@ struct State {
 
   char* base = nullptr;  // capacity bytes, 2 MiB-aligned (64 if smaller), every page written once
   const int64_t capacity;
-  const std::string config_key;  // the setting a user raises when a request does not fit
-  std::mutex mutex;              // See [Note: arena block lifetime]
+  std::mutex mutex;  // See [Note: arena block lifetime]
   std::map<int64_t, int64_t> by_offset;           // free blocks, offset -> size, address order
   std::set<std::pair<int64_t, int64_t>> by_size;  // the same blocks as (size, offset), for best fit
   int64_t in_use = 0, peak_in_use = 0, allocations = 0;
 };
 
-std::string full_message(const Usage& u, const std::string& config_key, c10::IntArrayRef sizes,
-                         at::ScalarType dtype, int64_t nbytes, int64_t block) {
-  // Word for word the fallback's message (engine/ops/arena.py, _full_message); a test compares them.
-  // str(torch.dtype) needs the GIL, which allocate() holds (and its caller never holds State::mutex).
-  const auto dtype_name = pybind11::str(pybind11::cast(dtype)).cast<std::string>();
-  std::ostringstream out;
-  const int64_t free_total = u.capacity - u.in_use;
-  out << "Arena: cannot allocate a tensor of shape " << sizes << " and dtype " << dtype_name << " (" << nbytes
-      << " bytes, a " << block << "-byte block): capacity " << u.capacity << " bytes, " << u.in_use
-      << " in use, largest free block " << u.largest_free << " bytes";
-  if (free_total >= block) out << " (" << free_total << " bytes free but fragmented into " << u.free_blocks
-                               << " blocks)";
-  out << ". Raise " << config_key << " (the arena's capacity in bytes).";
-  return out.str();
+// The C API's layout of a Usage: six int64s in field order.
+void write_usage(const Usage& u, int64_t* out) {
+  const int64_t values[] = {u.capacity, u.in_use, u.peak_in_use, u.largest_free, u.free_blocks, u.allocations};
+  std::copy(values, values + 6, out);
 }
-
-class Arena {
- public:
-  Arena(int64_t capacity_bytes, std::string config_key) {
-    TORCH_CHECK_VALUE(capacity_bytes > 0, "Arena: capacity_bytes must be positive, got ", capacity_bytes,
-                      "; set ", config_key);
-    state_ = std::make_shared<State>(capacity_bytes, std::move(config_key));
-  }
-
-  at::Tensor allocate(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
-    int64_t nbytes = static_cast<int64_t>(c10::elementSize(dtype));
-    for (int64_t size : sizes) {
-      TORCH_CHECK_VALUE(size >= 0, "Arena.allocate: negative size in shape ", c10::IntArrayRef(sizes));
-      TORCH_CHECK_VALUE(!c10::mul_overflows(nbytes, size, &nbytes), "Arena.allocate: shape ",
-                        c10::IntArrayRef(sizes), " overflows int64 bytes");
-    }
-    const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
-    if (nbytes == 0) return at::empty(sizes, options);  // takes no block
-    const int64_t block = round_up(nbytes, kBlockAlign);
-    int64_t offset = -1;
-    Usage usage{};
-    {
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      offset = state_->take(block);
-      if (offset < 0) usage = state_->usage();
-    }
-    TORCH_CHECK(offset >= 0, full_message(usage, state_->config_key, sizes, dtype, nbytes, block));
-    // Inputs are checked above, so from_blob can only fail on bad_alloc, before it owns the deleter.
-    std::shared_ptr<State> state = state_;  // See [Note: arena block lifetime]
-    return torch::from_blob(
-        state->base + offset, sizes,
-        [state, offset, block](void*) {
-          std::lock_guard<std::mutex> lock(state->mutex);
-          state->give_back(offset, block);
-        },
-        options);
-  }
-
-  pybind11::dict stats() {
-    Usage u{};
-    {
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      u = state_->usage();
-    }
-    const int64_t free_total = u.capacity - u.in_use;
-    pybind11::dict out;
-    out["capacity"] = u.capacity;
-    out["in_use"] = u.in_use;
-    out["peak_in_use"] = u.peak_in_use;
-    out["largest_free"] = u.largest_free;
-    out["free_blocks"] = u.free_blocks;
-    out["allocations"] = u.allocations;
-    out["fragmentation"] =
-        free_total > 0 ? 1.0 - static_cast<double>(u.largest_free) / static_cast<double>(free_total) : 0.0;
-    return out;
-  }
-
-  int64_t data_ptr() const { return reinterpret_cast<int64_t>(state_->base); }
-
- private:
-  std::shared_ptr<State> state_;
-};
 
 }  // namespace
+}  // namespace zero_engine
 
-void register_arena(pybind11::module_& m) {
-  namespace py = pybind11;
-  py::class_<Arena>(m, "Arena", "Pre-touched contiguous CPU buffer lending best-fit 64-byte-aligned blocks")
-      .def(py::init<int64_t, std::string>(), py::arg("capacity_bytes"), py::arg("config_key"),
-           py::call_guard<py::gil_scoped_release>())  // pre-touching gigabytes takes a while
-      .def("allocate", &Arena::allocate, py::arg("sizes"), py::arg("dtype"),
-           "A CPU tensor in a free block; its storage gives the block back when it dies")
-      .def("stats", &Arena::stats, "capacity, in_use, peak_in_use, largest_free, free_blocks, allocations, "
-                                   "fragmentation (1 - largest_free / free bytes)")
-      .def("data_ptr", &Arena::data_ptr, "Address of the arena's first byte");
+using zero_engine::State;
+using zero_engine::write_usage;
+
+void* ze_arena_create(int64_t capacity, int32_t threads) {
+  auto* state = new (std::nothrow) State(capacity, threads);  // no C++ exception may cross the C API
+  if (state != nullptr && state->base == nullptr) {
+    delete state;
+    return nullptr;
+  }
+  return state;
 }
 
-}  // namespace zero_engine
+void ze_arena_destroy(void* arena) { delete static_cast<State*>(arena); }
+
+void* ze_arena_base(void* arena) { return static_cast<State*>(arena)->base; }
+
+int64_t ze_arena_take(void* arena, int64_t size, int64_t* usage_if_full) {
+  auto* state = static_cast<State*>(arena);
+  std::lock_guard<std::mutex> lock(state->mutex);
+  const int64_t offset = state->take(size);
+  if (offset < 0) write_usage(state->usage(), usage_if_full);  // the state that refused, for the message
+  return offset;
+}
+
+void ze_arena_give_back(void* arena, int64_t offset, int64_t size) {
+  auto* state = static_cast<State*>(arena);
+  std::lock_guard<std::mutex> lock(state->mutex);
+  state->give_back(offset, size);
+}
+
+void ze_arena_usage(void* arena, int64_t* out) {
+  auto* state = static_cast<State*>(arena);
+  zero_engine::Usage u{};
+  {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    u = state->usage();
+  }
+  write_usage(u, out);
+}

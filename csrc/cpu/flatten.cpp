@@ -1,18 +1,17 @@
-// copy_into / copy_out: many tensors into / out of ranges of one flat 1-D buffer, with a dtype cast
-// and a scale, in one parallel pass (engine/ops/flatten.py is the Python side and the torch fallback).
+// copy_into / copy_out: many tensors into / out of ranges of one flat 1-D buffer, with a dtype cast and a
+// scale, in one parallel pass (engine/ops/flatten.py is the Python side and the torch fallback;
+// engine/ops/cpu_lib.py checks the tensors and ranges and passes each pair's two pointers here).
 //
 // [Note: copy semantics] every element becomes cast_to_out_dtype(float(in) * float(scale)): the
 // multiply is done in float32 with the scale rounded to float32 first, exactly what torch does for a
 // float32 tensor times a Python float; the casts are c10::BFloat16 / c10::Half's round-to-nearest-even,
 // torch's own. scale == 1.0 skips the multiply (a pure copy or cast; memcpy when the dtypes match).
 // So the torch fallback gives bitwise the same results (NaN payloads aside).
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -134,68 +133,25 @@ void convert(const void* in_ptr, void* out_ptr, int64_t n, bool scaled, float sc
 }
 
 template <typename In>
-Kernel kernel_to(at::ScalarType out) {
+Kernel kernel_to(int32_t out) {
   switch (out) {
-    case at::kFloat: return convert<In, float>;
-    case at::kBFloat16: return convert<In, c10::BFloat16>;
+    case kFloat32: return convert<In, float>;
+    case kBFloat16: return convert<In, c10::BFloat16>;
     default: return convert<In, c10::Half>;  // the dtypes were checked before
   }
 }
 
-Kernel kernel_for(at::ScalarType in, at::ScalarType out) {
+Kernel kernel_for(int32_t in, int32_t out) {
   switch (in) {
-    case at::kFloat: return kernel_to<float>(out);
-    case at::kBFloat16: return kernel_to<c10::BFloat16>(out);
+    case kFloat32: return kernel_to<float>(out);
+    case kBFloat16: return kernel_to<c10::BFloat16>(out);
     default: return kernel_to<c10::Half>(out);
   }
 }
 
-void check_tensor(const at::Tensor& t, const char* op, const std::string& name) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " is on ", t.device(), "; the compiled op takes CPU tensors");
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " is not contiguous (stride ", t.strides(),
-              "); pass .contiguous()");
-  const auto dtype = t.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": ", name, " has dtype ",
-              dtype, "; supported: float32, bfloat16, float16");
-}
-
-// Checks every tensor and range, then pairs each of `many` with its range of `flat`.
-std::vector<Job> plan(const char* op, const at::Tensor& flat, const char* flat_name,
-                      const std::vector<at::Tensor>& many, const char* many_name, const std::vector<int64_t>& offsets,
-                      bool into_flat) {
-  check_tensor(flat, op, flat_name);
-  TORCH_CHECK(flat.dim() == 1, op, ": ", flat_name, " must be 1-D, got shape ", flat.sizes());
-  TORCH_CHECK(many.size() == offsets.size(), op, ": len(", many_name, ") = ", many.size(), " != len(offsets) = ",
-              offsets.size(), "; give one offset per tensor");
-  std::vector<Job> jobs;
-  jobs.reserve(many.size());
-  char* flat_base = static_cast<char*>(flat.data_ptr());
-  const int64_t flat_bytes = flat.element_size();
-  for (size_t i = 0; i < many.size(); ++i) {
-    const std::string name = std::string(many_name) + "[" + std::to_string(i) + "]";
-    check_tensor(many[i], op, name);
-    const int64_t n = many[i].numel();
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= flat.numel() - n, op, ": offsets[", i, "] + ", name,
-                ".numel() = ", offsets[i], " + ", n, " is outside ", flat_name, " (numel ", flat.numel(),
-                "); the range must lie inside it");
-    char* flat_ptr = flat_base + offsets[i] * flat_bytes;
-    char* other_ptr = static_cast<char*>(many[i].data_ptr());
-    const int64_t other_bytes = many[i].element_size();
-    if (into_flat) {
-      jobs.push_back({other_ptr, flat_ptr, n, other_bytes, flat_bytes,
-                      kernel_for(many[i].scalar_type(), flat.scalar_type())});
-    } else {
-      jobs.push_back({flat_ptr, other_ptr, n, flat_bytes, other_bytes,
-                      kernel_for(flat.scalar_type(), many[i].scalar_type())});
-    }
-  }
-  return jobs;
-}
-
 // Splits the jobs into kChunk-element chunks (never crossing a tensor) and runs them all in one
 // parallel region, so many small tensors and one huge one spread over the threads alike.
-void run(const std::vector<Job>& jobs, double scale) {
+void run(const std::vector<Job>& jobs, double scale, int64_t threads) {
   struct Chunk {
     const Job* job;
     int64_t begin;
@@ -216,9 +172,9 @@ void run(const std::vector<Job>& jobs, double scale) {
   const bool stream = out_bytes >= kStreamBytes;
   // Threads claim chunks from a shared counter instead of a fixed split, so a thread slowed by other
   // work on its core does not hold the others up. Below two chunks of work, one thread does it all.
-  const int64_t workers = total < 2 * kChunk ? 1 : at::get_num_threads();
+  const int64_t workers = total < 2 * kChunk ? 1 : threads;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  on_threads(workers, [&] {
     for (int64_t c = next++; c < static_cast<int64_t>(chunks.size()); c = next++) {
       const Chunk& chunk = chunks[c];
       const Job& job = *chunk.job;
@@ -229,27 +185,17 @@ void run(const std::vector<Job>& jobs, double scale) {
   });
 }
 
-void copy_into(const at::Tensor& dst, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets,
-               double scale) {
-  run(plan("copy_into", dst, "dst", srcs, "srcs", offsets, /*into_flat=*/true), scale);
-}
-
-void copy_out(const at::Tensor& src, const std::vector<at::Tensor>& dsts, const std::vector<int64_t>& offsets,
-              double scale) {
-  run(plan("copy_out", src, "src", dsts, "dsts", offsets, /*into_flat=*/false), scale);
-}
-
 }  // namespace
-
-void register_flatten(pybind11::module_& m) {
-  namespace py = pybind11;
-  // The GIL is released while copying, so Python threads (e.g. communication) keep running.
-  m.def("copy_into", &copy_into, "dst[offsets[i]:offsets[i]+srcs[i].numel()] = cast(float(srcs[i]) * scale)",
-        py::arg("dst"), py::arg("srcs"), py::arg("offsets"), py::arg("scale") = 1.0,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("copy_out", &copy_out, "dsts[i] = cast(float(src[offsets[i]:offsets[i]+dsts[i].numel()]) * scale)",
-        py::arg("src"), py::arg("dsts"), py::arg("offsets"), py::arg("scale") = 1.0,
-        py::call_guard<py::gil_scoped_release>());
-}
-
 }  // namespace zero_engine
+
+void ze_copy(const void* const* ins, void* const* outs, const int64_t* numels, const int32_t* in_types,
+             const int32_t* out_types, int64_t count, double scale, int32_t threads) {
+  using namespace zero_engine;
+  std::vector<Job> jobs;
+  jobs.reserve(count);
+  for (int64_t i = 0; i < count; ++i) {
+    jobs.push_back({static_cast<const char*>(ins[i]), static_cast<char*>(outs[i]), numels[i],
+                    element_size(in_types[i]), element_size(out_types[i]), kernel_for(in_types[i], out_types[i])});
+  }
+  run(jobs, scale, threads);
+}

@@ -5,22 +5,17 @@
 // Each element contributes v * v in double, where v = float(x) * float(scale) is rounded to float32
 // (the square of a float is exact in double, so only the summation rounds). The overflow flag is about
 // the elements x themselves: a finite x whose scaled value overflows float32 makes the sum inf without
-// raising the flag.
+// raising the flag. engine/ops/cpu_lib.py checks the tensors and passes their pointers here.
 //
 // Deterministic: the chunks have fixed boundaries (kChunk elements, never crossing a tensor), each
 // chunk's partial sum depends only on its own elements, and the partials are added in chunk order
 // after the parallel part, so the result is bitwise the same at any thread count (for a given build:
 // the SIMD width sets the order of the additions within a chunk).
-#include <ATen/Parallel.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "lanes.h"
@@ -65,7 +60,7 @@ bool any_nonfinite(const char* ptr, int64_t n) {
 struct Chunk {
   const char* data;
   int64_t len;
-  at::ScalarType dtype;
+  int32_t dtype;
 };
 
 // The partial sum of one chunk and its overflow flag. An inf/nan element always makes the partial
@@ -74,36 +69,19 @@ struct Chunk {
 std::pair<double, bool> reduce(const Chunk& c, float scale) {
   double sum;
   switch (c.dtype) {
-    case at::kFloat: sum = sum_squares(reinterpret_cast<const float*>(c.data), c.len, scale); break;
-    case at::kBFloat16: sum = sum_squares(reinterpret_cast<const c10::BFloat16*>(c.data), c.len, scale); break;
+    case kFloat32: sum = sum_squares(reinterpret_cast<const float*>(c.data), c.len, scale); break;
+    case kBFloat16: sum = sum_squares(reinterpret_cast<const c10::BFloat16*>(c.data), c.len, scale); break;
     default: sum = sum_squares(reinterpret_cast<const c10::Half*>(c.data), c.len, scale); break;
   }
   if (std::isfinite(sum)) return {sum, false};
   switch (c.dtype) {
-    case at::kFloat: return {sum, any_nonfinite<float>(c.data, c.len)};
-    case at::kBFloat16: return {sum, any_nonfinite<c10::BFloat16>(c.data, c.len)};
+    case kFloat32: return {sum, any_nonfinite<float>(c.data, c.len)};
+    case kBFloat16: return {sum, any_nonfinite<c10::BFloat16>(c.data, c.len)};
     default: return {sum, any_nonfinite<c10::Half>(c.data, c.len)};
   }
 }
 
-std::tuple<double, bool> sum_squares_and_overflow(const std::vector<at::Tensor>& tensors, double scale) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    const std::string name = "tensors[" + std::to_string(i) + "]";
-    TORCH_CHECK(t.defined(), "sum_squares_and_overflow: ", name, " is an undefined tensor");
-    TORCH_CHECK(t.device().is_cpu(), "sum_squares_and_overflow: ", name, " is on ", t.device(),
-                "; the compiled op takes CPU tensors");
-    TORCH_CHECK(t.is_contiguous(), "sum_squares_and_overflow: ", name, " is not contiguous (stride ", t.strides(),
-                "); pass .contiguous()");
-    const auto dtype = t.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "sum_squares_and_overflow: ",
-                name, " has dtype ", dtype, "; supported: float32, bfloat16, float16");
-    const char* base = static_cast<const char*>(t.data_ptr());
-    for (int64_t begin = 0; begin < t.numel(); begin += kChunk) {
-      chunks.push_back({base + begin * t.element_size(), std::min(kChunk, t.numel() - begin), dtype});
-    }
-  }
+std::pair<double, bool> sum_squares_and_overflow(const std::vector<Chunk>& chunks, double scale, int64_t threads) {
   const float scale_f = static_cast<float>(scale);
   std::vector<double> sums(chunks.size());
   std::vector<char> bad(chunks.size());  // char, not vector<bool>: threads write neighbouring entries
@@ -111,7 +89,7 @@ std::tuple<double, bool> sum_squares_and_overflow(const std::vector<at::Tensor>&
   // Threads claim chunks from a shared counter (a thread slowed by other work on its core does not hold
   // the others up); which thread reduces a chunk does not change its partial sum.
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, n < 2 ? 1 : at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  on_threads(n < 2 ? 1 : threads, [&] {
     for (int64_t c = next++; c < n; c = next++) std::tie(sums[c], bad[c]) = reduce(chunks[c], scale_f);
   });
   double total = 0.0;
@@ -124,12 +102,19 @@ std::tuple<double, bool> sum_squares_and_overflow(const std::vector<at::Tensor>&
 }
 
 }  // namespace
-
-void register_overflow(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("sum_squares_and_overflow", &sum_squares_and_overflow,
-        "(sum of (float(x) * scale)^2 over all elements in double, whether any element is inf/nan)",
-        py::arg("tensors"), py::arg("scale") = 1.0, py::call_guard<py::gil_scoped_release>());
-}
-
 }  // namespace zero_engine
+
+double ze_sum_squares_and_overflow(const void* const* data, const int64_t* numels, const int32_t* types,
+                                   int64_t count, double scale, int32_t threads, int32_t* overflow) {
+  using namespace zero_engine;
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < count; ++i) {
+    const char* base = static_cast<const char*>(data[i]);
+    for (int64_t begin = 0; begin < numels[i]; begin += kChunk) {
+      chunks.push_back({base + begin * element_size(types[i]), std::min(kChunk, numels[i] - begin), types[i]});
+    }
+  }
+  const auto [total, bad] = sum_squares_and_overflow(chunks, scale, threads);
+  *overflow = bad ? 1 : 0;
+  return total;
+}

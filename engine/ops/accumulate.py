@@ -35,7 +35,7 @@ SUPPORTED_PAIRS = frozenset({
 
 def accumulate(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
     """dst += float32(src) * scale, in place. See [Note: accumulate semantics] for the exact rounding."""
-    _check(dst, src)
+    check_args(dst, src)
     ext = compiled_module([dst, src])
     if ext is not None:
         ext.accumulate(dst, src, float(scale))
@@ -55,7 +55,8 @@ def torch_accumulate(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -
             dst.copy_(dst.float().add_(addend))  # float32 sum, then one round-to-nearest-even into dst
 
 
-def _check(dst: torch.Tensor, src: torch.Tensor) -> None:
+def check_args(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """accumulate's checks (named TypeError/ValueError), also the compiled binding's (engine/ops/cpu_lib.py)."""
     for name, t in (("dst", dst), ("src", src)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"accumulate: {name} is a {type(t).__name__}, not a torch.Tensor")

@@ -63,18 +63,18 @@ def adam_step(
     step: the step count including this update (1 on the first step).
     """
     lp_params = list(lp_params) if lp_params else []
-    _check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
     _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                  grad_scale=grad_scale)
     ext = compiled_module(params)
     if ext is not None and all(g.device == params[0].device for g in grads):
-        # The C++ op checks every tensor itself (dtype, device, contiguity, size), with the same
-        # messages as _check_tensors, so the fast path pays no per-tensor Python cost.
+        # The binding checks every tensor itself (dtype, device, contiguity, size) in one scan that
+        # also collects the pointers, naming a bad one with check_tensors' message.
         ext.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lp_params, float(lr),
                       float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode), int(step),
                       bool(bias_correction), float(grad_scale))
         return
-    _check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+    check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
     adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, lp_params, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                         weight_decay=weight_decay, adamw_mode=adamw_mode, step=step,
                         bias_correction=bias_correction, grad_scale=grad_scale)
@@ -127,8 +127,9 @@ def adam_step_reference(
                 pieces[4].copy_(p)
 
 
-def _check_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                 exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor]) -> None:
+def check_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor]) -> None:
+    """One grad, exp_avg, exp_avg_sq (and lp_param, if any) per param, all tensors (named errors)."""
     n = len(params)
     if not len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n:
         raise ValueError(f"adam_step: one grad, exp_avg and exp_avg_sq per param expected; got {n} params, "
@@ -157,9 +158,10 @@ def _check_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_de
                          "gradients overflowed instead of stepping with a non-finite scale")
 
 
-def _check_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+def check_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                    exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor]) -> None:
-    """The compiled op's TORCH_CHECKs, for the fallback path (any device, one device per param)."""
+    """Each tensor's dtype, contiguity, size and device against its param's (any device, one device per
+    param): the fallback's checks, and the named errors of the compiled binding (engine/ops/cpu_lib.py)."""
     for i, param in enumerate(params):
         lists = [("params", param, (torch.float32,)), ("grads", grads[i], _GRAD_DTYPES),
                  ("exp_avgs", exp_avgs[i], (torch.float32,)), ("exp_avg_sqs", exp_avg_sqs[i], (torch.float32,))]

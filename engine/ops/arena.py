@@ -11,11 +11,13 @@ one buffer at creation, writes every page once, and lends blocks out of it. A re
 fit raises RuntimeError naming the request, the arena's capacity, use and largest free block, and
 the config key to raise.
 
-The compiled class (csrc/cpu/arena.cpp) is used when builder.load() gives the extension; otherwise
-`TorchArena`, written here with the same algorithm so offsets, stats and error messages agree
-(tests/test_arena.py runs both in lockstep).
+Two free lists behind one `BlockArena`: the compiled one (csrc/cpu/arena.cpp, bound in
+engine/ops/cpu_lib.py) when builder.load() gives the library; otherwise `_FreeList`, written here with
+the same algorithm, so offsets, stats and error messages agree (tests/test_arena.py runs both in
+lockstep; `TorchArena` is the fallback arena).
 
 # [Note: how the fallback learns that a block is free]
+(Both arenas lend blocks this way; only the free list differs.)
 A block is free again when the last tensor sharing its storage dies, not when the tensor object that
 allocate() returned dies: views (`buf[:n]`, `buf.view(...)`) keep the storage and therefore the bytes
 in use. A weakref.finalize on the returned tensor would free the block under a live view, and a
@@ -23,11 +25,12 @@ finalizer on `tensor.untyped_storage()` depends on the Python wrapper of the sto
 it. So the fallback builds each block with torch.frombuffer on a ctypes array placed at the block's
 address: the storage holds a reference to that ctypes object until the storage itself is freed, and
 a weakref.finalize on the ctypes object fires exactly then, on whichever thread freed it. The
-finalizer only appends to a deque (atomic under the GIL); allocate() and stats() apply those frees
-under the lock first. Taking the lock inside the finalizer could deadlock, because a finalizer can
-run in the middle of allocate() on the same thread (a garbage collection triggered by an allocation).
-The finalizer's closure owns the free-list state, which owns the buffer, so tensors may outlive the
-Arena object.
+Python free list's finalizer only appends to a deque (atomic under the GIL); allocate() and stats()
+apply those frees under the lock first. Taking the lock inside the finalizer could deadlock, because a
+finalizer can run in the middle of allocate() on the same thread (a garbage collection triggered by an
+allocation). The compiled free list gives the block back at once: its mutex is only held inside C++
+calls that never call into Python. The finalizer's closure owns the free list, which owns the buffer,
+so tensors may outlive the Arena object.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import ctypes
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import NamedTuple, Protocol, TypedDict
 
 import torch
 
@@ -68,13 +71,46 @@ def block_bytes(nbytes: int) -> int:
     return _round_up(nbytes, BLOCK_ALIGN)
 
 
-def _full_message(capacity: int, in_use: int, largest_free: int, free_blocks: int, config_key: str,
-                  shape: list[int], dtype: torch.dtype, nbytes: int, block: int) -> str:
-    # Word for word the compiled message (csrc/cpu/arena.cpp, full_message); a test compares them.
+class Usage(NamedTuple):
+    """A consistent snapshot of a free list's accounting, in bytes (the fields of ArenaStats but one)."""
+
+    capacity: int
+    in_use: int
+    peak_in_use: int
+    largest_free: int
+    free_blocks: int
+    allocations: int
+
+
+class FreeList(Protocol):
+    """What BlockArena needs of a free list over [base, base + capacity): `_FreeList` here, or the
+    compiled one (engine/ops/cpu_lib.py). take and usage may be called from any thread; give_back from
+    a block's finalizer on any thread, maybe inside take on the same thread."""
+
+    base: int  # address of byte 0, a multiple of BLOCK_ALIGN
+
+    def take(self, size: int) -> tuple[int, Usage | None]:
+        """(offset of a free block of `size` bytes, None), or (-1, the usage that refused it)."""
+        ...
+
+    def give_back(self, offset: int, size: int) -> None: ...
+
+    def usage(self) -> Usage: ...
+
+
+def check_capacity(capacity_bytes: int, config_key: str) -> int:
+    """The capacity an arena of `capacity_bytes` gets (rounded up to BLOCK_ALIGN); ValueError naming the
+    setting when it is not positive."""
+    if capacity_bytes <= 0:
+        raise ValueError(f"Arena: capacity_bytes must be positive, got {capacity_bytes}; set {config_key}")
+    return _round_up(capacity_bytes, BLOCK_ALIGN)
+
+
+def _full_message(u: Usage, config_key: str, shape: list[int], dtype: torch.dtype, nbytes: int, block: int) -> str:
     message = (f"Arena: cannot allocate a tensor of shape {shape} and dtype {dtype} ({nbytes} bytes, a {block}-byte "
-               f"block): capacity {capacity} bytes, {in_use} in use, largest free block {largest_free} bytes")
-    if capacity - in_use >= block:
-        message += f" ({capacity - in_use} bytes free but fragmented into {free_blocks} blocks)"
+               f"block): capacity {u.capacity} bytes, {u.in_use} in use, largest free block {u.largest_free} bytes")
+    if u.capacity - u.in_use >= block:
+        message += f" ({u.capacity - u.in_use} bytes free but fragmented into {u.free_blocks} blocks)"
     return message + f". Raise {config_key} (the arena's capacity in bytes)."
 
 
@@ -91,7 +127,8 @@ def _check_shape(shape: list[int], dtype: torch.dtype) -> int:
 
 
 class _FreeList:
-    """Best-fit free list over offsets, shared by a TorchArena and the finalizers of its blocks."""
+    """The fallback's best-fit free list over offsets, shared by a TorchArena and the finalizers of its
+    blocks; the same algorithm as csrc/cpu/arena.cpp."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -107,22 +144,33 @@ class _FreeList:
     def largest_free(self) -> int:
         return max(self.sizes.values(), default=0)
 
-    def take(self, size: int) -> int:
-        """Caller holds lock. Smallest free block that fits, lowest address among equals; -1 if none."""
-        fits = [(block, offset) for offset, block in self.sizes.items() if block >= size]
-        if not fits:
-            return -1
-        block, offset = min(fits)
-        self._erase(offset)
-        if block > size:
-            self._insert(offset + size, block - size)
-        self.in_use += size
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
-        self.allocations += 1
-        return offset
+    def take(self, size: int) -> tuple[int, Usage | None]:
+        """Smallest free block that fits, lowest address among equals."""
+        with self.lock:
+            self.apply_frees()
+            fits = [(block, offset) for offset, block in self.sizes.items() if block >= size]
+            if not fits:
+                return -1, self._usage()
+            block, offset = min(fits)
+            self._erase(offset)
+            if block > size:
+                self._insert(offset + size, block - size)
+            self.in_use += size
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            self.allocations += 1
+            return offset, None
 
-    def release(self, offset: int, size: int) -> None:
-        """A block's storage died (any thread, maybe inside allocate): queue it for apply_frees."""
+    def usage(self) -> Usage:
+        with self.lock:
+            self.apply_frees()
+            return self._usage()
+
+    def _usage(self) -> Usage:
+        return Usage(self.capacity, self.in_use, self.peak_in_use, self.largest_free(), len(self.offsets),
+                     self.allocations)
+
+    def give_back(self, offset: int, size: int) -> None:
+        """A block's storage died (any thread, maybe inside take): queue it for apply_frees."""
         self.freed.append((offset, size))
 
     def apply_frees(self) -> None:
@@ -148,47 +196,43 @@ class _FreeList:
         return self.sizes.pop(offset)
 
 
-class TorchArena:
-    """The pure-torch arena: same algorithm, offsets, stats and errors as the compiled class.
+class BlockArena:
+    """Lends blocks of a free list as tensors (see [Note: how the fallback learns that a block is free]);
+    the same for the compiled and the fallback free list."""
 
-    See [Note: how the fallback learns that a block is free].
-    """
-
-    def __init__(self, capacity_bytes: int, config_key: str) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"Arena: capacity_bytes must be positive, got {capacity_bytes}; set {config_key}")
+    def __init__(self, blocks: FreeList, config_key: str) -> None:
+        self._blocks = blocks
         self._config_key = config_key
-        self._state = _FreeList(_round_up(capacity_bytes, BLOCK_ALIGN))
 
     def allocate(self, sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
         nbytes = _check_shape(sizes, dtype)
         if nbytes == 0:
             return torch.empty(sizes, dtype=dtype)  # takes no block
         block = block_bytes(nbytes)
-        state = self._state
-        with state.lock:
-            state.apply_frees()
-            offset = state.take(block)
-            if offset < 0:
-                raise RuntimeError(_full_message(state.capacity, state.in_use, state.largest_free(),
-                                                 len(state.offsets), self._config_key, sizes, dtype, nbytes, block))
-        memory = (ctypes.c_ubyte * nbytes).from_address(state.base + offset)
-        finalizer = weakref.finalize(memory, _FreeList.release, state, offset, block)  # owns state, and the buffer
+        offset, refused = self._blocks.take(block)
+        if refused is not None:
+            raise RuntimeError(_full_message(refused, self._config_key, sizes, dtype, nbytes, block))
+        memory = (ctypes.c_ubyte * nbytes).from_address(self._blocks.base + offset)
+        finalizer = weakref.finalize(memory, self._blocks.give_back, offset, block)  # owns the free list
         finalizer.atexit = False  # the whole buffer goes at exit anyway
         return torch.frombuffer(memory, dtype=dtype).view(sizes)
 
     def stats(self) -> ArenaStats:
-        state = self._state
-        with state.lock:
-            state.apply_frees()
-            free_total = state.capacity - state.in_use
-            largest = state.largest_free()
-            return ArenaStats(capacity=state.capacity, in_use=state.in_use, peak_in_use=state.peak_in_use,
-                              largest_free=largest, free_blocks=len(state.offsets), allocations=state.allocations,
-                              fragmentation=1.0 - largest / free_total if free_total > 0 else 0.0)
+        u = self._blocks.usage()
+        free_total = u.capacity - u.in_use
+        return ArenaStats(capacity=u.capacity, in_use=u.in_use, peak_in_use=u.peak_in_use,
+                          largest_free=u.largest_free, free_blocks=u.free_blocks, allocations=u.allocations,
+                          fragmentation=1.0 - u.largest_free / free_total if free_total > 0 else 0.0)
 
     def data_ptr(self) -> int:
-        return self._state.base
+        return self._blocks.base
+
+
+class TorchArena(BlockArena):
+    """The pure-torch arena: same algorithm, offsets, stats and errors as the compiled one."""
+
+    def __init__(self, capacity_bytes: int, config_key: str) -> None:
+        super().__init__(_FreeList(check_capacity(capacity_bytes, config_key)), config_key)
 
 
 class Arena:
@@ -202,8 +246,8 @@ class Arena:
     def __init__(self, capacity_bytes: int, config_key: str = "capacity_bytes") -> None:
         ext = builder.load()
         self.compiled = ext is not None
-        self._impl = (ext.Arena(int(capacity_bytes), config_key) if ext is not None
-                      else TorchArena(int(capacity_bytes), config_key))
+        self._impl: BlockArena = (ext.Arena(int(capacity_bytes), config_key) if ext is not None
+                                  else TorchArena(int(capacity_bytes), config_key))
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous CPU tensor in a free block (contents undefined); RuntimeError when none fits."""

@@ -1,18 +1,21 @@
-"""Build and load the C++ extension in csrc/ (just in time, cached), or say why the fallback is used.
+"""Build and load the CPU ops library in csrc/cpu (just in time, cached), or say why the fallback is used.
 
-    ext = builder.load()      # the compiled module, or None (then every op uses its torch fallback)
+    ops = builder.load()      # the compiled ops (engine/ops/cpu_lib.CpuOps), or None (every op uses its torch fallback)
     builder.status()          # what happened, for `python -m engine.report`
 
-The first use compiles csrc/cpu/*.cpp with torch.utils.cpp_extension and ninja into a per-user cache,
-`$ZERO_ENGINE_CACHE` or ~/.cache/zero_engine/ops/<name>-<key>-<install>, where the key hashes the
-sources (their paths too: ninja's build file names them by absolute path, so two checkouts of the same
-code, e.g. git worktrees, sharing one folder rebuilt each other's build on every start, and their ranks
-timed out waiting) and the flags, and <install> the torch installation (its directory and version,
-Python's version and ABI tag, the compiler's version): two virtualenvs get two builds instead of
-rebuilding each other's.
+The first use compiles csrc/cpu/*.cpp with the system C++ compiler (`$CXX`, else c++), one process per
+source in parallel, into a plain shared library that engine/ops/cpu_lib.py loads with ctypes: no
+pybind11, no torch/extension.h, no ninja (see [Note: a plain C++ library behind a ctypes binding] in
+csrc/cpu/ops.h). A clean build took 3 s on 2 cores here, where the pybind11 extension took 80 s. The
+library goes into a per-user cache, `$ZERO_ENGINE_CACHE` or ~/.cache/zero_engine/ops/<name>-<key>-<install>,
+where the key hashes the sources (their paths too: two checkouts of the same code, e.g. git worktrees,
+sharing one folder rebuilt each other's build on every start, and their ranks timed out waiting) and
+the flags, and <install> the torch installation (its directory and version, Python's version and ABI
+tag, the compiler's version): two virtualenvs get two builds instead of rebuilding each other's.
 Later processes load the cached library; concurrent ranks wait on one builder (engine/ops/build_lock.py,
 which says whom it waits for and takes over the lock of a builder that died). `python -m engine.ops.build`
-builds ahead of time (at install).
+builds ahead of time (at install). engine/ops/cuda_builder.py loads the CUDA extension through the same
+locked_load() and OnceLoader.
 
 `ZERO_ENGINE_OPS`: unset/`auto` builds when it can and falls back with one warning when it cannot;
 `fallback` never builds (tests of the torch paths); `require` makes a failed build an error (CI, to
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -31,21 +35,26 @@ import sysconfig
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
 from engine.ops import build_lock
+
+if TYPE_CHECKING:
+    from engine.ops.cpu_lib import CpuOps
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 NAME = "zero_engine_cpu_ops"
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fno-math-errno"]  # as torch builds: lets sqrtf vectorise
 ENV_MODE = "ZERO_ENGINE_OPS"
+COMPILE_TIMEOUT_S = 900
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,10 +70,31 @@ class BuildStatus:
     sources: list[str] = field(default_factory=list)
 
 
-_lock = threading.Lock()
-_module: ModuleType | None = None
+class OnceLoader(Generic[T]):
+    """Runs a loader at most once per process, whichever threads ask (the first runs it, the others wait
+    and share its result), until reset(); a loader that raises is run again by the next caller."""
+
+    def __init__(self, load: Callable[[], T | None]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._done = False
+        self._value: T | None = None
+
+    def get(self) -> T | None:
+        if self._done:
+            return self._value
+        with self._lock:
+            if not self._done:
+                self._value = self._load()
+                self._done = True
+        return self._value
+
+    def reset(self) -> None:
+        with self._lock:
+            self._value, self._done = None, False
+
+
 _status = BuildStatus()
-_tried = False
 
 
 def mode() -> str:
@@ -78,9 +108,13 @@ def sources() -> list[Path]:
     return sorted((CSRC / "cpu").glob("*.cpp"))
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler: $CXX, else c++, on PATH (or a path); None when there is none."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def compiler_version() -> str:
-    cxx = os.environ.get("CXX", "c++")
-    path = shutil.which(cxx)
+    path = find_compiler()
     if path is None:
         return ""
     out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
@@ -125,7 +159,8 @@ def cache_root() -> Path:
 
 def find_ninja() -> bool:
     """ninja on PATH, or the one pip installed beside this Python (a venv's bin/ is often not on PATH
-    when it is used as .venv/bin/python); torch.utils.cpp_extension looks it up on PATH."""
+    when it is used as .venv/bin/python); torch.utils.cpp_extension, which builds the CUDA extension,
+    looks it up on PATH. The CPU library needs no ninja."""
     if shutil.which("ninja") is not None:
         return True
     beside = Path(sys.executable).parent
@@ -140,25 +175,18 @@ def _why_not_buildable(files: list[Path], compiler: str) -> str:
         return f"no C++ sources under {CSRC / 'cpu'} (an installed copy without csrc/; use an editable install)"
     if not compiler:
         return f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH); install g++ or set CXX"
-    if not find_ninja():
-        return "ninja is not on PATH; pip install ninja (or apt install ninja-build)"
     return ""
 
 
-def load() -> ModuleType | None:
-    """The compiled extension, building it on first use; None when the fallback is in use."""
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if _tried:
-            return _module
-        _module = _load()
-        _tried = True
-    return _module
+_loader: OnceLoader[CpuOps] = OnceLoader(lambda: _load())
 
 
-def _load() -> ModuleType | None:
+def load() -> CpuOps | None:
+    """The compiled CPU ops, building the library on first use; None when the fallback is in use."""
+    return _loader.get()
+
+
+def _load() -> CpuOps | None:
     _status.mode = mode()
     if _status.mode == "fallback":
         _status.state, _status.reason = "fallback", f"forced by {ENV_MODE}=fallback"
@@ -173,22 +201,92 @@ def _load() -> ModuleType | None:
         return None
     directory = build_dir(NAME, cache_key(files, compiler), compiler)
     _status.cache_dir = str(directory)
+
+    def build() -> CpuOps:
+        from engine.ops.cpu_lib import CpuOps
+
+        library = directory / f"{NAME}.so"
+        if not library.exists():
+            compile_library(files, library)
+        ops = CpuOps(library)
+        _status.simd = ops.simd_level()
+        return ops
+
+    return locked_load(_status, directory, NAME, "the C++ extension", len(files), "about 5-15 s", build, _fail,
+                       note=lambda ops: f" ({ops.simd_level()})")
+
+
+def torch_include() -> str:
+    """torch's header directory: the kernels use c10's header-only bfloat16/float16 types from it."""
+    return os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "include")
+
+
+def compile_library(files: list[Path], library: Path) -> None:
+    """Compiles each source to an object (all at once, one compiler process each) and links them into
+    `library`, which appears under its name only when complete; RuntimeError with the compiler's error
+    lines when a step fails."""
+    cxx = find_compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH)")
+    objects = [library.with_name(f"{src.stem}.o") for src in files]
+    flags = [*CPU_FLAGS, "-fPIC", "-isystem", torch_include()]
+    ok, log = run_all([[cxx, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(files, objects)])
+    partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+    if ok:
+        ok, log = run_all([[cxx, "-shared", *map(str, objects), "-fopenmp", "-o", str(partial)]])
+    if not ok:
+        raise RuntimeError(f"compiling {library.name} failed:\n{log}")
+    os.replace(partial, library)
+    for obj in objects:  # only the library is loaded; a changed source gets a new directory anyway
+        obj.unlink(missing_ok=True)
+
+
+def run_all(commands: list[list[str]]) -> tuple[bool, str]:
+    """Runs the commands in parallel; (all exited 0, their command lines and output)."""
+    running = [(command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+               for command in commands]
+    ok, log = True, ""
+    for command, process in running:
+        try:
+            output, _ = process.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output = process.communicate()[0] + f"\ntimed out after {COMPILE_TIMEOUT_S} s\n"
+        ok = ok and process.returncode == 0
+        log += f"$ {shlex.join(command)}\n{output}"
+        if process.returncode != 0:
+            log += f"exit status {process.returncode}\n"
+    return ok, log
+
+
+def locked_load(status: BuildStatus, directory: Path, name: str, what: str, n_sources: int, expected: str,
+                build: Callable[[], T], fail: Callable[[str], None],
+                note: Callable[[T], str] = lambda _: "") -> T | None:
+    """The build-or-load of both extensions: `build` (compile if needed, then load) runs under the build
+    directory's lock (one builder per directory, the others wait; see locked_build), the status records
+    the seconds and whether it compiled or found the cache, and stderr says when it compiled (with
+    `note` of the result). A failure is not raised: fail() gets the reason (a warning, or an error under
+    ZERO_ENGINE_OPS=require) and the result is None, the fallbacks being exact."""
     started = time.perf_counter()
     try:
-        from torch.utils import cpp_extension
-
-        with locked_build(directory, NAME, "the C++ extension", len(files), "about 30-120 s") as cached:
-            module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=CPU_FLAGS,
-                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        with locked_build(directory, name, what, n_sources, expected) as cached:
+            result = build()
     except Exception as error:  # noqa: BLE001 (a compiler error must not take training down: the fallback is exact)
-        _fail(f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}")
+        fail(f"the build failed: {error_summary(error)}")
         return None
-    _status.seconds = time.perf_counter() - started
-    _status.state = "cached" if cached else "compiled"
-    _status.simd = module.simd_level()
+    status.seconds = time.perf_counter() - started
+    status.state = "cached" if cached else "compiled"
     if not cached:
-        _say(f"compiled the C++ extension in {_status.seconds:.1f} s ({_status.simd})")
-    return module
+        _say(f"compiled {what} in {status.seconds:.1f} s{note(result)}")
+    return result
+
+
+def error_summary(error: Exception) -> str:
+    """The compiler's error lines ("<file>:<line>:<col>: error: ...", nvcc's "<file>(<line>): error: ...")
+    when there are any, else the message's last line (torch's own ends in a generic one)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line.lower() and not line.startswith("$ ")]
+    return "; ".join(errors[:3]) if errors else (lines[-1] if lines else repr(error))
 
 
 ANNOUNCE_CACHED_WAIT_S = 5.0  # a holder that has a cached build is only loading it: say nothing unless it takes long
@@ -200,7 +298,7 @@ def locked_build(directory: Path, name: str, what: str, n_sources: int, expected
     and yields whether the library was already built; says on stderr, on the process that builds, that
     it compiles, where, and how long that usually takes."""
     def cached() -> bool:
-        return any(directory.glob(f"{name}*.so"))
+        return any(directory.glob(f"{name}*.so"))  # the final name only: a partial build is NAME.so.<pid>.tmp
 
     with build_lock.held(directory, what, announce_after_s=ANNOUNCE_CACHED_WAIT_S if cached() else 0.0):
         built = cached()
@@ -235,7 +333,5 @@ def status() -> BuildStatus:
 
 
 def reset_for_tests() -> None:
-    """Forget the loaded module so the next load() reads ZERO_ENGINE_OPS again."""
-    global _module, _tried
-    with _lock:
-        _module, _tried = None, False
+    """Forget the loaded library so the next load() reads ZERO_ENGINE_OPS again."""
+    _loader.reset()

@@ -31,7 +31,7 @@ def copy_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence
     See [Note: copy semantics]. dst is 1-D and contiguous, every source contiguous; dtypes float32,
     bfloat16, float16 in any combination.
     """
-    _check("copy_into", dst, "dst", srcs, "srcs", offsets)
+    check_args("copy_into", dst, "dst", srcs, "srcs", offsets)
     ext = compiled_module([dst, *srcs])
     if ext is not None:
         ext.copy_into(dst, list(srcs), [int(o) for o in offsets], float(scale))
@@ -44,7 +44,7 @@ def copy_out(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[
 
     See [Note: copy semantics]. src is 1-D and contiguous, every destination contiguous.
     """
-    _check("copy_out", src, "src", dsts, "dsts", offsets)
+    check_args("copy_out", src, "src", dsts, "dsts", offsets)
     ext = compiled_module([src, *dsts])
     if ext is not None:
         ext.copy_out(src, list(dsts), [int(o) for o in offsets], float(scale))
@@ -78,8 +78,10 @@ def _copy(out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         out.copy_(inp.float() * scale)  # out of place: inp.float() is inp itself for a float32 input
 
 
-def _check(op: str, flat: torch.Tensor, flat_name: str, many: Sequence[torch.Tensor], many_name: str,
-           offsets: Sequence[int]) -> None:
+def check_args(op: str, flat: torch.Tensor, flat_name: str, many: Sequence[torch.Tensor], many_name: str,
+               offsets: Sequence[int]) -> None:
+    """copy_into's / copy_out's checks of every tensor and range (named TypeError/ValueError), also the
+    compiled binding's (engine/ops/cpu_lib.py)."""
     check_tensor(op, flat, flat_name)
     if flat.dim() != 1:
         raise ValueError(f"{op}: {flat_name} must be 1-D, got shape {tuple(flat.shape)}; pass a flat buffer "
