@@ -8,7 +8,8 @@ load() builds only when torch.cuda.is_available(): csrc/cuda/*.cu with nvcc and 
 compiler, through torch.utils.cpp_extension and ninja, into the per-user cache of the CPU extension
 (engine/ops/builder.py), under a key that hashes the sources, torch and its CUDA version, nvcc's and the
 host compiler's versions, the flags and the target architectures, plus the torch installation's key
-(builder.installation_key), behind the same one-builder lock (engine/ops/build_lock.py).
+(builder.installation_key), behind the same one-builder lock (engine/ops/build_lock.py) and through the
+same build-or-load sequence (builder.locked_load) and once-per-process loader (builder.OnceLoader).
 `ZERO_ENGINE_OPS` means what it means for the CPU extension: `fallback` never builds, `require` makes a
 failed build an error. No usable CUDA is not a failure in any mode (there is nothing for CUDA ops to run
 on, and a CPU-only CI running with `require` requires the CPU extension): load() returns None and
@@ -25,13 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shlex
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -46,12 +45,8 @@ NAME = "zero_engine_cuda_ops"
 CUDA_FLAGS = ["-O3", "-std=c++17"]  # torch adds its common nvcc flags and a -gencode per visible GPU
 HOST_FLAGS = ["-O3", "-std=c++17"]
 CHECK_ARCHS = ("80", "90")  # A100; H100 and H200
-CHECK_TIMEOUT_S = 900
 
-_lock = threading.Lock()
-_module: ModuleType | None = None
 _status = BuildStatus()
-_tried = False
 
 
 def sources(directory: Path = CUDA_DIR) -> list[Path]:
@@ -162,28 +157,10 @@ def compile_check(directory: Path = CUDA_DIR) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory(prefix="zero_engine_cuda_check_") as tmp:
         commands = [[nvcc, "-c", str(src), "-o", os.path.join(tmp, f"{src.stem}.o"), *nvcc_flags] for src in cu_files]
         commands += [[str(cxx), str(src), *host_flags] for src in cpp_files]
-        ok, log = _run_all(commands)
+        ok, log = builder.run_all(commands)
     log += f"{'ok' if ok else 'FAILED'}: {len(commands)} sources in {time.perf_counter() - started:.1f} s\n"
     if ok:
         _remember(marker, log)
-    return ok, log
-
-
-def _run_all(commands: list[list[str]]) -> tuple[bool, str]:
-    """Runs the commands in parallel; (all exited 0, their command lines and output)."""
-    running = [(command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-               for command in commands]
-    ok, log = True, ""
-    for command, process in running:
-        try:
-            output, _ = process.communicate(timeout=CHECK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            output = process.communicate()[0] + f"\ntimed out after {CHECK_TIMEOUT_S} s\n"
-        ok = ok and process.returncode == 0
-        log += f"$ {shlex.join(command)}\n{output}"
-        if process.returncode != 0:
-            log += f"exit status {process.returncode}\n"
     return ok, log
 
 
@@ -203,15 +180,7 @@ def _remember(marker: Path, log: str) -> None:
 def load() -> ModuleType | None:
     """The compiled CUDA extension, building it on first use; None when CUDA is unavailable, the
     fallback is forced, or the build failed (status().reason says which)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if _tried:
-            return _module
-        _module = _load()
-        _tried = True
-    return _module
+    return _loader.get()
 
 
 def _why_no_cuda() -> str:
@@ -259,26 +228,13 @@ def _load() -> ModuleType | None:
                              " ".join(CUDA_FLAGS + HOST_FLAGS), sys.version.split()[0]])
     directory = builder.build_dir(NAME, key, _status.compiler)
     _status.cache_dir = str(directory)
-    started = time.perf_counter()
-    try:
-        with builder.locked_build(directory, NAME, "the CUDA extension", len(files), "several minutes") as cached:
-            module = cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=HOST_FLAGS,
-                                        extra_cuda_cflags=CUDA_FLAGS, build_directory=str(directory), verbose=False)
-    except Exception as error:  # noqa: BLE001 - a compiler error must not take training down: the fallback is exact
-        _fail(f"the build failed: {_summary(error)}")
-        return None
-    _status.seconds = time.perf_counter() - started
-    _status.state = "cached" if cached else "compiled"
-    if not cached:
-        print(f"[engine] compiled the CUDA extension in {_status.seconds:.1f} s", file=sys.stderr, flush=True)
-    return module
 
+    def build() -> ModuleType:
+        return cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=HOST_FLAGS,
+                                  extra_cuda_cflags=CUDA_FLAGS, build_directory=str(directory), verbose=False)
 
-def _summary(error: Exception) -> str:
-    """The compiler's error lines when there are any (torch's own message ends in a generic line)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower() and "Error building extension" not in line]
-    return "; ".join(errors[:3]) if errors else (lines[-1] if lines else repr(error))
+    return builder.locked_load(_status, directory, NAME, "the CUDA extension", len(files), "several minutes",
+                               build, _fail)
 
 
 def _unavailable(reason: str) -> None:
@@ -290,6 +246,9 @@ def _fail(reason: str) -> None:
     builder.record_failure(_status, reason, "CUDA extension", on=" on CUDA tensors")
 
 
+_loader: builder.OnceLoader[ModuleType] = builder.OnceLoader(lambda: _load())
+
+
 def status() -> BuildStatus:
     load()
     return _status
@@ -297,6 +256,6 @@ def status() -> BuildStatus:
 
 def reset_for_tests() -> None:
     """Forget the loaded module so the next load() reads ZERO_ENGINE_OPS and the CUDA state again."""
-    global _module, _tried, _status
-    with _lock:
-        _module, _tried, _status = None, False, BuildStatus()
+    global _status
+    _loader.reset()
+    _status = BuildStatus()
