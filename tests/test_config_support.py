@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from collections import Counter
 from typing import Any
 
 import pytest
 
 from engine.config import ConfigError, ConfigWarning, EngineConfig, load_config, support
+from engine.config.aliases import TOP_LEVEL_ALIASES
 from engine.config.build import FIELD_OF_KEY
 from engine.config.support import TABLE, Status
 from engine.config.validate import schema, top_level_keys
@@ -285,6 +287,34 @@ def test_field_mapping_matches_schema_and_dataclass() -> None:
     assert set(FIELD_OF_KEY.values()) <= fields
     unmapped = fields - set(FIELD_OF_KEY.values()) - {"world_size", "raw"}
     assert not unmapped, f"EngineConfig fields no config key fills: {unmapped}"
+
+
+def test_key_table_reaches_every_field_from_one_canonical_key() -> None:
+    """FIELD_OF_KEY is the one key -> field mapping: each EngineConfig field a config key fills is the
+    target of exactly one key, every key names a field, and no key is an alias (aliases.py renames those
+    before the build, so a table row for one would be a second, dead spelling)."""
+    not_from_keys = {"world_size", "raw"}  # the resolved world size and the user's JSON, not config keys
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - not_from_keys
+    keys_per_field = Counter(FIELD_OF_KEY.values())
+    assert set(keys_per_field) == fields, (
+        f"fields no key fills: {fields - set(keys_per_field)}; keys naming no field: "
+        f"{sorted(k for k, f in FIELD_OF_KEY.items() if f not in fields)}"
+    )
+    assert {f: n for f, n in keys_per_field.items() if n > 1} == {}
+    assert set(FIELD_OF_KEY).isdisjoint(TOP_LEVEL_ALIASES)
+
+
+def test_engine_config_is_built_from_the_key_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build reads FIELD_OF_KEY, not a list of its own: a key dropped from the table no longer
+    arrives, and a key pointed at another field fills that field."""
+    extra = {"seed": 7, "steps_per_print": 3}
+    cfg = load(extra)
+    assert (cfg.seed, cfg.steps_per_print) == (7, 3)
+    monkeypatch.delitem(FIELD_OF_KEY, "seed")
+    assert load(extra).seed is None
+    monkeypatch.setitem(FIELD_OF_KEY, "steps_per_print", "seed")
+    cfg = load(extra)
+    assert (cfg.seed, cfg.steps_per_print) == (3, None)
 
 
 def test_table_paths_exist_in_the_schema() -> None:

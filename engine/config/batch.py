@@ -32,6 +32,10 @@ class BatchSizes:
     micro: int
     gas: int
 
+    def by_key(self) -> dict[str, int]:
+        """The resolved sizes under their config keys (they replace what the user wrote, "auto" included)."""
+        return {TRAIN: self.train, MICRO: self.micro, GAS: self.gas}
+
 
 @dataclass(frozen=True)
 class TensorParallel:

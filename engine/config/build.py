@@ -1,34 +1,25 @@
 """Build the frozen EngineConfig from a validated, canonical config dict.
 
 Runs last, after every check passed, so it only converts: JSON numbers to int/float (DeepSpeed configs
-write 5e8 for element counts), nested dicts to read-only mappings.
+write 5e8 for element counts), nested dicts to the section dataclasses and read-only mappings. Which key
+fills which field is FIELD_OF_KEY and nothing else; how a value is converted follows the field's type.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+import typing
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 from engine.config.batch import BatchSizes
-from engine.config.types import (
-    ActivationCheckpointingConfig,
-    BF16Config,
-    CometConfig,
-    EngineConfig,
-    FlopsProfilerConfig,
-    FP16Config,
-    MonitorConfig,
-    OffloadConfig,
-    OptimizerConfig,
-    SchedulerConfig,
-    WandbConfig,
-    ZeroConfig,
-)
+from engine.config.types import EngineConfig, OptimizerConfig, SchedulerConfig
 
-# Top-level key -> EngineConfig field it is read into (the surface-freeze test checks this against the
-# schema, the support table and the dataclass).
+# Top-level key -> EngineConfig field it is read into: the one key -> field mapping, which the build
+# follows (the surface-freeze tests check it against the schema, the support table and the dataclass).
+# Canonical keys only: engine/config/aliases.py renames the other spellings (bfloat16, ...) first.
 FIELD_OF_KEY: dict[str, str] = {
     "train_batch_size": "train_batch_size",
     "train_micro_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
@@ -37,7 +28,6 @@ FIELD_OF_KEY: dict[str, str] = {
     "scheduler": "scheduler",
     "fp16": "fp16",
     "bf16": "bf16",
-    "bfloat16": "bf16",
     "gradient_clipping": "gradient_clipping",
     "check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad",
     "prescale_gradients": "prescale_gradients",
@@ -72,12 +62,81 @@ def freeze(value: Any) -> Any:
     return value
 
 
-def _section(cls: type, data: Mapping[str, Any] | None, **overrides: Any) -> Any:
-    """Instantiate dataclass `cls` from the keys of `data` it has fields for (others are table-governed)."""
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {k: _coerce(v, names[k].type) for k, v in (data or {}).items() if k in names and v is not None}
-    kwargs.update(overrides)
+def _dtype_name(name: Any) -> str | None:
+    """Canonical short name of a dtype spelling ("float32", "torch.bfloat16", "half", ...)."""
+    if not isinstance(name, str):
+        return None
+    low = name.lower().removeprefix("torch.")
+    return {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}.get(low, low)
+
+
+# Fields whose key's value is not the field's value as it stands: a dtype spelling, or one key of the
+# section (DeepSpeed's sections, our flat fields). Every other field converts by its type (_value).
+_READ_FIELD: dict[str, Callable[[Any], Any]] = {
+    "communication_data_type": _dtype_name,
+    "grad_accum_dtype": lambda section: _dtype_name(section.get("grad_accum_dtype")),
+    "comms_logger": lambda section: bool(section.get("enabled", False)),
+    # DeepSpeed's autotp_size 0 (its default) means off, as our 1 does.
+    "autotp_size": lambda section: max(int(section.get("autotp_size") or 0), 1),
+}
+
+
+def build_engine_config(
+    config: Mapping[str, Any], sizes: BatchSizes, *, world_size: int, raw: Mapping[str, Any]
+) -> EngineConfig:
+    resolved = {**config, **sizes.by_key()}
+    fields = {
+        field: _READ_FIELD.get(field, _as_written)(resolved[key])
+        for key, field in FIELD_OF_KEY.items()
+        if resolved.get(key) is not None  # absent or null: the field's default
+    }
+    return _section(EngineConfig, {**fields, "world_size": world_size, "raw": freeze(dict(raw))})
+
+
+def _as_written(value: Any) -> Any:
+    return value
+
+
+def _section(cls: type, data: Mapping[str, Any] | None) -> Any:
+    """Instantiate dataclass `cls` from the keys of `data` it has fields for (others are table-governed);
+    absent and null keys keep the field's default."""
+    hints = _hints(cls)
+    kwargs = {
+        f.name: _value(data[f.name], hints[f.name], f.type)
+        for f in dataclasses.fields(cls)
+        if data and data.get(f.name) is not None
+    }
     return cls(**kwargs)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _value(value: Any, hint: Any, annotation: Any) -> Any:
+    """`value` as the field of type `hint` holds it: a section dataclass from a dict, numbers coerced."""
+    section = _section_class(hint)
+    if section in (OptimizerConfig, SchedulerConfig):
+        return _named(section, value)
+    if section is not None:
+        return _section(section, value)
+    return _coerce(value, annotation)
+
+
+def _section_class(hint: Any) -> type | None:
+    """The dataclass a field holds (`FP16Config`, `OptimizerConfig | None`), or None for other types."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _named(cls: type, data: Mapping[str, Any]) -> Any:
+    """An optimizer or scheduler section: its type and frozen params; an empty section is none."""
+    if not data:
+        return None
+    return cls(type=data["type"], params=freeze(dict(data.get("params") or {})))
 
 
 def _coerce(value: Any, annotation: Any) -> Any:
@@ -87,71 +146,3 @@ def _coerce(value: Any, annotation: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool) and text.startswith("float"):
         return float(value)
     return value
-
-
-def _zero(data: Mapping[str, Any]) -> ZeroConfig:
-    offload_optimizer = _section(OffloadConfig, data.get("offload_optimizer"))
-    offload_param = _section(OffloadConfig, data.get("offload_param"))
-    return _section(ZeroConfig, data, offload_optimizer=offload_optimizer, offload_param=offload_param)
-
-
-def _named(cls: type, data: Mapping[str, Any] | None) -> Any:
-    if not data:
-        return None
-    return cls(type=data["type"], params=freeze(dict(data.get("params") or {})))
-
-
-def _dtype_name(name: Any) -> str | None:
-    """Canonical short name of a dtype spelling ("float32", "torch.bfloat16", "half", ...)."""
-    if not isinstance(name, str):
-        return None
-    low = name.lower().removeprefix("torch.")
-    return {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}.get(low, low)
-
-
-def build_engine_config(
-    config: Mapping[str, Any], sizes: BatchSizes, *, world_size: int, raw: Mapping[str, Any]
-) -> EngineConfig:
-    comm = config.get("communication_data_type")
-    top = {
-        k: config[k]
-        for k in (
-            "gradient_clipping",
-            "check_for_nan_in_loss_and_grad",
-            "prescale_gradients",
-            "gradient_predivide_factor",
-            "steps_per_print",
-            "wall_clock_breakdown",
-            "memory_breakdown",
-            "zero_allow_untested_optimizer",
-            "dataloader_drop_last",
-            "seed",
-            "collectives",
-        )
-        if config.get(k) is not None
-    }
-    return _section(
-        EngineConfig,
-        top,
-        train_batch_size=sizes.train,
-        train_micro_batch_size_per_gpu=sizes.micro,
-        gradient_accumulation_steps=sizes.gas,
-        world_size=world_size,
-        optimizer=_named(OptimizerConfig, config.get("optimizer")),
-        scheduler=_named(SchedulerConfig, config.get("scheduler")),
-        fp16=_section(FP16Config, config.get("fp16")),
-        bf16=_section(BF16Config, config.get("bf16")),
-        communication_data_type=_dtype_name(comm),
-        grad_accum_dtype=_dtype_name((config.get("data_types") or {}).get("grad_accum_dtype")),
-        comms_logger=bool((config.get("comms_logger") or {}).get("enabled", False)),
-        zero=_zero(config.get("zero_optimization") or {}),
-        csv_monitor=_section(MonitorConfig, config.get("csv_monitor")),
-        tensorboard=_section(MonitorConfig, config.get("tensorboard")),
-        wandb=_section(WandbConfig, config.get("wandb")),
-        comet=_section(CometConfig, config.get("comet")),
-        flops_profiler=_section(FlopsProfilerConfig, config.get("flops_profiler")),
-        activation_checkpointing=(_section(ActivationCheckpointingConfig, config["activation_checkpointing"])
-                                  if "activation_checkpointing" in config else None),
-        autotp_size=max(int((config.get("tensor_parallel") or {}).get("autotp_size") or 0), 1),
-        raw=freeze(dict(raw)),
-    )

@@ -85,7 +85,7 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
         logger.info(
             '%s: "auto" resolved to %s from the other batch keys',
             key,
-            {TRAIN: sizes.train, MICRO: sizes.micro, GAS: sizes.gas}[key],
+            sizes.by_key()[key],
         )
     for key, message in aliases.deprecations + warnings_:
         warn_once(key, message)

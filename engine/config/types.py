@@ -1,7 +1,7 @@
 """Typed, frozen views of a validated DeepSpeed-format config.
 
 The rest of the engine reads these dataclasses, never raw dict keys. Every field documents its
-default and, where it matters, why. `engine/config/loader.py` is the only code that builds them.
+default and, where it matters, why. `engine/config/build.py` is the only code that builds them.
 """
 
 from __future__ import annotations
