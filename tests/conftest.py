@@ -26,8 +26,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load from the cache) the C++ extension once, in this process, before any test: the
-    first build takes a minute or two, which inside a rank of a distributed test would run into that
-    test's timeout. Spawned ranks then load the cached library."""
+    first build takes seconds (minutes on an overloaded machine), which inside a rank of a distributed
+    test would count against that test's timeout. Spawned ranks then load the cached library."""
     builder.load()
 
 
