@@ -1,6 +1,12 @@
 """DeepSpeed-format config: `load_config` turns a path, dict or base64 JSON into a frozen EngineConfig.
 
-See engine/config/support.py for what the engine does with each key, and docs/config-keys.md.
+Owns everything between the user's JSON and the typed config the rest of the engine reads (loader.py
+runs the phases): reading it (source.py, hjson_decoder.py, nesting.py), checking it (unknown_keys.py,
+finite.py, validate.py with schema.json, aliases.py, auto.py, batch.py; run_checks.py for the checks that
+need the model or device; paths.py names keys in messages), the support table of what the engine does
+with each key (support.py, rows in support_read.py and support_refused.py; docs/config-keys.md is
+generated from it), and the frozen dataclasses (types.py) built from the key table (build.py). Config
+problems raise ConfigError (errors.py); keys without effect warn once (warn.py, ConfigWarning).
 """
 
 from engine.config.errors import ConfigError
