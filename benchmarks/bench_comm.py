@@ -17,7 +17,7 @@ and the all-gather output are that same size) it times, round-robin so that drif
 5. the ZeRO-3 pattern: all-gather, all-gather, reduce-scatter; ours timed as one sequence, torch's the
    sum of its parts' medians (its collectives keep no state between calls; timing the sequence too
    would add its slowest row to every round);
-6. ours as rings (engine/comm_ring.py, ZERO_ENGINE_COLLECTIVES=ring): reduce-scatter and all-gather,
+6. ours as rings (engine/comm/ring.py, ZERO_ENGINE_COLLECTIVES=ring): reduce-scatter and all-gather,
    fp32, and their sum: the schedule the engine offers beside its default direct exchanges.
 
 Each time is the median over repeats, after one warm-up call, of the slowest rank's time (every rank
@@ -180,7 +180,7 @@ def _selection(comm: Any) -> list[str]:
     found = []
     pattern = re.compile(r"(select|use_|algorithm|algo|choose|choice|strategy|impl|native|pairwise)", re.IGNORECASE)
     for name, obj in sorted(vars(comm).items()):
-        if not (inspect.isfunction(obj) and obj.__module__ == comm.__name__ and pattern.search(name)):
+        if not (inspect.isfunction(obj) and obj.__module__.startswith(comm.__name__) and pattern.search(name)):
             continue
         try:
             sig = inspect.signature(obj)
@@ -198,7 +198,7 @@ def _selection(comm: Any) -> list[str]:
 
 
 def _as_ring(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """fn with comm's ring schedule chosen (engine/comm_ring.py) for its duration."""
+    """fn with comm's ring schedule chosen (engine/comm/ring.py) for its duration."""
     def run() -> Any:
         os.environ[CHOICE_ENV] = "ring"
         try:
@@ -539,7 +539,7 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], errors
          "older torch). bf16 wire = comm.reduce_scatter(fp32 out, bf16 bucket) (fp32 accumulation) "
          "+ comm.all_gather of a bf16 buffer of the same element count; "
          "\"bf16 wire / fp32\" = its sum over ours fp32 RS+AG. ring = the same fp32 calls with "
-         "ZERO_ENGINE_COLLECTIVES=ring (engine/comm_ring.py, checked like ours); with 2 ranks a ring is the "
+         "ZERO_ENGINE_COLLECTIVES=ring (engine/comm/ring.py, checked like ours); with 2 ranks a ring is the "
          "pairwise exchange and comm runs the direct one, so there the ring columns time the same code as "
          "ours and their difference is this machine's noise."),
         ("Check, once per configuration (world size and buffer size), on every rank: the first call of each "

@@ -1,4 +1,4 @@
-"""engine.comm's reduce-scatter and all-gather (point-to-point on gloo, engine/comm_p2p.py) against the
+"""engine.comm's reduce-scatter and all-gather (point-to-point on gloo, engine/comm/p2p.py) against the
 arithmetic they must perform and against torch's native collectives, on real processes."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from distributed import run_distributed
 
 from engine import comm
+from engine.zero import bucket_sizes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # Slice sizes: empty, one element, odd, and one received in several segments per peer (with 4 KiB
@@ -314,7 +315,7 @@ def test_ring_collectives_complete_while_the_caller_computes() -> None:
 def test_after_a_failed_ring_collective_later_ones_fail_until_the_group_is_replaced() -> None:
     # A failed ring collective leaves transfers that can never match: every later one fails with the
     # same error instead of hanging; a new process group (destroy_process_group resets it) starts clean.
-    from engine.comm_ring import _Progress
+    from engine.comm.ring import _Progress
 
     progress, ran = _Progress(), []
 
@@ -333,8 +334,8 @@ def test_after_a_failed_ring_collective_later_ones_fail_until_the_group_is_repla
 def _bucket_sizes() -> dict[str, object]:
     import logging
 
+    from engine.comm.state import STATE
     from engine.config.types import ZeroConfig
-    from engine.zero import bucket_sizes
 
     records: list[str] = []
 
@@ -348,7 +349,7 @@ def _bucket_sizes() -> dict[str, object]:
     given = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123, allgather_bucket_size=456), 4, world)
     # Stage 0 all-gathers nothing: its unset allgather_bucket_size is not measured for.
     stage0 = bucket_sizes.resolve(ZeroConfig(reduce_bucket_size=123), 4, world, gathers=False)
-    measured_before = comm._state.link  # the config's values win without measuring anything
+    measured_before = STATE.link  # the config's values win without measuring anything
     stats_before = comm.comm_stats()
     chosen = bucket_sizes.resolve(ZeroConfig(allgather_bucket_size=789), 2, world)
     link = comm.measure_link()
@@ -362,8 +363,8 @@ def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() 
     assert links[0] == links[1]  # every rank takes the slowest rank's numbers: layouts agree
     link = links[0]
     assert 0 < link.latency_s < 1 and link.bandwidth_Bps > 1e6 and link.rejected is None
-    want = link.bucket_bytes() // 2
-    assert comm.MIN_BUCKET_BYTES <= link.bucket_bytes() <= comm.MAX_BUCKET_BYTES
+    want = bucket_sizes.bucket_bytes(link) // 2
+    assert bucket_sizes.MIN_BUCKET_BYTES <= bucket_sizes.bucket_bytes(link) <= bucket_sizes.MAX_BUCKET_BYTES
     for rank, r in enumerate(per_rank):
         assert r["given"] == (123, 456) and r["stage0"] == (123, 500_000_000) and r["measured_before"] is None
         assert r["chosen"] == (want, 789)  # the unset one measured, the set one kept
@@ -423,11 +424,12 @@ def test_an_unknown_collectives_value_is_refused_by_name() -> None:
 def test_implausible_link_measurements_are_rejected_with_their_reason(
         latency_us: float, mib: float, transfer_us: float, rejected: str | None, bucket_mib: float) -> None:
     link = comm.LinkSpeed.from_probe(latency_us * 1e-6, mib * 2**20, transfer_us * 1e-6)
-    assert link.bucket_bytes() == pytest.approx(bucket_mib * 2**20, rel=0.01)
+    assert bucket_sizes.bucket_bytes(link) == pytest.approx(bucket_mib * 2**20, rel=0.01)
     if rejected is None:
-        assert link.rejected is None and link.reason().startswith("from the measured link")
+        assert link.rejected is None and bucket_sizes.reason(link).startswith("from the measured link")
         bound = {1: "raised to the 1 MiB minimum", 256: "cut to the 256 MiB maximum"}.get(int(bucket_mib), "bytes)")
-        assert bound in link.reason()
+        assert bound in bucket_sizes.reason(link)
     else:
         assert link.rejected is not None and rejected in link.rejected
-        assert link.reason() == f"the link measurement was implausible ({link.rejected}), so the fallback 16 MiB"
+        assert bucket_sizes.reason(link) == (f"the link measurement was implausible ({link.rejected}), so the "
+                                             "fallback 16 MiB")

@@ -16,8 +16,8 @@ Both are one step of latency (a ring takes N-1), move the same bytes as a ring, 
 whose wait() does the local part. Before the payload, every rank sends each peer a small signature
 of the collective (sequence number, operation, size, dtypes, key) on a tag of its own; wait() checks
 the peers' signatures first, so ranks that issue different collectives get an error naming both
-instead of a hang. This module moves bytes through the transport it is given: engine/comm.py passes
-torch's point-to-point isend/irecv, and stays the one module that calls the distributed package.
+instead of a hang. This module moves bytes through the transport it is given (engine/comm/transport.py:
+torch's point-to-point isend/irecv), so it never calls the distributed package itself.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Ring reduce-scatter and all-gather on point-to-point transfers, driven by a progress thread.
 
-The alternative to engine/comm_p2p.py's direct exchanges for large groups on thin networks: each rank
+The alternative to engine/comm/p2p.py's direct exchanges for large groups on thin networks: each rank
 talks to two neighbours only (no N-way incast at a switch), sends exactly (N-1)/N of the buffer, and
 pays N-1 steps of latency instead of one. Chosen with the config's "collectives": "ring"
 (ZERO_ENGINE_COLLECTIVES=ring); with 2 ranks a ring is the pairwise exchange.
@@ -19,7 +19,7 @@ pays N-1 steps of latency instead of one. Chosen with the config's "collectives"
 A ring needs local work between its steps, so the steps run on one background thread per process,
 in issue order (the same order on every rank, hence no deadlock): the returned handle's transfers and
 additions progress while the caller computes, and wait() only waits. The collective's signature is
-exchanged with every peer first (comm_p2p's check), so diverged ranks get the same named error.
+exchanged with every peer first (p2p.py's check), so diverged ranks get the same named error.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from datetime import timedelta
 
 import torch
 
-from engine.comm_p2p import (
+from engine.comm.p2p import (
     POOL,
     PendingWork,
     Transport,

@@ -1,0 +1,66 @@
+"""Subgroups (tensor x data parallel): made or adopted by name, so comm_stats() counts each one's traffic
+under "<name>.<op>" and the engine's own collectives can address their members by position."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from engine.comm.lifecycle import get_rank, get_world_size
+from engine.comm.state import STATE
+from engine.comm.transport import GroupTransport
+
+
+@dataclass(frozen=True)
+class Subgroup:
+    name: str
+    """What its traffic is counted under in comm_stats(): "<name>.<op>"."""
+    transport: GroupTransport
+    """Point-to-point calls addressed by position in the group (it holds the members' global ranks)."""
+
+
+def new_group(ranks: Sequence[int], name: str) -> ProcessGroup:
+    """A process group of the given global ranks, whose traffic comm_stats() counts under
+    "<name>.<op>". Every rank of the world must make every group, in the same order (torch's rule),
+    also the groups it is not in; it gets back a group it cannot use then."""
+    members = sorted(ranks)
+    group = dist.new_group(ranks=members)
+    STATE.subgroups[group] = Subgroup(name, GroupTransport(members))
+    return group
+
+
+def adopt_group(group: ProcessGroup, name: str) -> None:
+    """Record a group this module did not make (a user's mpu made it with torch.distributed.new_group),
+    so collectives on it work on every implementation and comm_stats() counts its traffic under
+    "<name>.<op>". A group made by new_group keeps its name."""
+    if group not in STATE.subgroups:
+        STATE.subgroups[group] = Subgroup(name, GroupTransport(list(dist.get_process_group_ranks(group))))
+
+
+def subgroup(group: ProcessGroup) -> Subgroup:
+    if group not in STATE.subgroups:
+        adopt_group(group, "group")
+    return STATE.subgroups[group]
+
+
+def generation() -> int:
+    """Changes whenever destroy_process_group() ends the default group (and with it every subgroup)."""
+    return STATE.generation
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in `group` (None: the world)."""
+    return get_world_size() if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This rank's position in `group` (None: its global rank)."""
+    return get_rank() if group is None else dist.get_rank(group)
+
+
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of `group`, in group order."""
+    return list(range(get_world_size())) if group is None else list(subgroup(group).transport.ranks)
