@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine import checkpointing, comm, cpu_precision, rank_agreement
+from engine import checkpointing, comm, rank_agreement
 from engine.accelerator import get_accelerator
 from engine.config import EngineConfig, load_config, run_checks
 from engine.data import build_dataloader
@@ -19,7 +19,7 @@ from engine.optim import build_optimizer, build_scheduler
 from engine.parallel import setup
 from engine.parallel.groups import ParallelGroups
 from engine.param_groups import normalize_param_groups
-from engine.precision import Precision
+from engine.precision import Precision, cpu_precision
 from engine.zero import owners, partitioned_init
 from engine.zero.base import ZeroStage
 from engine.zero.forward_only import ForwardOnly

@@ -14,8 +14,8 @@ import subprocess
 
 import torch
 
-from engine import cpu_precision
 from engine.ops import builder, cuda_builder
+from engine.precision import cpu_precision
 
 OPS = {
     "copy_into / copy_out": "fused multi-tensor flatten/unflatten with cast and scale (engine/ops/flatten.py)",

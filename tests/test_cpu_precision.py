@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import engine
-from engine import cpu_precision, report
+from engine import report
+from engine.precision import cpu_precision
 
 AVX2_ONLY = {"fpu", "sse4_2", "avx", "avx2", "fma"}
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.config.types import FP16Config
-from engine.loss_scaler import LossScaler
+from engine.precision.loss_scaler import LossScaler
 from engine.monitor.log import get_logger
 
 O, C = True, False

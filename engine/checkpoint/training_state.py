@@ -48,7 +48,7 @@ class TrainingState:
     """None for an evaluation-only engine. Its per-parameter state travels with the stage's fp32 masters."""
     lr_scheduler: Stateful | None
     loss_scaler: Stateful | None
-    """fp16's LossScaler (engine/loss_scaler.py); None for bf16 and fp32."""
+    """fp16's LossScaler (engine/precision/loss_scaler.py); None for bf16 and fp32."""
     stage: ZeroStage
     """Its checkpoint_shards() (what this rank holds, as named pieces: records.py) and its stage number
     (zero_optimization.stage, written into the manifest) are used."""

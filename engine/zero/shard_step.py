@@ -1,6 +1,6 @@
 """The end of every stage's optimizer step, once: stale gradient rows zeroed, then the global norm,
 the vote on an inf/nan norm (which skips the step), and the optimizer step with one factor that
-averages, unscales and clips (engine/precision.py's step_shards, engine/zero/master_step.py)."""
+averages, unscales and clips (engine/precision/policy.py's step_shards, engine/zero/master_step.py)."""
 
 from __future__ import annotations
 

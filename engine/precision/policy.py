@@ -3,7 +3,7 @@ scaling, and the global-norm / overflow computation over gradient shards.
 
 bf16 and fp16 configs cast the model to that dtype; the stages keep an fp32 master copy for every
 flat group whose dtype is not fp32 (fp32 groups need none: the optimizer updates them in place).
-fp16 scales the loss (engine/loss_scaler.py); an overflow anywhere skips the step on every rank.
+fp16 scales the loss (engine/precision/loss_scaler.py); an overflow anywhere skips the step on every rank.
 fp32 and bf16 skip the same way when the global gradient norm is inf/nan (a NaN or inf loss on any
 rank would otherwise write NaN into every weight), with a warning, or stop with NonFiniteGradientError
 when the config sets check_for_nan_in_loss_and_grad.
@@ -20,8 +20,8 @@ import torch
 
 from engine import comm
 from engine.config.types import EngineConfig
-from engine.loss_scaler import LossScaler
 from engine.ops.overflow import sum_squares_and_overflow
+from engine.precision.loss_scaler import LossScaler
 
 if TYPE_CHECKING:
     from engine.zero.norm_scope import NormScope
