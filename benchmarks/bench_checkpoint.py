@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import machine_facts
 
 import engine
-from engine.atomic_file import file_crc32
+from engine.checkpoint.atomic_file import file_crc32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from engine import checkpointing, comm
-from engine.atomic_file import atomic_save
 from engine.auto_cast import to_half
 from engine.checkpoint import store
+from engine.checkpoint.atomic_file import atomic_save
 from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
 from engine.monitor.events import StepRecord, achieved, step_events

@@ -24,7 +24,7 @@ from engine.optim.deepspeed_classes import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam
 ALIASES = """
 import importlib, importlib.metadata, json
 import deepspeed, engine, engine.engine, engine.zero, engine.zero.partitioned_init, engine.comm, engine.accelerator
-import engine.checkpoint.clone, engine.optim.deepspeed_classes as classes
+import engine.zero.clone, engine.optim.deepspeed_classes as classes
 from transformers.integrations import is_deepspeed_available
 from accelerate.utils import compare_versions, is_deepspeed_available as accelerate_sees
 checks = {
@@ -47,7 +47,7 @@ checks = {
         and importlib.import_module("deepspeed.ops.lion").DeepSpeedCPULion is classes.DeepSpeedCPULion,
     "lr_schedules": deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,
     "clone": importlib.import_module("deepspeed.checkpoint.utils").clone_tensors_for_torch_save
-        is engine.checkpoint.clone.clone_tensors_for_torch_save,
+        is engine.zero.clone.clone_tensors_for_torch_save,
     "checkpointing": deepspeed.checkpointing is engine.checkpointing
         and importlib.import_module("deepspeed.runtime.activation_checkpointing.checkpointing") is engine.checkpointing,
     "accelerator": importlib.import_module("deepspeed.accelerator").get_accelerator is engine.accelerator.get_accelerator

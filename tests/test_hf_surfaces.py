@@ -16,7 +16,7 @@ from distributed import run_distributed
 
 import engine
 from engine import accelerator as accel
-from engine.checkpoint.clone import clone_tensors_for_torch_save
+from engine.zero.clone import clone_tensors_for_torch_save
 
 # ----------------------------------------------------------------- clone_tensors_for_torch_save
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
-from engine.atomic_file import atomic_open, atomic_save
+from engine.checkpoint.atomic_file import atomic_open, atomic_save
 from engine.checkpoint.files import MANIFEST, CheckpointError, model_file, read_manifest, resolve_tag_dir, tp_section
 from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.tensor_parallel import slice_sources

@@ -37,7 +37,7 @@ from typing import Any
 import jsonschema
 import torch
 
-from engine.atomic_file import file_crc32
+from engine.checkpoint.atomic_file import file_crc32
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

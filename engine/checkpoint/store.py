@@ -1,5 +1,5 @@
 """save_checkpoint / load_checkpoint: sharded, atomic, resumable exactly, loadable at any world size and
-stage (engine/checkpoint/files.py has the layout, records.py the piece description).
+stage (engine/checkpoint/files.py has the layout, engine/zero/records.py the piece description).
 
 Save: every rank writes its own two files in parallel (no rank gathers the model); rank 0 writes the
 manifest and then makes the tag visible with one rename, and `latest` last. Load: every rank reads,
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engine import comm
-from engine.atomic_file import atomic_open, atomic_save, fsync_dir
+from engine.checkpoint.atomic_file import atomic_open, atomic_save, fsync_dir
 from engine.checkpoint.client_state import prepare_client_state, restore_client_state
 from engine.checkpoint.files import (
     FORMAT_VERSION,
@@ -41,12 +41,12 @@ from engine.checkpoint.files import (
     resolve_tag_dir,
 )
 from engine.checkpoint.piece_reader import PieceReader
-from engine.checkpoint.records import ShardRecord
 from engine.checkpoint.rng import rng_state, set_rng_state
 from engine.checkpoint.tensor_parallel import CheckpointNames, check_loadable, manifest_section
 from engine.checkpoint.training_state import Counters, LoadResult, Stateful, TrainingState
 from engine.monitor.log import get_logger
 from engine.zero.partitioned_init import full_shape
+from engine.zero.records import ShardRecord
 
 logger = get_logger()
 

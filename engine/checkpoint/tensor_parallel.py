@@ -31,10 +31,10 @@ import torch
 
 from engine.checkpoint.files import CheckpointError, joined_shape, tp_section
 from engine.checkpoint.piece_reader import PieceReader
-from engine.checkpoint.records import ShardRecord
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.layers import is_tensor_parallel
 from engine.zero.partitioned_init import full_shape
+from engine.zero.records import ShardRecord
 
 SpecRow = tuple[int, dict[str, list[Any]]]
 """What one rank tells the manifest (all-gathered): its tensor-parallel rank and, per tensor-parallel

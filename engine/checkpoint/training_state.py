@@ -50,7 +50,7 @@ class TrainingState:
     loss_scaler: Stateful | None
     """fp16's LossScaler (engine/precision/loss_scaler.py); None for bf16 and fp32."""
     stage: ZeroStage
-    """Its checkpoint_shards() (what this rank holds, as named pieces: records.py) and its stage number
+    """Its checkpoint_shards() (what this rank holds, as named pieces: engine/zero/records.py) and its stage number
     (zero_optimization.stage, written into the manifest) are used."""
     model_dtype: torch.dtype | None
     """The training dtype the model was cast to; None: the model's own dtypes ("as built" in the manifest)."""

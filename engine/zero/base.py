@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from engine.checkpoint.records import ShardRecord
+from engine.zero.records import ShardRecord
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ZeroStage(Protocol):
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """What this rank saves and loads: its fp32 masters (with their optimizer state) and frozen
-        shards, as named pieces (engine/checkpoint/records.py)."""
+        shards, as named pieces (engine/zero/records.py)."""
 
     def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
         """The module's full state dict on rank 0 ({} elsewhere), copied to `device` (None: where each

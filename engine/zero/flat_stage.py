@@ -33,7 +33,6 @@ from typing import ClassVar
 import torch
 
 from engine import comm
-from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.parallel.groups import ParallelGroups
@@ -45,6 +44,7 @@ from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_
 from engine.zero.master_step import MasterStep
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
 from engine.zero.ordered_launch import LaunchInOrder
+from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.tp_state import whole_state_dict
 
 logger = get_logger()

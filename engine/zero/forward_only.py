@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.checkpoint.records import NamedPiece, ShardRecord
 from engine.parallel.groups import ParallelGroups
 from engine.zero.base import StepOutcome
+from engine.zero.records import NamedPiece, ShardRecord
 from engine.zero.tp_state import whole_state_dict
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.checkpoint.records import NamedPiece, ShardRecord
 from engine.config.types import EngineConfig
 from engine.zero.boundary_reduced import BoundaryReducedStage
 from engine.zero.flat_groups import bind_optimizer_per_parameter
 from engine.zero.flat_stage import Bucket
+from engine.zero.records import NamedPiece, ShardRecord
 
 
 class Stage0(BoundaryReducedStage):

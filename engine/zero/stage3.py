@@ -24,17 +24,17 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from engine import comm
-from engine.checkpoint.clone import clone_tensors_for_torch_save
-from engine.checkpoint.records import ShardRecord, layout_pieces
 from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 from engine.zero import memory_efficient_linear, owners, released, shard_reduce
 from engine.zero.base import StepOutcome
+from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
 from engine.zero.prefetch import PrefetchPlan
+from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3_gather import UnitGathers
 from engine.zero.stage3_grads import MAX_REDUCES_IN_FLIGHT, UnitGradients

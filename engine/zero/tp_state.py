@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from engine import comm
-from engine.checkpoint.clone import clone_tensors_for_torch_save
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.layers import is_tensor_parallel
+from engine.zero.clone import clone_tensors_for_torch_save
 
 
 def join_slices(slices: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""`deepspeed.checkpoint.utils` -> engine.checkpoint.clone."""
+"""`deepspeed.checkpoint.utils` -> engine.zero.clone."""
 
-from engine.checkpoint.clone import clone_tensors_for_torch_save
+from engine.zero.clone import clone_tensors_for_torch_save
 
 __all__ = ["clone_tensors_for_torch_save"]
