@@ -15,37 +15,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, overload
+from collections.abc import Iterable
+from typing import Any
 
 import torch
+from typing_extensions import Unpack
+
+from engine.optim.adam import AdamHyper, adam_defaults, adam_direction
+from engine.optim.per_tensor import PerTensorOptimizer
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(PerTensorOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        *,
         bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
         eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
+        **hyper: Unpack[AdamHyper],
     ) -> None:
+        """FusedLamb's arguments; `hyper`: lr, betas, eps, weight_decay (AdamHyper), each defaulting to
+        ADAM_DEFAULTS' (FusedLamb's defaults too)."""
         if not 0.0 <= min_coeff <= max_coeff:
             raise ValueError(f"Lamb needs 0 <= min_coeff <= max_coeff, got {min_coeff} and {max_coeff}")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": tuple(betas),
-            "eps": eps,
-            "eps_inside_sqrt": eps_inside_sqrt,
-            "weight_decay": weight_decay,
-            "max_coeff": max_coeff,
-            "min_coeff": min_coeff,
-        }
+        defaults = adam_defaults(
+            type(self).__name__,
+            hyper,
+            bias_correction=bias_correction,
+            eps_inside_sqrt=eps_inside_sqrt,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
         super().__init__(params, defaults)
         self.lamb_coeffs: list[float] = []
         """Trust ratio of every tensor updated by the last step (FusedLamb's get_lamb_coeffs)."""
@@ -53,53 +55,14 @@ class Lamb(torch.optim.Optimizer):
     def get_lamb_coeffs(self) -> list[float]:
         return list(self.lamb_coeffs)
 
-    # torch.optim.Optimizer's overloads: the closure's loss when given one, else None.
-    @overload
-    def step(self, closure: None = None) -> None: ...
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _begin_step(self) -> None:
         self.lamb_coeffs = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
-                self.lamb_coeffs.append(self._update_one(p, group))
-        return loss
 
-    def _update_one(self, p: torch.Tensor, group: dict[str, Any]) -> float:
-        """Apply one LAMB step to `p`; return the trust ratio used."""
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
-        t = state["step"]
-
-        # Phase 1: Adam moments from the raw gradient.
-        grad = p.grad
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-
-        # Phase 2: the Adam direction plus decoupled weight decay (uses p before the update).
-        bc1 = 1 - beta1**t if group["bias_correction"] else 1.0
-        bc2 = 1 - beta2**t if group["bias_correction"] else 1.0
-        v_hat = v / bc2
-        denom = (
-            (v_hat + group["eps"]).sqrt_() if group["eps_inside_sqrt"] else v_hat.sqrt_().add_(group["eps"])
-        )
-        update = (m / bc1).div_(denom)
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """Apply one LAMB step to `p`; record the trust ratio used in lamb_coeffs."""
+        # Phases 1-2: the Adam direction from the raw gradient, plus decoupled weight decay (uses p
+        # before the update).
+        update = adam_direction(state, grad, group, eps_inside_sqrt=group["eps_inside_sqrt"])
         if group["weight_decay"] != 0:
             update.add_(p, alpha=group["weight_decay"])
 
@@ -111,4 +74,4 @@ class Lamb(torch.optim.Optimizer):
             coeff = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
 
         p.add_(update, alpha=-group["lr"] * coeff)
-        return coeff
+        self.lamb_coeffs.append(coeff)

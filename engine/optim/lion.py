@@ -5,18 +5,24 @@ torch.optim has no Lion, so this small class stands in for DeepSpeed's fused ker
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, overload
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
+from engine.optim.per_tensor import PerTensorOptimizer
 
-class Lion(torch.optim.Optimizer):
+
+class Lion(PerTensorOptimizer):
     """Per parameter:
     c = beta1 * m + (1 - beta1) * g
     p <- p * (1 - lr * weight_decay) - lr * sign(c)
     m <- beta2 * m + (1 - beta2) * g
     """
+
+    state_tensors = ("exp_avg",)
+    counts_steps = False  # the update does not depend on t (no bias correction)
+    sparse_grads = True  # every operation on g takes a sparse tensor, and adds it into a dense one
 
     def __init__(
         self,
@@ -27,28 +33,9 @@ class Lion(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 
-    # torch.optim.Optimizer's overloads: the closure's loss when given one, else None.
-    @overload
-    def step(self, closure: None = None) -> None: ...
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                m = state["exp_avg"]
-                direction = (m * beta1).add_(p.grad, alpha=1 - beta1).sign_()
-                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(direction, alpha=-group["lr"])
-                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
-        return loss
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        m = state["exp_avg"]
+        direction = (m * beta1).add_(grad, alpha=1 - beta1).sign_()
+        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(direction, alpha=-group["lr"])
+        m.mul_(beta2).add_(grad, alpha=1 - beta2)

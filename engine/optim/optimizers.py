@@ -17,7 +17,7 @@ import torch
 from engine.config.errors import ConfigError
 from engine.config.types import OptimizerConfig
 from engine.optim._check import check_bool, check_number, check_param_names, did_you_mean, keyword_params
-from engine.optim.adam import ReferenceAdam
+from engine.optim.adam import ADAM_DEFAULTS, ReferenceAdam
 from engine.optim.lamb import Lamb
 from engine.optim.lion import Lion
 
@@ -25,13 +25,9 @@ logger = logging.getLogger(__name__)
 
 _SECTION = "optimizer.params"
 
-# DeepSpeed's FusedAdam parameters and defaults. weight_decay is 0 as in FusedAdam, not
-# torch.optim.AdamW's 0.01, so the same JSON decays the same amount here and in DeepSpeed.
+# DeepSpeed's FusedAdam parameters and defaults (ADAM_DEFAULTS says why weight_decay is 0).
 _ADAM_DEFAULTS: Mapping[str, Any] = {
-    "lr": 1e-3,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
-    "weight_decay": 0.0,
+    **ADAM_DEFAULTS,
     "bias_correction": True,
     "adam_w_mode": True,
     "amsgrad": False,
@@ -41,13 +37,11 @@ _ADAM_DEFAULTS: Mapping[str, Any] = {
 # torch's implementation switches, accepted for Adam because DeepSpeed forwards them with torch_adam.
 _ADAM_TORCH_SWITCHES = ("foreach", "fused")
 
+# DeepSpeed's FusedLamb parameters and defaults.
 _LAMB_DEFAULTS: Mapping[str, Any] = {
-    "lr": 1e-3,
+    **ADAM_DEFAULTS,
     "bias_correction": True,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
     "eps_inside_sqrt": False,
-    "weight_decay": 0.0,
     "max_coeff": 10.0,
     "min_coeff": 0.01,
     "amsgrad": False,
