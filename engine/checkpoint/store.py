@@ -28,6 +28,7 @@ import torch
 from engine import comm
 from engine.checkpoint.atomic_file import atomic_open, atomic_save, fsync_dir
 from engine.checkpoint.client_state import prepare_client_state, restore_client_state
+from engine.checkpoint.deepspeed_format import open_reader
 from engine.checkpoint.files import (
     FORMAT_VERSION,
     LATEST,
@@ -37,7 +38,6 @@ from engine.checkpoint.files import (
     model_file,
     optim_file,
     partial_dir,
-    read_manifest,
     resolve_tag_dir,
 )
 from engine.checkpoint.piece_reader import PieceReader
@@ -316,8 +316,8 @@ def load(state: TrainingState, load_dir: str, tag: str | None, load_module_stric
     rank = comm.get_rank()
     started = time.perf_counter()
     tag_dir = resolve_tag_dir(load_dir, tag)
-    manifest = read_manifest(tag_dir)
-    reader = PieceReader(tag_dir, manifest)
+    reader = open_reader(tag_dir, state.module)  # the engine's own layout, or DeepSpeed's (deepspeed_format/)
+    manifest = reader.manifest
     names = CheckpointNames.of(state.module, state.parallel)
     check_loadable(reader, names, state.module)
     records = names.for_loading(state.stage.checkpoint_shards())

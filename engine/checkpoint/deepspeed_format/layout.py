@@ -1,0 +1,332 @@
+"""DeepSpeed's checkpoint layout, turned into the engine's named pieces (engine/checkpoint/records.py).
+
+    <dir>/latest                                         the tag (text), as the engine writes it too
+    <dir>/<tag>/mp_rank_00_model_states.pt               stages 0-2: the module (buffers, frozen parameters,
+                                                         model-dtype weights), counters, LR scheduler,
+                                                         param_shapes, client state keys; stage 0 also
+                                                         the torch optimizer's state dict
+    <dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: the same, per data-parallel rank
+                                                         (parameters empty; frozen ones as fragments)
+    <dir>/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   stages 1-3: rank r's fp32 partition
+                                                         of every group and its Adam moments
+
+# [Note: where DeepSpeed's partitions put a parameter]
+Stages 1-2 lay each optimizer group's parameters end to end (param_shapes order, plus
+param_alignment_paddings) in one flat vector cut into equal partitions; rank r holds elements
+[r*P, r*P + len) where P is rank 0's partition length (only the last rank's is shorter: DeepSpeed
+drops the group's end padding when it saves). Stage 3 cuts every parameter on its own into
+ceil(numel / world) elements per rank (the last rank's padded) and lays a rank's cuts end to end,
+in param_shapes order, across its groups' flat tensors. zero_to_fp32 reconstructs both the same way.
+Either way a rank's file becomes pieces (name, offset within the parameter, numel) of the fp32
+master and its moments, which the engine's loading reshards to any world size and stage.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.checkpoint.deepspeed_format.safe_load import DeepSpeedObject, load_deepspeed_file
+from engine.checkpoint.files import CheckpointError
+
+Pieces = dict[str, list[dict[str, Any]]]
+"""Parameter name -> its pieces in one rank's file: {"offset", "master" | "model", "exp_avg", ...}."""
+
+# The keys of DeepSpeed's own in a model-states file; the others are the client_state it was given.
+DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "csr_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "iteration", "universal_checkpoint_info"})
+# torch's switches for how an optimizer step runs in DeepSpeed's process: no part of the training state.
+_RUN_SWITCHES = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+
+
+def model_states_name(stage3_rank: int | None) -> str:
+    return "mp_rank_00_model_states.pt" if stage3_rank is None else f"zero_pp_rank_{stage3_rank}_mp_rank_00_model_states.pt"
+
+
+def optim_states_name(rank: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def is_deepspeed_tag_dir(tag_dir: str) -> bool:
+    """A tag directory written by DeepSpeed (its model-states file, no manifest of the engine's)."""
+    return not os.path.exists(os.path.join(tag_dir, "manifest.json")) and any(
+        os.path.isfile(os.path.join(tag_dir, model_states_name(r))) for r in (None, 0))
+
+
+@dataclass
+class Converted:
+    """A DeepSpeed checkpoint as the engine's pieces: what engine/checkpoint/store.py's load reads."""
+
+    world_size: int
+    stage: int
+    params: dict[str, list[int]]
+    """Every parameter's whole shape, trainable and frozen."""
+    trainable: set[str]
+    optim: list[Pieces]
+    """Per rank: fp32 master pieces with their moments."""
+    frozen: list[Pieces]
+    """Per rank: stage-3 pieces of frozen parameters ({"offset", "model"})."""
+    scalars: dict[int, dict[str, Any]]
+    """Per optimizer group: the state not shaped like a master (Adam's step)."""
+    whole: dict[str, torch.Tensor]
+    """Buffers, and frozen parameters at stages 0-2."""
+    head: dict[str, Any]
+    """Counters, LR scheduler, loss scaler, param_groups, client_state: rank 0's model file's head."""
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def convert(tag_dir: str) -> Converted:
+    """Read every file of a DeepSpeed tag directory and describe it as the engine's pieces."""
+    stage3 = os.path.isfile(os.path.join(tag_dir, model_states_name(0)))
+    head = load_deepspeed_file(os.path.join(tag_dir, model_states_name(0 if stage3 else None)))
+    _check_supported(tag_dir, head)
+    world = _int(head, "dp_world_size", tag_dir)
+    module = _mapping(head.get("module"), "module", tag_dir)
+    buffer_names = set(head.get("buffer_names") or [])
+    whole = {n: t for n, t in module.items() if n in buffer_names}
+    if not stage3 and head.get("param_shapes") is None:
+        return _convert_stage0(tag_dir, head, module, whole, world)
+    optim = [_optim_states(tag_dir, r, world) for r in range(world)]
+    osd = _mapping(optim[0].get("optimizer_state_dict"), "optimizer_state_dict", tag_dir)
+    stage = int(osd.get("zero_stage", 3 if stage3 else 2))
+    shapes = _param_shapes(head, tag_dir)
+    frozen_shapes = {n: list(s) for n, s in (head.get("frozen_param_shapes") or {}).items()}
+    if stage3:
+        rank_heads = [head] + [load_deepspeed_file(os.path.join(tag_dir, model_states_name(r))) for r in range(1, world)]
+        pieces, scalars, groups = _stage3_pieces(tag_dir, optim, shapes)
+        frozen = _stage3_frozen(rank_heads, frozen_shapes, world)
+    else:
+        pieces, scalars, groups = _stage12_pieces(tag_dir, optim, shapes)
+        frozen = [{} for _ in range(world)]
+        whole.update({n: module[n] for n in frozen_shapes if n in module})
+    params = {n: list(s) for group in shapes for n, s in group.items()} | frozen_shapes
+    trainable = {n for group in shapes for n in group}
+    return Converted(world, stage, params, trainable, pieces, frozen, scalars, whole,
+                     _head(head, groups, _loss_scaler(osd.get("loss_scaler"), head)), _aliases(head))
+
+
+def _check_supported(tag_dir: str, head: dict[str, Any]) -> None:
+    mp = head.get("mp_world_size", 1)
+    if mp != 1 or os.path.exists(os.path.join(tag_dir, "mp_rank_01_model_states.pt")):
+        raise CheckpointError(f"{tag_dir} was saved by DeepSpeed with tensor (model) parallel size {mp}; this engine "
+                              "reads DeepSpeed checkpoints saved without tensor parallelism only (mp_world_size 1)")
+    if any(name.startswith("layer_") for name in os.listdir(tag_dir)):
+        raise CheckpointError(f"{tag_dir} was saved by DeepSpeed's pipeline engine (layer_*-model_states.pt files), "
+                              "which this engine does not read")
+
+
+def _int(data: dict[str, Any], key: str, where: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{where}: DeepSpeed's model states have {key}={value!r}, not a positive integer; the "
+                              "checkpoint is corrupted or not DeepSpeed's")
+    return value
+
+
+def _mapping(value: Any, key: str, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: DeepSpeed's {key!r} is a {type(value).__name__}, not a dict; the checkpoint "
+                              "is corrupted or from a DeepSpeed version this engine does not read")
+    return value
+
+
+def _optim_states(tag_dir: str, rank: int, world: int) -> dict[str, Any]:
+    """Rank `rank`'s optimizer file, bf16_-prefixed or not, refused by rank and name when missing."""
+    names = [optim_states_name(rank, bf16) for bf16 in (False, True)]
+    found = next((n for n in names if os.path.isfile(os.path.join(tag_dir, n))), None)
+    if found is None:
+        raise CheckpointError(f"{tag_dir}: the optimizer states of data-parallel rank {rank} ({names[0]} or "
+                              f"{names[1]}) are missing; DeepSpeed saved this checkpoint at {world} data-parallel "
+                              "ranks (dp_world_size) and each wrote one; copy the whole tag directory")
+    return load_deepspeed_file(os.path.join(tag_dir, found))
+
+
+def _param_shapes(head: dict[str, Any], tag_dir: str) -> list[dict[str, list[int]]]:
+    shapes = head.get("param_shapes")
+    if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
+        raise CheckpointError(f"{tag_dir}: DeepSpeed's param_shapes is {type(shapes).__name__}, not a list of dicts "
+                              "per optimizer group; the checkpoint is corrupted")
+    return [{n: list(s) for n, s in group.items()} for group in shapes]
+
+
+def _moments(state: dict[str, Any], numel: int) -> dict[str, torch.Tensor]:
+    """The optimizer state tensors laid like the flat partition (exp_avg, exp_avg_sq, ...). They may be
+    longer than the saved partition: DeepSpeed drops the last rank's end padding from the fp32
+    partition it saves, not from the moments."""
+    return {k: v.reshape(-1) for k, v in state.items() if _like_partition(v, numel)}
+
+
+def _scalar(state: dict[str, Any], numel: int) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if not _like_partition(v, numel)}
+
+
+def _like_partition(value: Any, numel: int) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() >= numel and value.numel() > 1
+
+
+def _piece(offset: int, flat: torch.Tensor, moments: dict[str, torch.Tensor], lo: int, n: int) -> dict[str, Any]:
+    entry = {"offset": offset, "master": flat[lo:lo + n].float()}
+    entry.update({k: v[lo:lo + n].float() for k, v in moments.items()})
+    return entry
+
+
+# ------------------------------------------------------------------------------------- stages 1-2
+def _stage12_pieces(tag_dir: str, optim: list[dict[str, Any]], shapes: list[dict[str, list[int]]]
+                    ) -> tuple[list[Pieces], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """See [Note: where DeepSpeed's partitions put a parameter]."""
+    osds = [o["optimizer_state_dict"] for o in optim]
+    partitions = [_list(o, "single_partition_of_fp32_groups", tag_dir) for o in osds]
+    states = [o.get("base_optimizer_state", {}).get("state", {}) for o in osds]
+    paddings = osds[0].get("param_alignment_paddings") or [[0] * len(g) for g in shapes]
+    pieces: list[Pieces] = [{} for _ in optim]
+    scalars: dict[int, dict[str, Any]] = {}
+    for g, group in enumerate(shapes):
+        spans = _spans(group, paddings[g] if g < len(paddings) else [0] * len(group))
+        size = partitions[0][g].numel()  # every rank's but the last one's; the last one's end padding is not saved
+        for r, parts in enumerate(partitions):
+            flat = parts[g].reshape(-1)
+            state = states[r].get(g, {})
+            moments = _moments(state, flat.numel())
+            scalars.setdefault(g, _scalar(state, flat.numel()))
+            for name, start, numel in spans:
+                lo, hi = max(start, r * size), min(start + numel, r * size + flat.numel())
+                if lo < hi:
+                    pieces[r].setdefault(name, []).append(_piece(lo - start, flat, moments, lo - r * size, hi - lo))
+    return pieces, scalars, osds[0].get("base_optimizer_state", {}).get("param_groups", [])
+
+
+def _spans(group: dict[str, list[int]], paddings: list[int]) -> list[tuple[str, int, int]]:
+    """(name, first element in the group's flat vector, numel) of every parameter of a group."""
+    spans, offset = [], 0
+    for (name, shape), pad in zip(group.items(), paddings):
+        spans.append((name, offset, math.prod(shape)))
+        offset += math.prod(shape) + pad
+    return spans
+
+
+def _list(osd: dict[str, Any], key: str, tag_dir: str) -> list[torch.Tensor]:
+    value = osd.get(key)
+    if not isinstance(value, list) or not all(torch.is_tensor(t) for t in value):
+        raise CheckpointError(f"{tag_dir}: DeepSpeed's optimizer state has no list of tensors {key!r}; the checkpoint "
+                              "is corrupted or from a DeepSpeed version this engine does not read")
+    return value
+
+
+# ---------------------------------------------------------------------------------------- stage 3
+def _stage3_pieces(tag_dir: str, optim: list[dict[str, Any]], shapes: list[dict[str, list[int]]]
+                   ) -> tuple[list[Pieces], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """See [Note: where DeepSpeed's partitions put a parameter]."""
+    world = len(optim)
+    order = [(n, math.prod(s)) for group in shapes for n, s in group.items()]
+    pieces: list[Pieces] = [{} for _ in optim]
+    scalars: dict[int, dict[str, Any]] = {}
+    for r, o in enumerate(optim):
+        osd = o["optimizer_state_dict"]
+        flats = [t.reshape(-1) for t in _list(osd, "fp32_flat_groups", tag_dir)]
+        states = osd.get("optimizer_state_dict", {}).get("state", {})
+        moments = [_moments(states.get(g, {}), f.numel()) for g, f in enumerate(flats)]
+        for g, f in enumerate(flats):
+            scalars.setdefault(g, _scalar(states.get(g, {}), f.numel()))
+        group, offset = 0, 0  # position in the rank's flats
+        for name, numel in order:
+            cut = math.ceil(numel / world)
+            while group < len(flats) and offset >= flats[group].numel():
+                group, offset = group + 1, offset - flats[group].numel()
+            held = max(0, min(cut, numel - r * cut))  # the last ranks' cuts are (partly) padding
+            if group >= len(flats) or offset + cut > flats[group].numel():
+                raise CheckpointError(f"{tag_dir}: rank {r}'s fp32 partition is too short for parameter {name!r} "
+                                      "(param_shapes lists more than the file holds); the checkpoint is corrupted")
+            if held:
+                pieces[r].setdefault(name, []).append(_piece(r * cut, flats[group], moments[group], offset, held))
+            offset += cut
+    param_groups = optim[0]["optimizer_state_dict"].get("optimizer_state_dict", {}).get("param_groups", [])
+    return pieces, scalars, param_groups
+
+
+def _stage3_frozen(rank_heads: list[dict[str, Any]], shapes: dict[str, list[int]], world: int) -> list[Pieces]:
+    """Each rank's fragment of every frozen parameter (its own dtype), cut as trainable ones are."""
+    pieces: list[Pieces] = [{} for _ in rank_heads]
+    for r, head in enumerate(rank_heads):
+        fragments = head.get("frozen_param_fragments") or {}
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            cut = math.ceil(numel / world)
+            held = max(0, min(cut, numel - r * cut))
+            if held and name in fragments:
+                pieces[r][name] = [{"offset": r * cut, "model": fragments[name].reshape(-1)[:held]}]
+    return pieces
+
+
+# ---------------------------------------------------------------------------------------- stage 0
+def _convert_stage0(tag_dir: str, head: dict[str, Any], module: dict[str, Any], whole: dict[str, torch.Tensor],
+                    world: int) -> Converted:
+    """Stage 0: the model file holds the module and the torch optimizer's own state dict, whose
+    parameters are numbered in the order the optimizer was given them: module.parameters()'s order."""
+    names = [n for n in module if n not in whole]
+    opt = head.get("optimizer")
+    if isinstance(opt, dict) and ("fp32_groups_flat" in opt or "optimizer_state_dict" in opt):
+        raise CheckpointError(f"{tag_dir} was saved by DeepSpeed at stage 0 with fp16 or bf16 (its FP16_Optimizer's "
+                              "flat fp32 groups); this engine reads stage 0 checkpoints in fp32 only, and stages 1-3 "
+                              "in every precision")
+    state: dict[int, dict[str, Any]] = opt.get("state", {}) if isinstance(opt, dict) else {}
+    groups = opt.get("param_groups", []) if isinstance(opt, dict) else []
+    numbered = [i for g in groups for i in g.get("params", [])]
+    if numbered and len(numbered) != len(names):
+        raise CheckpointError(f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {len(numbered)} parameters, the module "
+                              f"{len(names)}; the engine maps them by position, which needs the optimizer to have been "
+                              "given every parameter of the module (deepspeed.initialize(model_parameters="
+                              "model.parameters()))")
+    pieces: Pieces = {}
+    scalars: dict[int, dict[str, Any]] = {}
+    index = {i: g for g, group in enumerate(groups) for i in group.get("params", [])}
+    for i, name in enumerate(names):
+        flat = module[name].reshape(-1)
+        s = state.get(i, {})
+        scalars.setdefault(index.get(i, 0), _scalar(s, flat.numel()))
+        pieces[name] = [_piece(0, flat, _moments(s, flat.numel()), 0, flat.numel())]
+    rest: list[Pieces] = [{} for _ in range(world - 1)]
+    shapes = {n: list(module[n].shape) for n in names}
+    return Converted(world, 0, shapes, set(names), [pieces, *rest], [{} for _ in range(world)], scalars, whole,
+                     _head(head, groups, None), _aliases(head))
+
+
+# ------------------------------------------------------------------------------------------- head
+def _head(head: dict[str, Any], groups: list[dict[str, Any]], loss_scaler: dict[str, Any] | None) -> dict[str, Any]:
+    """What store.load reads from rank 0's model file, in the engine's terms."""
+    config = head.get("ds_config")
+    config = config if isinstance(config, dict) else {}
+    steps = int(head.get("global_steps", 0))
+    return {
+        "engine": {"global_steps": steps, "global_samples": int(head.get("global_samples", 0)),
+                   "skipped_steps": int(head.get("skipped_steps", 0)),
+                   "micro_steps": steps * int(config.get("gradient_accumulation_steps", 1) or 1)},
+        "lr_scheduler": head.get("lr_scheduler"),
+        "loss_scaler": loss_scaler,
+        "param_groups": [{k: v for k, v in g.items() if k not in _RUN_SWITCHES} for g in groups],
+        "client_state": {k: v for k, v in head.items() if k not in DEEPSPEED_KEYS},
+    }
+
+
+def _loss_scaler(saved: Any, head: dict[str, Any]) -> dict[str, Any] | None:
+    """DeepSpeed's LossScaler / DynamicLossScaler as the engine's LossScaler state dict (the same
+    update rule: cur_iter, last_overflow_iter and cur_hysteresis mean what the engine's fields do)."""
+    if not isinstance(saved, DeepSpeedObject):
+        return None
+    dynamic = bool(saved.get("dynamic", False))
+    return {"dynamic": dynamic, "scale": float(saved.get("cur_scale", 1.0)), "iterations": int(saved.get("cur_iter", 0)),
+            "skipped_steps": int(head.get("skipped_steps", 0)),
+            "last_overflow_iter": int(saved.get("last_overflow_iter", -1) if dynamic else -1),
+            "hysteresis_left": int(saved.get("cur_hysteresis", 1) if dynamic else 1)}
+
+
+def _aliases(head: dict[str, Any]) -> dict[str, str]:
+    """Tied parameters: DeepSpeed's shared_params maps each further name to the saved one."""
+    shared = head.get("shared_params")
+    return {str(k): str(v) for k, v in shared.items()} if isinstance(shared, dict) else {}
