@@ -32,7 +32,7 @@ from engine.precision import NonFiniteGradientError, Precision
 from engine.profiling.step_profile import StepProfile
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
-from engine.zero.units import full_numel
+from engine.zero.stage3.unit_plan import full_numel
 from engine.zero_optimizer import ZeroOptimizer
 
 logger = get_logger()

@@ -16,7 +16,7 @@ P is the padded element count of the full flat buffers and S that of this rank's
 element count, P = Psi and S = ceil(Psi / N) (the largest rank's shard). For a module they come from
 the engine's own layout code (engine/zero/layout.py), so bucket padding is counted exactly: one flat
 group per dtype at stages 0-2 (world size 1 at stage 0, where S = P), one group per gather unit at
-stage 3 (engine/zero/units.py). At stage 3 the fp32 shard is both the parameters and the master in
+stage 3 (engine/zero/stage3/unit_plan.py). At stage 3 the fp32 shard is both the parameters and the master in
 fp32 training; in bf16/fp16 no low-precision shard is kept (gathers cast from the fp32 master).
 
 The paper (Table 1) assumes fp16 parameters and gradients, K = 12 bytes of optimizer state (fp32
@@ -47,8 +47,8 @@ from engine.config.types import DEEPSPEED_BUCKET_SIZE
 from engine.estimate_paper import PAPER_MODELS, PAPER_STAGES, PAPER_TABLE, PAPER_WORLD_SIZES
 from engine.zero.layout import build_layout
 from engine.zero.partitioned_init import full_shape
-from engine.zero.stage3_units import unit_layout
-from engine.zero.units import leaf_test, plan_units
+from engine.zero.stage3.unit_plan import leaf_test, plan_units
+from engine.zero.stage3.units import unit_layout
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_BUCKET_SIZE = DEEPSPEED_BUCKET_SIZE
@@ -216,7 +216,7 @@ def flat_sizes(
 
 def unit_sizes(model: torch.nn.Module, world_size: int, element_size: int) -> tuple[int, int]:
     """(P, S) at stage 3: one group per gather unit of the default plan, each a single bucket
-    (engine/zero/stage3_units.py: build_units and shard_group). plan_units only reads the module."""
+    (engine/zero/stage3/units.py: build_units and shard_group). plan_units only reads the module."""
     padded = shard = 0
     for plan in plan_units(model, leaf_test(None), merge_below=0):
         shapes = [full_shape(p) for p in plan.params if p.requires_grad]

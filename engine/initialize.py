@@ -22,10 +22,7 @@ from engine.param_groups import normalize_param_groups
 from engine.precision import Precision, cpu_precision
 from engine.zero import owners, partitioned_init
 from engine.zero.base import ZeroStage
-from engine.zero.forward_only import ForwardOnly
-from engine.zero.stage0 import Stage0
-from engine.zero.stage1 import Stage1
-from engine.zero.stage2 import Stage2
+from engine.zero.flat import ForwardOnly, Stage0, Stage1, Stage2
 from engine.zero.stage3 import Stage3
 
 logger = get_logger()

@@ -69,7 +69,7 @@ def refuse_zero3_hook_internals() -> NoReturn:
     GRPO, RLOO, online distillation, LogCompletionsCallback) gathers every parameter, then removes those hooks
     (forward_hooks, backward_hooks, param.ds_active_sub_modules, module.ds_external_parameters) and re-adds them
     after generation (param_coordinator._invalidate_trace, _register_deepspeed_module). This engine's stage-3
-    hooks are its own (engine/zero/stage3.py) and have no such handles. Generation through them works: each
+    hooks are its own (engine/zero/stage3/stage.py) and have no such handles. Generation through them works: each
     forward gathers and releases each layer, as in training."""
     raise UnsupportedFeatureError(
         "TRL generation at ZeRO stage 3 with ds3_gather_for_generation=True (GRPO, RLOO, online distillation: "

@@ -11,7 +11,7 @@ import torch
 from distributed import run_distributed
 
 from engine import comm
-from engine.zero import bucket_sizes
+from engine.zero.flat import bucket_sizes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # Slice sizes: empty, one element, odd, and one received in several segments per peer (with 4 KiB

@@ -23,7 +23,7 @@ from engine.estimate import (
 )
 from engine.estimate_paper import PAPER_TABLE
 from engine.zero.layout import build_layout
-from engine.zero.units import leaf_test, plan_units
+from engine.zero.stage3.unit_plan import leaf_test, plan_units
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -513,7 +513,7 @@ def _deep_bucket_memory() -> dict[str, int]:
 
 
 def test_stage3_gradient_buckets_are_recycled_not_one_per_unit() -> None:
-    from engine.zero.stage3 import MAX_REDUCES_IN_FLIGHT
+    from engine.zero.stage3.grads import MAX_REDUCES_IN_FLIGHT
 
     result = run_distributed(_deep_bucket_memory, 2)[0]
     # A few blocks' worth (reductions in flight + the unit collecting gradients) and the root's own

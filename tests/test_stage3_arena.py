@@ -1,4 +1,4 @@
-"""Stage 3 with its memory arena (engine/zero/stage3_memory.py) on real processes over gloo: the same
+"""Stage 3 with its memory arena (engine/zero/stage3/memory.py) on real processes over gloo: the same
 training as without it, bitwise; every block back in one free block after each step (no
 fragmentation); a bounded auto size under stage3_max_live_parameters; the compiled arena and its
 torch fallback alike; a named error when an explicit size is too small."""

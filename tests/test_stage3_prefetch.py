@@ -1,10 +1,10 @@
-"""Stage 3's prefetch plan (engine/zero/prefetch.py) without processes: recording, following the
+"""Stage 3's prefetch plan (engine/zero/stage3/prefetch.py) without processes: recording, following the
 recorded order, detecting a changed order, the prefetch budget and live-parameter limit, the reuse
 distance and a new micro-step. The collectives it drives are tested in test_stage3.py."""
 
 from __future__ import annotations
 
-from engine.zero.prefetch import PrefetchPlan, TraceMatch
+from engine.zero.stage3.prefetch import PrefetchPlan, TraceMatch
 
 BIG = 10**9
 

@@ -1,4 +1,4 @@
-"""engine/zero/memory_efficient_linear.py: F.linear for stage-3 weights, against torch's own linear (forward bitwise,
+"""engine/zero/stage3/memory_efficient_linear.py: F.linear for stage-3 weights, against torch's own linear (forward bitwise,
 gradients to float tolerance), and that it is installed only while someone needs it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.zero import memory_efficient_linear as linear
+from engine.zero.stage3 import memory_efficient_linear as linear
 from engine.zero import owners
 from engine.zero.released import ZeroParamStatus
 

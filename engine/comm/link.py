@@ -1,6 +1,6 @@
 """What a collective costs on this group, measured once: a fixed latency plus bytes over a bandwidth.
 
-engine/zero/bucket_sizes.py turns the measurement into bucket sizes; this module only measures,
+engine/zero/flat/bucket_sizes.py turns the measurement into bucket sizes; this module only measures,
 and says when a measurement cannot be trusted.
 """
 

@@ -84,11 +84,11 @@ class ZeroConfig:
     reduce_scatter: bool = True
     reduce_bucket_size: int | None = None
     """Elements per gradient-reduction bucket; None (absent): sized from the measured link at start
-    (engine/zero/bucket_sizes.py). DeepSpeed's default is DEEPSPEED_BUCKET_SIZE (5e8)."""
+    (engine/zero/flat/bucket_sizes.py). DeepSpeed's default is DEEPSPEED_BUCKET_SIZE (5e8)."""
     allgather_partitions: bool = True
     allgather_bucket_size: int | None = None
     """Elements of stages 1-2's parameter all-gathers in flight after a step; None (absent): sized from
-    the measured link at start, as reduce_bucket_size is (engine/zero/bucket_sizes.py)."""
+    the measured link at start, as reduce_bucket_size is (engine/zero/flat/bucket_sizes.py)."""
     overlap_comm: bool = False
     """None in the JSON resolves to True for stage 3 and False otherwise, as DeepSpeed does."""
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
@@ -103,10 +103,10 @@ class ZeroConfig:
     until it reaches this size (fewer, larger collectives); 0 (DeepSpeed's default) merges nothing."""
     memory_efficient_linear: bool = True
     """Stage 3: F.linear saves stage-3 weights themselves for backward, not views that keep their
-    gathered unit alive (engine/zero/memory_efficient_linear.py), as DeepSpeed's key of the same name."""
+    gathered unit alive (engine/zero/stage3/memory_efficient_linear.py), as DeepSpeed's key of the same name."""
     stage3_arena_bytes: int = 0
     """Our key (DeepSpeed has none): bytes of the pre-touched arena that stage 3 takes gathered units
-    and gradient buckets from on CPU (engine/zero/stage3_memory.py); ARENA_AUTO ("auto" in the JSON)
+    and gradient buckets from on CPU (engine/zero/stage3/memory.py); ARENA_AUTO ("auto" in the JSON)
     sizes it from the units and stage3_max_live_parameters; 0 (the default) turns it off: on GPT-M it
     saved no time and its worst-case size added 60-90 MiB of peak RSS (benchmarks/results/arena_M.md)."""
     leaf_module: Mapping[str, tuple[str, ...]] | None = None

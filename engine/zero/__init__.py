@@ -1,8 +1,21 @@
-"""ZeRO stages and the stage-3 user API (`engine.zero.GatheredParameters`, `engine.zero.Init`,
-`engine.zero.set_z3_leaf_modules`)."""
+"""ZeRO: the stages and the user API DeepSpeed code calls (`engine.zero.Init`,
+`engine.zero.GatheredParameters`, `engine.zero.set_z3_leaf_modules`).
+
+- flat/: stages 0-2, whose parameters live whole on every rank in flat, bucketed buffers
+  (Stage0, Stage1, Stage2, and ForwardOnly for an engine without an optimizer);
+- stage3/: stage 3, whose parameters are partitioned between the forwards and backwards that use
+  them (Stage3 and its gather units, prefetching, gradients and memory);
+- here, what both use: the stage interface (base.py), the flat layout math (layout.py), flat groups
+  and the optimizer step on fp32 masters (flat_groups.py, master_step.py, shard_step.py,
+  shard_reduce.py), the gradient-norm scope over tensor x data parallelism (norm_scope.py), bucket
+  buffers and launch order (bucket_pool.py, ordered_launch.py), tensor-parallel state dicts
+  (tp_state.py), what a stage holds for a checkpoint (records.py, clone.py), which stage owns a
+  parameter (owners.py), and the parameters built partitioned by `engine.zero.Init`
+  (partitioned_init.py, released.py) or gathered by `GatheredParameters` (gathered.py) at any stage.
+"""
 
 from engine.zero.gathered import GatheredParameters
 from engine.zero.partitioned_init import Init
-from engine.zero.units import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
+from engine.zero.stage3.unit_plan import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
 
 __all__ = ["GatheredParameters", "Init", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules"]

@@ -86,7 +86,7 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
 
 # [Note: what a partitioned parameter carries]
 # `ds_shape`/`ds_numel` are DeepSpeed's public names for the whole shape and size; Hugging Face
-# transformers (and engine/zero/stage3*.py, released.py, checkpoint/store.py) read them on the Parameter,
+# transformers (and engine/zero/stage3/, released.py, checkpoint/store.py) read them on the Parameter,
 # so they are set there, through set_full_shape/full_shape: torch.nn.Parameter declares neither.
 # The shard (this rank's slice) is Init's own state. It stays an attribute of the Parameter rather than
 # an entry of a side table (as engine/zero/owners.py keeps a stage's) only because stage 3 deletes it by

@@ -1,10 +1,10 @@
 """Stage 3's gather units as data: their sharded groups, their state, and how they are built.
 
-Each gather unit (which parameters: engine/zero/units.py) keeps, per optimizer param group and dtype,
+Each gather unit (which parameters: engine/zero/stage3/unit_plan.py) keeps, per optimizer param group and dtype,
 one group in the shared flat layout (engine/zero/layout.py) with a single bucket: rank r stores slice
 r (its *shard*, which in fp32 is also the optimizer's master), one all-gather fetches the whole unit
 and one reduce-scatter returns its gradients. A unit is in one `UnitState` at a time; gathering and
-releasing it is engine/zero/stage3_gather.py's, reducing its gradients engine/zero/stage3_grads.py's.
+releasing it is engine/zero/stage3/gather.py's, reducing its gradients engine/zero/stage3/grads.py's.
 
 Between uses a parameter's `.data` is empty; its full shape is kept in the group (`shapes`) and, for
 Hugging Face and DeepSpeed-aware code, in `param.ds_shape` / `param.ds_numel`.
@@ -22,7 +22,7 @@ import torch
 from engine.config import run_checks
 from engine.zero import partitioned_init, released, shard_reduce
 from engine.zero.layout import GroupLayout, build_layout
-from engine.zero.units import leaf_test, plan_units
+from engine.zero.stage3.unit_plan import leaf_test, plan_units
 
 
 class UnitState(enum.Enum):
@@ -99,7 +99,7 @@ class Unit:
     index: int
     name: str
     modules: list[torch.nn.Module]
-    """Whose forwards use it (see units.UnitPlan); empty for the root unit."""
+    """Whose forwards use it (see unit_plan.UnitPlan); empty for the root unit."""
     groups: list[ShardedGroup]
     state: UnitState = UnitState.PARTITIONED
     grads_sent: bool = False
@@ -130,7 +130,7 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
 def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                 leaf_module: Mapping[str, Iterable[str]] | None, merge_below: int, *, world: int,
                 rank: int, grad_dtype: Callable[[torch.dtype], torch.dtype]) -> list[Unit]:
-    """Plan the units (engine/zero/units.py) and shard each: afterwards every parameter is empty and
+    """Plan the units (engine/zero/stage3/unit_plan.py) and shard each: afterwards every parameter is empty and
     this rank holds its slices (parameters built under engine.zero.Init are re-laid from their own
     partition, all-gathering one parameter at a time). Gradient shards are in grad_dtype(param dtype)."""
     opt_groups = optimizer.param_groups if optimizer is not None else []

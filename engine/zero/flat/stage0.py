@@ -2,7 +2,7 @@
 
 The same flat layout as every stage (engine/zero/layout.py), with one slice per bucket that every
 rank keeps: gradients accumulate in a full-size flat buffer and each bucket is all-reduced during
-the boundary backward (engine/zero/boundary_reduced.py). The optimizer sees one fp32 master per
+the boundary backward (engine/zero/flat/boundary_reduced.py). The optimizer sees one fp32 master per
 parameter, a view into the group's flat master (in fp32 the parameters' own storage), with its
 gradient a view into the gradient rows (in the accumulation dtype; engine/zero/master_step.py steps
 them): so any torch optimizer runs unchanged, per-tensor ones included (LAMB's trust ratio is per
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from engine.config.types import EngineConfig
-from engine.zero.boundary_reduced import BoundaryReducedStage
+from engine.zero.flat.boundary_reduced import BoundaryReducedStage
+from engine.zero.flat.stage import Bucket
 from engine.zero.flat_groups import bind_optimizer_per_parameter
-from engine.zero.flat_stage import Bucket
 from engine.zero.records import NamedPiece, ShardRecord
 
 
@@ -27,7 +27,7 @@ class Stage0(BoundaryReducedStage):
     def _bind_optimizer(self, config: EngineConfig) -> None:
         self._masters, self.master_step = bind_optimizer_per_parameter(self.optimizer, self.groups, config)
 
-    # Late gradients (flat_stage.py's Note) are refused here, as DDP refuses them: reducing them needs
+    # Late gradients (stage.py's Note) are refused here, as DDP refuses them: reducing them needs
     # every rank to agree on which buckets have any, one more collective per step, and stage 0 moves
     # exactly the 2 Psi bytes of DDP's all-reduce per step and nothing else.
     def _add_late(self, bk: Bucket, i: int, grad: torch.Tensor) -> None:

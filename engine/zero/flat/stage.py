@@ -8,7 +8,7 @@ where every rank keeps every slice. So one mechanism covers all three stages, an
 follows from the data: a bucket of several slices is reduce-scattered and gathered back after the
 step; a bucket of one slice is all-reduced and nothing is gathered.
 
-Subclasses decide where a bucket's gradient comes from (engine/zero/boundary_reduced.py, stages 0
+Subclasses decide where a bucket's gradient comes from (engine/zero/flat/boundary_reduced.py, stages 0
 and 1: a full-size flat gradient buffer, reduced at the accumulation boundary; stage 2: bucket-sized
 buffers filled by hooks and reduced every micro-step) and how the optimizer sees the fp32 masters
 (stages 1-2: one flat shard per group; stage 0: one view per parameter, so per-tensor optimizers
@@ -37,9 +37,10 @@ from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
-from engine.zero import bucket_sizes, owners, shard_reduce, shard_step
+from engine.zero import owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
+from engine.zero.flat import bucket_sizes
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
 from engine.zero.master_step import MasterStep
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs

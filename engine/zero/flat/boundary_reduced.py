@@ -20,7 +20,7 @@ import torch
 from engine.config.types import EngineConfig
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
-from engine.zero.flat_stage import Bucket, FlatStage
+from engine.zero.flat.stage import Bucket, FlatStage
 
 
 class BoundaryReducedStage(FlatStage):
@@ -48,7 +48,7 @@ class BoundaryReducedStage(FlatStage):
             return
         buckets = [self._bucket[(g.index, b)] for b in g.layout.buckets_of(i)]
         if self._reduce_in_backward and any(self._launcher.launched(bk.order) for bk in buckets):
-            for bk in buckets:  # accumulated again after its bucket was sent; see flat_stage.py's Note
+            for bk in buckets:  # accumulated again after its bucket was sent; see stage.py's Note
                 self._add_late(bk, i, grad)
             param.grad = None
             return

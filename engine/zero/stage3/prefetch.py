@@ -1,7 +1,7 @@
 """Stage 3's prefetch plan: the recorded order of unit uses and the decisions taken from it.
 
 Pure bookkeeping over unit indices and sizes (elements): no tensors, no collectives, no autograd.
-Stage 3 (engine/zero/stage3_gather.py) tells it each use of a unit and asks it what to prefetch and
+Stage 3 (engine/zero/stage3/gather.py) tells it each use of a unit and asks it what to prefetch and
 whether to keep a unit gathered after its forward; it runs the all-gathers itself.
 
 # [Note: prefetch]

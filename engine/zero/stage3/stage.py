@@ -3,14 +3,14 @@ the unit that owns them computes (paper 5.3, 7.2.2).
 
 `Stage3` wires small objects together and implements the stage interface (engine/zero/base.py):
 
-    engine/zero/units.py          which parameters form a gather unit (one all-gather each)
-    engine/zero/stage3_units.py   the units as data: sharded groups, UnitState, building the shards
-    engine/zero/prefetch.py       PrefetchPlan: the recorded unit order, what to prefetch or keep
-                                  (pure: indices and sizes only; [Note: prefetch])
-    engine/zero/stage3_gather.py  UnitGathers: gather, release and prefetch; the forward hooks and
-                                  the unit lifecycle in a step
-    engine/zero/stage3_grads.py   UnitGradients: gradient buckets, reduced unit by unit in order
-    engine/zero/stage3_memory.py  where gathered buffers and gradient buckets come from
+    unit_plan.py    which parameters form a gather unit (one all-gather each)
+    units.py        the units as data: sharded groups, UnitState, building the shards
+    prefetch.py     PrefetchPlan: the recorded unit order, what to prefetch or keep
+                    (pure: indices and sizes only; [Note: prefetch])
+    gather.py       UnitGathers: gather, release and prefetch; the forward hooks and
+                    the unit lifecycle in a step
+    grads.py        UnitGradients: gradient buckets, reduced unit by unit in order
+    memory.py       where gathered buffers and gradient buckets come from
 
 The root unit (parameters outside the repeated blocks: embeddings, final norm, a tied head) is
 gathered when the model's forward starts and stays gathered until its gradients are reduced.
@@ -27,19 +27,20 @@ from engine import comm
 from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
-from engine.zero import memory_efficient_linear, owners, released, shard_reduce
+from engine.zero import owners, released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
-from engine.zero.prefetch import PrefetchPlan
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
-from engine.zero.stage3_gather import UnitGathers
-from engine.zero.stage3_grads import MAX_REDUCES_IN_FLIGHT, UnitGradients
-from engine.zero.stage3_memory import Stage3Memory, UnitBytes, auto_capacity
-from engine.zero.stage3_units import TrainableGroup, Unit, UnitState, build_units
+from engine.zero.stage3 import memory_efficient_linear
+from engine.zero.stage3.gather import UnitGathers
+from engine.zero.stage3.grads import MAX_REDUCES_IN_FLIGHT, UnitGradients
+from engine.zero.stage3.memory import Stage3Memory, UnitBytes, auto_capacity
+from engine.zero.stage3.prefetch import PrefetchPlan
+from engine.zero.stage3.units import TrainableGroup, Unit, UnitState, build_units
 from engine.zero.tp_state import whole_state_dict
 
 

@@ -21,8 +21,8 @@ from engine.comm import ProcessGroup
 from engine.precision import Precision
 from engine.zero import shard_reduce
 from engine.zero.ordered_launch import LaunchInOrder
-from engine.zero.stage3_memory import Stage3Memory
-from engine.zero.stage3_units import TrainableGroup, Unit
+from engine.zero.stage3.memory import Stage3Memory
+from engine.zero.stage3.units import TrainableGroup, Unit
 
 MAX_REDUCES_IN_FLIGHT = 2
 """Gradient reduce-scatters (one per unit, optimizer group and dtype) in flight before the oldest is

@@ -1,8 +1,8 @@
 """Stage 3's gathers: full parameters exist only while the unit that owns them computes (paper 5.3,
 7.2.2). This module runs the all-gathers and releases; which units to prefetch or keep is the
-PrefetchPlan's (engine/zero/prefetch.py, [Note: prefetch]).
+PrefetchPlan's (engine/zero/stage3/prefetch.py, [Note: prefetch]).
 
-Lifecycle of a unit (engine/zero/stage3_units.py, UnitState) in a step:
+Lifecycle of a unit (engine/zero/stage3/units.py, UnitState) in a step:
 
     forward pre-hook   gather: PARTITIONED -> GATHERED (all-gather into a fresh full buffer, or wait
                        for the one prefetched: GATHERING -> GATHERED); params' .data become views
@@ -10,7 +10,7 @@ Lifecycle of a unit (engine/zero/stage3_units.py, UnitState) in a step:
                        it, and wrap the outputs so that
     backward           the unit is gathered again right before its backward runs
     grad hooks         when all of the unit's gradients are in and reduced in order
-                       (engine/zero/stage3_grads.py), the unit is released
+                       (engine/zero/stage3/grads.py), the unit is released
 
 The root unit (parameters outside the repeated blocks: embeddings, final norm, a tied head) is
 gathered when the model's forward starts and stays gathered until its gradients are reduced.
@@ -32,9 +32,9 @@ from engine import comm
 from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.zero import released
-from engine.zero.prefetch import PrefetchPlan, TraceMatch
-from engine.zero.stage3_memory import Stage3Memory
-from engine.zero.stage3_units import ShardedGroup, Unit, UnitState
+from engine.zero.stage3.memory import Stage3Memory
+from engine.zero.stage3.prefetch import PrefetchPlan, TraceMatch
+from engine.zero.stage3.units import ShardedGroup, Unit, UnitState
 
 logger = get_logger()
 

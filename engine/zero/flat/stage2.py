@@ -19,7 +19,7 @@ import torch
 from engine.config.types import EngineConfig
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
-from engine.zero.flat_stage import Bucket, FlatStage
+from engine.zero.flat.stage import Bucket, FlatStage
 
 
 class Stage2(FlatStage):
@@ -51,7 +51,7 @@ class Stage2(FlatStage):
         unsynced = self._unsynced.get(g.index)
         for b in g.layout.buckets_of(i):
             bk = self._bucket[(g.index, b)]
-            if self._launcher.launched(bk.order):  # accumulated again after it was sent; see flat_stage.py's Note
+            if self._launcher.launched(bk.order):  # accumulated again after it was sent; see stage.py's Note
                 self._add_late(bk, i, grad)
                 continue
             data = self._acquire(bk)

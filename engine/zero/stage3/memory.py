@@ -48,7 +48,7 @@ def _blocks(sizes: Sequence[int]) -> int:
 
 
 def auto_capacity(units: Sequence[UnitBytes], max_live_bytes: int, reduces_in_flight: int) -> int:
-    """The most stage 3 can hold at once, from the bounds it keeps (engine/zero/prefetch.py, stage3_grads.py):
+    """The most stage 3 can hold at once, from the bounds it keeps (prefetch.py, grads.py):
 
     - gathered: prefetches and units kept for reuse are admitted only while the live total stays
       within stage3_max_live_parameters; on top of that come one unit gathered on demand and the
