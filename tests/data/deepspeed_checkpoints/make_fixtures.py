@@ -1,0 +1,225 @@
+"""Writes the golden DeepSpeed checkpoints under this folder, with real DeepSpeed (not the engine).
+
+Run it in DeepSpeed's own venv (see SOURCES.md here for the exact versions and command):
+
+    DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python tests/data/deepspeed_checkpoints/make_fixtures.py
+
+For each case in CASES, two gloo ranks train `TinyNet` for SAVE_AT steps, save a checkpoint into
+<case>/ckpt, and record DeepSpeed's own view of what it saved into <case>/reference.pt: the fp32
+masters and Adam moments of every parameter (deepspeed.utils.safe_get_full_fp32_param /
+safe_get_full_optimizer_state, read from the live engine); at stages 1-3 the script checks that
+zero_to_fp32's consolidation of the saved files equals those masters bitwise, and stops if not. Then two fresh ranks (built from another seed, so nothing but the
+checkpoint carries the state) load it with DeepSpeed's load_checkpoint and train RESUME_STEPS more
+steps; their losses (the mean over the global batch) go into <case>/expected.json.
+
+The model and data are defined here without DeepSpeed, so tests/test_deepspeed_checkpoints.py imports
+them and trains the engine on exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD = 2
+MICRO = 4
+GLOBAL_BATCH = WORLD * MICRO
+SAVE_AT = 4
+RESUME_STEPS = 10
+IN, HIDDEN, MID, OUT = 11, 23, 19, 5  # odd sizes: the flat partitions end in padding
+
+# name -> (zero stage, precision). Stage 0 keeps the optimizer in the model file; stages 1-3 write
+# zero_pp_rank_* files, bf16_-prefixed under bf16; stage 1 under bf16 is DeepSpeed's BF16_Optimizer.
+CASES: dict[str, tuple[int, str]] = {
+    "stage0_fp32": (0, "fp32"), "stage1_fp32": (1, "fp32"), "stage2_fp32": (2, "fp32"),
+    "stage3_fp32": (3, "fp32"), "stage1_bf16": (1, "bf16"), "stage2_bf16": (2, "bf16"),
+    "stage3_bf16": (3, "bf16"), "stage2_fp16": (2, "fp16"),
+}
+
+
+class TinyNet(torch.nn.Module):
+    """About 900 parameters in odd shapes, a LayerNorm, and a buffer (saved in the module state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(IN, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.mid = torch.nn.Linear(HIDDEN, MID)
+        self.out = torch.nn.Linear(MID, OUT)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.inp(x)))
+        return self.out(torch.tanh(self.mid(h))) * self.scale.to(x.dtype)
+
+
+def make_model(seed: int) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of training step `step` (0-based), the same on every rank and world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+
+
+def rank_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step)
+    micro = GLOBAL_BATCH // world
+    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+
+
+def ds_config(stage: int, precision: str) -> dict[str, Any]:
+    """DeepSpeed's config for a case. torch_adam: torch.optim.AdamW (DeepSpeed's FusedAdam needs a build)."""
+    config: dict[str, Any] = {
+        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0, "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                  "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                     "warmup_num_steps": 6}},
+        "zero_optimization": {"stage": stage},
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        # A small window so the scale grows before the save: the saved loss-scaler state is not the initial one.
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2,
+                          "min_loss_scale": 1}
+    return config
+
+
+def model_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _train_step(engine: Any, step: int, precision: str) -> float:
+    """One step on this rank's rows; the loss averaged over the global batch (all ranks)."""
+    import torch.distributed as dist
+
+    x, y = rank_batch(step, dist.get_rank(), dist.get_world_size())
+    out = engine(x.to(model_dtype(precision)))
+    loss = torch.nn.functional.mse_loss(out.float(), y)
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
+def _reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's fp32 master and Adam moments as DeepSpeed's own API gives them (collective at stage 3)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in engine.module.named_parameters():
+        found[name] = {"master": safe_get_full_fp32_param(p).detach().clone().float()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            found[name][key] = safe_get_full_optimizer_state(p, key).detach().clone().float()
+    return found
+
+
+def _stage0_reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Stage 0 in fp32 has no fragment mapping: the masters are the module's parameters themselves."""
+    state = engine.basic_optimizer.state
+    return {name: {"master": p.detach().clone(), "exp_avg": state[p]["exp_avg"].clone(),
+                   "exp_avg_sq": state[p]["exp_avg_sq"].clone()} for name, p in engine.module.named_parameters()}
+
+
+def _drop_copied_scripts(ckpt: str) -> None:
+    """save_checkpoint copies DeepSpeed's zero_to_fp32.py and zero_to_torch.py beside the tags (40 KB
+    that are no part of the format)."""
+    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+        path = os.path.join(ckpt, script)
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _allow_fp16_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator calls fp16 supported only where oneDNN has fp16 kernels; torch's CPU
+    kernels run these small layers in fp16 anyway, and the fixture only needs DeepSpeed's file layout."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def _run_case(name: str, stage: int, precision: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    folder = os.path.join(HERE, name)
+    ckpt = os.path.join(folder, "ckpt")
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    dist.barrier()
+
+    model = make_model(seed=0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(stage, precision))
+    before = [_train_step(engine, step, precision) for step in range(SAVE_AT)]
+    reference = _stage0_reference(engine) if stage == 0 else _reference(engine)
+    engine.save_checkpoint(ckpt, client_state={"epoch": 3, "note": name, "best": torch.tensor([0.25])})
+    dist.barrier()
+    if rank == 0:
+        _drop_copied_scripts(ckpt)
+    if stage > 0 and rank == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+        for pname, entry in reference.items():
+            if not torch.equal(consolidated[pname].float(), entry["master"]):
+                raise RuntimeError(f"{name}: zero_to_fp32 and the live engine disagree on {pname}")
+    engine.destroy()
+
+    fresh = make_model(seed=99)
+    resumed, _, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(),
+                                            config=ds_config(stage, precision))
+    _, client = resumed.load_checkpoint(ckpt)
+    after = [_train_step(resumed, SAVE_AT + k, precision) for k in range(RESUME_STEPS)]
+    if rank == 0:
+        torch.save(reference, os.path.join(folder, "reference.pt"))
+        expected = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "stage": stage,
+                    "precision": precision, "world_size": WORLD, "config": ds_config(stage, precision),
+                    "global_steps": resumed.global_steps, "losses_before_save": before,
+                    "resumed_losses": after, "client_state_epoch": client.get("epoch")}
+        with open(os.path.join(folder, "expected.json"), "w") as f:
+            json.dump(expected, f, indent=1)
+    resumed.destroy()
+
+
+def _rank_main(rank: int, port: int, names: list[str]) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+                       "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import deepspeed
+
+    _allow_fp16_on_cpu()
+    deepspeed.init_distributed(dist_backend="gloo")
+    for name in names:
+        stage, precision = CASES[name]
+        _run_case(name, stage, precision)
+
+
+def main(argv: list[str]) -> None:
+    names = argv or list(CASES)
+    torch.multiprocessing.spawn(_rank_main, args=(_free_port(), names), nprocs=WORLD)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
