@@ -17,7 +17,7 @@ import torch
 from distributed import free_port, run_distributed
 
 import engine
-from engine.rank_agreement import RankMismatchError, first_difference, model_signature
+from engine.initialize.rank_agreement import RankMismatchError, first_difference, model_signature
 
 ROOT = Path(__file__).resolve().parent.parent
 RETRY_SCRIPT = ROOT / "tests" / "zrun_scripts" / "initialize_retry.py"

@@ -9,7 +9,7 @@ import torch
 
 import engine
 from engine.config import ConfigError
-from engine.rank_agreement import RankMismatchError
+from engine.initialize.rank_agreement import RankMismatchError
 
 RANK = int(os.environ["RANK"])
 

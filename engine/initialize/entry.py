@@ -8,17 +8,17 @@ from typing import Any
 
 import torch
 
-from engine import checkpointing, comm, rank_agreement
+from engine import checkpointing, comm
 from engine.accelerator import get_accelerator
 from engine.config import EngineConfig, load_config, run_checks
-from engine.data import build_dataloader
 from engine.engine import Engine
+from engine.initialize import parallel_setup, rank_agreement
+from engine.initialize.data import build_dataloader
+from engine.initialize.param_groups import normalize_param_groups
 from engine.monitor import monitors
 from engine.monitor.log import get_logger
 from engine.optim import build_optimizer, build_scheduler
-from engine.parallel import setup
 from engine.parallel.groups import ParallelGroups
-from engine.param_groups import normalize_param_groups
 from engine.precision import Precision, cpu_precision
 from engine.zero import owners, partitioned_init
 from engine.zero.base import ZeroStage
@@ -124,10 +124,10 @@ def initialize(
     owns_group = comm.acquire_process_group(distributed_port, dist_init_required)
     try:
         # Local work first, then one exchange every rank takes part in, failed or not, before any
-        # other collective (see [Note: why initialize agrees first] in engine/rank_agreement.py).
+        # other collective (see [Note: why initialize agrees first] in engine/initialize/rank_agreement.py).
         local_error: Exception | None = None
         try:
-            known_groups = setup.groups_before_config(mpu)
+            known_groups = parallel_setup.groups_before_config(mpu)
             given = frozenset(name for name, obj in (("optimizer", optimizer), ("scheduler", lr_scheduler))
                               if obj is not None)
             cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source(),
@@ -143,7 +143,7 @@ def initialize(
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
-        parallel = setup.resolve_groups(known_groups, cfg.autotp_size, model)
+        parallel = parallel_setup.resolve_groups(known_groups, cfg.autotp_size, model)
         checkpointing.configure_from_engine(cfg, parallel)
         if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
             logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "

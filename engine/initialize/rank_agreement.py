@@ -10,7 +10,7 @@
 # and a digest of its model's signature (parameter and buffer names, shapes, dtypes,
 # requires_grad). If any rank failed or any digest differs, every rank raises, naming the ranks and
 # the first difference, and no rank issues another collective: the process group stays usable, so
-# initialize can be called again (see engine/initialize.py).
+# initialize can be called again (see engine/initialize/entry.py).
 """
 
 from __future__ import annotations
