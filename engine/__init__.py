@@ -30,7 +30,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> object:  # lazy: an eager import makes `python -m engine.estimate` warn (runpy)
+def __getattr__(name: str) -> object:  # lazy: training never needs the estimator, so `import engine` skips it
     if name == "estimate_memory":
         from engine.estimate import estimate_memory
 

@@ -21,7 +21,7 @@ from engine.estimate import (
     matches_printed,
     paper_cells,
 )
-from engine.estimate_paper import PAPER_TABLE
+from engine.estimate.paper_table import PAPER_TABLE
 from engine.zero.layout import build_layout
 from engine.zero.stage3.unit_plan import leaf_test, plan_units
 

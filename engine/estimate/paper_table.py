@@ -5,7 +5,7 @@ Table 1: "Per-device memory consumption of different optimizations in ZeRO-DP as
 degree", in GB (1e9 bytes). The values are kept as the strings the paper prints: their number of
 decimals says how precisely to compare, and the paper sometimes truncates rather than rounds
 (128B P_os+g at N_d = 1024 is 257.75, printed "257"; 1T P_os at 64 is 4187.5, printed "4187").
-Pure data: engine/estimate.py computes the cells.
+Pure data: engine/estimate/paper.py computes the cells.
 """
 
 from __future__ import annotations

@@ -31,20 +31,14 @@ gathered stage-3 units, activations and allocator overhead are not.
 
 from __future__ import annotations
 
-import argparse
 import math
-import re
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
-from fractions import Fraction
 from typing import overload
 
 import torch
 
 from engine.config.types import DEEPSPEED_BUCKET_SIZE
-from engine.estimate_paper import PAPER_MODELS, PAPER_STAGES, PAPER_TABLE, PAPER_WORLD_SIZES
 from engine.zero.layout import build_layout
 from engine.zero.partitioned_init import full_shape
 from engine.zero.stage3.unit_plan import leaf_test, plan_units
@@ -54,7 +48,7 @@ STAGES = (0, 1, 2, 3)
 DEFAULT_BUCKET_SIZE = DEEPSPEED_BUCKET_SIZE
 """DeepSpeed's default zero_optimization.reduce_bucket_size, in elements."""
 
-_DTYPE_NAMES: dict[str, str] = {
+DTYPE_NAMES: dict[str, str] = {
     "fp32": "fp32",
     "float32": "fp32",
     "bf16": "bf16",
@@ -65,7 +59,7 @@ _DTYPE_NAMES: dict[str, str] = {
 _TORCH_DTYPES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-_OPTIMIZER_STATE_BYTES: dict[str, int] = {
+OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "adam": 8,  # exp_avg + exp_avg_sq in fp32
     "adamw": 8,
     "lamb": 8,
@@ -74,11 +68,7 @@ _OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "lion": 4,  # exp_avg only
 }
 
-_EXCLUDED = (
-    "Model states only: constant-size bucket buffers, gathered stage-3 units, activations and "
-    "allocator overhead are excluded. P: padded elements of the full flat buffers; S: this rank's shard."
-)
-_STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 
 
 @dataclass(frozen=True)
@@ -125,7 +115,7 @@ def engine_costs(
         dtype=param_dtype, grad_accum_dtype=grad_dtype, optimizer=opt,
         params=_DTYPE_BYTES[param_dtype], gradients=_DTYPE_BYTES[grad_dtype],
         master=0 if fp32 else 4,  # fp32: the optimizer updates the parameter storage in place
-        optimizer_state=_OPTIMIZER_STATE_BYTES[opt],
+        optimizer_state=OPTIMIZER_STATE_BYTES[opt],
         # fp32: the stage-3 shard is the parameters and the master; bf16/fp16: gathers cast from the master.
         stage3_param_shard=fp32,
     )
@@ -312,16 +302,16 @@ def _dtype_name(dtype: str | torch.dtype, what: str) -> str:
     if isinstance(dtype, torch.dtype):
         if dtype in _TORCH_DTYPES:
             return _TORCH_DTYPES[dtype]
-    elif isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype.lower()]
-    accepted = ", ".join(repr(name) for name in _DTYPE_NAMES)
+    elif isinstance(dtype, str) and dtype.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower()]
+    accepted = ", ".join(repr(name) for name in DTYPE_NAMES)
     raise ValueError(f"{what}={dtype!r} is not supported; use one of {accepted} or torch.float32/bfloat16/float16")
 
 
 def _optimizer_name(optimizer: str) -> str:
     name = optimizer.lower() if isinstance(optimizer, str) else None
-    if name not in _OPTIMIZER_STATE_BYTES:
-        accepted = ", ".join(repr(n) for n in _OPTIMIZER_STATE_BYTES)
+    if name not in OPTIMIZER_STATE_BYTES:
+        accepted = ", ".join(repr(n) for n in OPTIMIZER_STATE_BYTES)
         raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {accepted} (case-insensitive)")
     return name
 
@@ -336,230 +326,3 @@ def _check_count(numel: object) -> None:
         raise TypeError(f"model_or_numel must be an nn.Module or an int, got {type(numel).__name__}")
     if numel < 0:
         raise ValueError(f"model_or_numel={numel} must be >= 0 (a count of trainable elements)")
-
-
-# ------------------------------------------------------------------------- the paper's table
-@dataclass(frozen=True)
-class PaperCell:
-    """One cell of the paper's Table 1 beside the value the formulas give for it."""
-
-    model: str
-    """The paper's model label ("7.5B", "128B", "1T")."""
-    stage: int
-    world_size: int
-    printed: str
-    """The paper's value in GB, as printed."""
-    estimate: MemoryEstimate
-
-    @property
-    def matches(self) -> bool:
-        return matches_printed(self.estimate.total, self.printed)
-
-
-def matches_printed(total_bytes: int, printed: str) -> bool:
-    """Whether `total_bytes` in GB (1e9 bytes) is `printed` within the paper's rounding: rounded
-    half-up, or truncated, to the printed number of decimals (the paper does both)."""
-    decimals = len(printed.partition(".")[2])
-    scaled = Fraction(total_bytes * 10**decimals, 10**9)
-    target = Fraction(printed) * 10**decimals
-    return target in (math.floor(scaled + Fraction(1, 2)), math.floor(scaled))
-
-
-def paper_cells(costs: ByteCosts = PAPER_COSTS) -> list[PaperCell]:
-    """All 54 cells of the paper's Table 1, computed from `costs` (the paper's by default)."""
-    cells = []
-    for (model, stage, world_size), printed in PAPER_TABLE.items():
-        numel = PAPER_MODELS[model]
-        padded, shard = count_sizes(numel, stage, world_size)
-        estimate = estimate_from_costs(costs, stage, world_size=world_size, numel=numel,
-                                       padded_numel=padded, shard_numel=shard)
-        cells.append(PaperCell(model, stage, world_size, printed, estimate))
-    return cells
-
-
-def _gb(total_bytes: int) -> str:
-    """GB to at most 4 decimals, rounded half-up (exact: no binary float in between)."""
-    value = (Decimal(total_bytes) / 10**9).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
-    return f"{value:f}".rstrip("0").rstrip(".")
-
-
-def format_paper_table(cells: Sequence[PaperCell]) -> str:
-    """The paper's Table 1 in its shape (rows N_d, columns model x stage): each cell the computed GB
-    and `= printed` when it matches the paper's value, `!= printed` when not."""
-    by_key = {(c.model, c.stage, c.world_size): c for c in cells}
-    columns = [(model, stage) for model in PAPER_MODELS for stage in PAPER_STAGES]
-    costs = cells[0].estimate.costs
-    lines = [
-        _PAPER_HEADER,
-        "",
-        "| N_d | " + " | ".join(f"{model} {_STAGE_NAMES[stage]}" for model, stage in columns) + " |",
-        "| ---: |" + " ---: |" * len(columns),
-    ]
-    for world_size in PAPER_WORLD_SIZES:
-        row = []
-        for model, stage in columns:
-            cell = by_key[(model, stage, world_size)]
-            row.append(f"{_gb(cell.estimate.total)} {'=' if cell.matches else '!='} {cell.printed}")
-        lines.append(f"| {world_size} | " + " | ".join(row) + " |")
-    matched = sum(c.matches for c in cells)
-    return "\n".join([*lines, "", f"{matched} of {len(cells)} cells match the printed values.",
-                      _assumptions(costs), _ENGINE_DIFFERS])
-
-
-_PAPER_HEADER = (
-    "ZeRO paper, Table 1: per-device model-state memory in GB (1e9 bytes), computed with this engine's "
-    "per-state formulas; '= x' when the paper prints x (rounded half-up or truncated), '!= x' when not."
-)
-_ENGINE_DIFFERS = (
-    "This engine differs: stage 3 keeps no fp16/bf16 parameter shard (gathers cast from the fp32 master: "
-    "14 Psi/N_d in bf16, not 16); gradients are held in the accumulation dtype (default the parameter "
-    "dtype, as in DeepSpeed); fp32 training keeps no master (the optimizer updates the fp32 parameters in "
-    "place). See python -m engine.estimate --params 7.5e9 --world-size 64 --dtype bf16."
-)
-
-
-def _assumptions(costs: ByteCosts) -> str:
-    stage3 = "a parameter shard at stage 3" if costs.stage3_param_shard else "no parameter shard at stage 3"
-    return (
-        f"Assumptions: {costs.dtype} parameters ({costs.params} B/element), {costs.grad_accum_dtype} gradients "
-        f"({costs.gradients} B), K = {costs.master + costs.optimizer_state} B of optimizer state (fp32 master "
-        f"{costs.master} + {costs.optimizer} state {costs.optimizer_state}), {stage3}; Psi/N_d rounded up, "
-        "no padding."
-    )
-
-
-# ------------------------------------------------------------------------------ formatting
-def format_bytes(n: int) -> str:
-    """Binary units: B, KiB, MiB, GiB, TiB."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
-
-
-def format_table(estimates: MemoryEstimate | Iterable[MemoryEstimate]) -> str:
-    """A Markdown table in the shape of the paper's Table 1: one row per stage, a header with Psi, N, dtypes."""
-    rows = [estimates] if isinstance(estimates, MemoryEstimate) else list(estimates)
-    if not rows:
-        raise ValueError("format_table() needs at least one MemoryEstimate")
-    first, costs = rows[0], rows[0].costs
-    master = "fp32 (4 B)" if costs.master else "none (the optimizer updates the fp32 parameters in place)"
-    header = (
-        f"Model-state memory per rank: Psi = {first.numel:,} trainable elements, N = {first.world_size}, "
-        f"params {costs.dtype} ({costs.params} B), gradients in the accumulation dtype {costs.grad_accum_dtype} "
-        f"({costs.gradients} B; default the parameter dtype, as in DeepSpeed), master {master}, "
-        f"optimizer {costs.optimizer} ({costs.optimizer_state} B/element)"
-    )
-    lines = [
-        header,
-        "",
-        "| stage | params | gradients | master | optimizer | total | P | S |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for e in rows:
-        cells = [format_bytes(c) for c in (e.params, e.gradients, e.master, e.optimizer_state, e.total)]
-        label = f"{e.stage} ({_STAGE_NAMES[e.stage]})"
-        lines.append("| " + " | ".join([label, *cells, f"{e.padded_numel:,}", f"{e.shard_numel:,}"]) + " |")
-    lines += ["", _EXCLUDED]
-    if any(e.stage == 3 for e in rows):
-        lines.append(
-            "Stage 3 keeps the fp32 shard as the parameters (no master)." if costs.stage3_param_shard else
-            f"Stage 3 keeps no {costs.dtype} parameter shard: gathers cast from the fp32 master."
-        )
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------- CLI
-_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
-def _parse_count(text: str) -> int:
-    """'7.5e9', '7500000000', '7.5B', '350M', '1.3b' -> an int element count."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 7.5e9, 7500000000, 7.5B, 350M)")
-    value = float(match.group(1)) * _SUFFIXES[match.group(2).lower()]
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of elements")
-    return int(value)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m engine.estimate",
-        description="Per-rank model-state memory for ZeRO stages 0-3 (the ZeRO paper's Table 1, this engine's dtypes).",
-    )
-    parser.add_argument(
-        "--paper",
-        action="store_true",
-        help="print the paper's Table 1 computed with this engine's formulas under the paper's assumptions, "
-        "each cell checked against the printed value (exit status 1 if any differs); takes no other option",
-    )
-    parser.add_argument(
-        "--params",
-        type=_parse_count,
-        help="trainable parameter count Psi (7.5e9, 7500000000, 7.5B, 350M); required without --paper",
-    )
-    parser.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks N (default 1)")
-    dtypes = sorted(_DTYPE_NAMES)
-    parser.add_argument(
-        "--dtype", default="fp32", type=str.lower, choices=dtypes, help="model parameter dtype (default fp32)"
-    )
-    parser.add_argument(
-        "--grad-accum-dtype",
-        default=None,
-        type=str.lower,
-        choices=dtypes,
-        help="dtype the gradients are accumulated and held in (default: --dtype, as in DeepSpeed)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        default="adam",
-        type=str.lower,
-        choices=list(_OPTIMIZER_STATE_BYTES),
-        help="optimizer whose state is counted (default adam)",
-    )
-    parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="one stage only (default: all four)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.paper:
-        given = [f"--{dest.replace('_', '-')}" for dest in ("params", "world_size", "dtype", "grad_accum_dtype",
-                                                             "optimizer", "stage")
-                 if getattr(args, dest) != parser.get_default(dest)]
-        if given:
-            parser.error(f"--paper prints the paper's fixed table; drop {', '.join(given)}")
-        cells = paper_cells()
-        print(format_paper_table(cells))
-        return 0 if all(c.matches for c in cells) else 1
-    if args.params is None:
-        parser.error("the following arguments are required: --params (or --paper for the paper's Table 1)")
-    result = estimate_memory(
-        args.params,
-        stage=args.stage,
-        world_size=args.world_size,
-        dtype=args.dtype,
-        grad_accum_dtype=args.grad_accum_dtype,
-        optimizer=args.optimizer,
-    )
-    print(format_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
