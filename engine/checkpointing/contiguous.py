@@ -18,27 +18,33 @@ import math
 import torch
 
 from engine.checkpointing import ledger
-from engine.checkpointing.settings import SECTION, current
 from engine.config.errors import ConfigError
 from engine.ops.arena import Arena, ArenaStats, block_bytes
 
+# The settings (settings.py) are not read here: place() is given number_checkpoints, so settings.py
+# can drop the arena (reset()) without the two modules importing each other.
+_KEY = "activation_checkpointing.number_checkpoints"
+"""The config key the arena is sized by, named in its errors."""
+
 _arena: Arena | None = None
+_count: int | None = None
+"""number_checkpoints when the arena was made (configure() drops the arena, so it is still the setting)."""
 _checkpoint_bytes = 0
 """Bytes the first checkpoint took in the arena: the unit the arena was sized in."""
 _overflowed = False
 
 
-def place(specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor] | None:
+def place(specs: list[tuple[torch.Size, torch.dtype]], number_checkpoints: int | None) -> list[torch.Tensor] | None:
     """Arena blocks for one checkpoint's host tensors, all or none; None when the arena is full (noted
-    for check())."""
-    global _arena, _checkpoint_bytes, _overflowed
+    for check()). The first call makes the arena, for `number_checkpoints` checkpoints of this size."""
+    global _arena, _count, _checkpoint_bytes, _overflowed
     needed = sum(block_bytes(math.prod(shape) * dtype.itemsize) for shape, dtype in specs)
     if needed == 0:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
     if _arena is None:
-        count = current().options.number_checkpoints or 0
+        _count = number_checkpoints
         _checkpoint_bytes = needed
-        _arena = Arena(count * needed, config_key=f"{SECTION}.number_checkpoints")
+        _arena = Arena((number_checkpoints or 0) * needed, config_key=_KEY)
     blocks = []
     try:
         for shape, dtype in specs:
@@ -56,12 +62,12 @@ def check() -> None:
         return
     _overflowed = False
     peak = ledger.stats()
-    count = current().options.number_checkpoints
+    count = _count
     needed = max(math.ceil(peak.peak_bytes / max(_checkpoint_bytes, 1)), peak.peak_checkpoints)
     raise ConfigError(
-        f"{SECTION}.number_checkpoints is {count}, but this forward kept {peak.peak_checkpoints} checkpoints "
+        f"{_KEY} is {count}, but this forward kept {peak.peak_checkpoints} checkpoints "
         f"alive at once ({peak.peak_bytes} bytes; the arena holds {count} of the first checkpoint's "
-        f"{_checkpoint_bytes} bytes): set {SECTION}.number_checkpoints to at least {needed} (usually the number "
+        f"{_checkpoint_bytes} bytes): set {_KEY} to at least {needed} (usually the number "
         "of checkpointed layers), or configure(num_checkpoints=...)")
 
 
@@ -72,5 +78,5 @@ def stats() -> ArenaStats | None:
 
 def drop() -> None:
     """Forget the arena (its memory goes once no checkpoint holds a block of it) and any overflow."""
-    global _arena, _checkpoint_bytes, _overflowed
-    _arena, _checkpoint_bytes, _overflowed = None, 0, False
+    global _arena, _count, _checkpoint_bytes, _overflowed
+    _arena, _count, _checkpoint_bytes, _overflowed = None, None, 0, False

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine import comm
+from engine.checkpointing import contiguous, ledger
 from engine.comm import ProcessGroup
 from engine.config.errors import ConfigError
 from engine.config.types import ActivationCheckpointingConfig, EngineConfig
@@ -175,7 +176,5 @@ def reset() -> None:
     """DeepSpeed's reset(): drop the contiguous arena and start counting afresh. Call it between
     forwards that have no backward (evaluation) when their checkpoints were kept; a forward under
     torch.no_grad() keeps none, so it needs no reset."""
-    from engine.checkpointing import contiguous, ledger  # contiguous reads current(): imported late
-
     contiguous.drop()
     ledger.reset_peak()

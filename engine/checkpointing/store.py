@@ -102,7 +102,7 @@ class KeptInputs:
         on_host = [host or arg.device.type == "cpu" for _, arg, _, host in plans]
         targets: list[torch.Tensor] | None = None
         if self._settings.options.contiguous_memory_optimization and all(on_host):
-            targets = contiguous.place(specs)
+            targets = contiguous.place(specs, self._settings.options.number_checkpoints)
         elif self._settings.options.contiguous_memory_optimization:
             say_once("contiguous-device", f"{SECTION}.contiguous_memory_optimization applies to checkpoints in host "
                                           "memory (the arena is host memory); device checkpoints stay with the "
