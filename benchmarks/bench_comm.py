@@ -1,4 +1,4 @@
-"""The engine's collectives (engine/comm.py) against torch.distributed's on gloo, real processes over loopback.
+"""The engine's collectives (engine/comm/) against torch.distributed's on gloo, real processes over loopback.
 
     python benchmarks/bench_comm.py [--sizes-mib 1,4,16,64,256] [--worlds 2,4] [--repeats N]
 

@@ -193,7 +193,7 @@ def test_scheduler_section_without_optimizer_is_not_built() -> None:
 
 
 def test_an_applications_process_group_is_destroyed_at_exit(tmp_path: Path) -> None:
-    """Left to interpreter shutdown, gloo could abort a rank whose work was done (engine/comm.py,
+    """Left to interpreter shutdown, gloo could abort a rank whose work was done (engine/comm/lifecycle.py,
     _teardown_at_exit); the engine destroys the default group at exit, even one the application made.
     The check runs after the engine's handler (atexit runs handlers in reverse order of registration)."""
     script = tmp_path / "exit.py"

@@ -247,7 +247,7 @@ class EngineConfig:
     """`tensor_parallel.autotp_size`: the tensor-parallel size of AutoTP training (engine.tp_model_init);
     1 = off (DeepSpeed's 0, its default, is read as 1)."""
     collectives: str = "engine"
-    """Not a DeepSpeed key: how reduce-scatter and all-gather run (engine/comm.py): "engine" (the default,
+    """Not a DeepSpeed key: how reduce-scatter and all-gather run (engine/comm/collectives.py): "engine" (the default,
     a direct exchange between ranks), "ring" (pipelined rings), or "native" (torch's own collectives)."""
     raw: Mapping[str, Any] = field(default_factory=_frozen_mapping, repr=False, compare=False)
     """The validated JSON, read-only, for diagnostics and checkpoint manifests only."""

@@ -23,7 +23,7 @@ _warned: set[str] = set()
 def warn_once(key: str, message: str, *, rank_zero_only: bool = False) -> bool:
     """Emit `message` the first time `key` is seen in this process; True when it was emitted.
     rank_zero_only: only rank 0 says it (advice about the config, the same on every rank), by the RANK the
-    launcher set (engine/comm.py maps MPI's to it), the rule the engine logger's INFO lines follow."""
+    launcher set (engine/comm/lifecycle.py maps MPI's to it), the rule the engine logger's INFO lines follow."""
     if key in _warned:
         return False
     _warned.add(key)

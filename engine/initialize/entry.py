@@ -162,7 +162,7 @@ def initialize(
     except BaseException:
         if owns_group:
             # Every rank that failed tears its group down; the next initialize makes a new one on
-            # fresh keys (see [Note: one rendezvous store per process] in engine/comm.py).
+            # fresh keys (see [Note: one rendezvous store per process] in engine/comm/lifecycle.py).
             comm.release_process_group()
         raise
     loader = None

@@ -2,7 +2,7 @@
 
     accumulate(dst, src, scale=1.0)   # dst += float32(src) * scale
 
-The gloo reduce-scatter (engine/comm_p2p.py) adds each arriving bfloat16/float16 segment into a float32
+The gloo reduce-scatter (engine/comm/p2p.py) adds each arriving bfloat16/float16 segment into a float32
 output this way, with no float32 copy of the segment. The compiled op (csrc/cpu/accumulate.cpp on CPU,
 csrc/cuda/accumulate.cuh on a GPU) is one pass over both tensors; the pure-torch path here is its fallback
 (no extension) and its reference in the tests.

@@ -6,7 +6,7 @@ is divided by gradient_predivide_factor before and the rest of the averaging hap
 folded into the one multiply that also unscales and clips. The reduce-scatter writes straight into
 the row (float32): the first reduction of a window overwrites it, later ones (gradient accumulation)
 add to it, and a low-precision bucket (bf16/fp16 gradients or communication_data_type) travels in
-its own dtype while the sum is taken in float32 (engine/comm.py). A bucket with one slice (stage 0:
+its own dtype while the sum is taken in float32 (engine/comm/collectives.py). A bucket with one slice (stage 0:
 every rank keeps the whole gradient) is all-reduced instead.
 """
 
