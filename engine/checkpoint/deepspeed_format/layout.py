@@ -1,4 +1,4 @@
-"""DeepSpeed's checkpoint layout, turned into the engine's named pieces (engine/checkpoint/records.py).
+"""DeepSpeed's checkpoint layout, turned into the engine's named pieces (engine/zero/records.py).
 
     <dir>/latest                                         the tag (text), as the engine writes it too
     <dir>/<tag>/mp_rank_00_model_states.pt               stages 0-2: the module (buffers, frozen parameters,
