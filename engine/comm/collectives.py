@@ -40,7 +40,6 @@ def _count(op: str, tensor: torch.Tensor, factor: float, group: ProcessGroup | N
     _sent(_op_name(op, group), int(tensor.numel() * tensor.element_size() * factor * (n - 1) / max(n, 1)))
 
 
-
 def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every member's `tensor` (same shape and dtype everywhere), in group order."""
     out = [torch.empty_like(tensor) for _ in range(group_size(group))]
@@ -61,7 +60,6 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ReduceO
     # A ring all-reduce sends 2(N-1)/N of the buffer per rank.
     _count("all_reduce", tensor, 2.0, group)
     return dist.all_reduce(tensor, op=op, async_op=async_op, group=group)
-
 
 
 class _Finish:
@@ -103,8 +101,8 @@ COLLECTIVES = ("engine", "ring", "native")
 
 
 def collectives_impl() -> str:
-    """Which reduce-scatter/all-gather run: "p2p" (direct exchanges, engine/p2p.py), "ring"
-    (engine/ring.py) or "native" (torch's).
+    """Which reduce-scatter/all-gather run: "p2p" (direct exchanges, engine/comm/p2p.py), "ring"
+    (engine/comm/ring.py) or "native" (torch's).
 
     On gloo with more than one rank the engine's own: gloo's reduce_scatter is an all-reduce plus a
     slice (2x the bytes) and its all-gather runs 2.5-3.7x slower than an all-reduce of the same size;
@@ -167,7 +165,6 @@ def _next_seq(group: ProcessGroup | None = None) -> int:
         return STATE.p2p_seq
     STATE.group_seq[group] = STATE.group_seq.get(group, 0) + 1
     return STATE.group_seq[group]
-
 
 
 def _transport(group: ProcessGroup | None) -> TorchTransport | GroupTransport:
@@ -308,7 +305,6 @@ def barrier() -> None:
 def comm_stats() -> dict[str, dict[str, int]]:
     """Bytes this rank sent and calls made, per collective, since start (or the last reset)."""
     return {"bytes_sent": dict(STATE.bytes_sent), "calls": dict(STATE.calls)}
-
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, process_group: ProcessGroup | None = None) -> None:

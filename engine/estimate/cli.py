@@ -65,7 +65,6 @@ def format_table(estimates: MemoryEstimate | Iterable[MemoryEstimate]) -> str:
     return "\n".join(lines)
 
 
-
 # ------------------------------------------------------------------------------------- CLI
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
