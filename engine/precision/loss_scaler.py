@@ -8,9 +8,14 @@ skipped steps). Static scaling (`fp16.loss_scale > 0`) never changes the scale. 
 * On overflow: if hysteresis is 1, or the remaining hysteresis is down to 1, the scale becomes
   `max(scale / scale_factor, min_scale)`; otherwise the overflow is absorbed and the remaining hysteresis
   drops by one. Either way the overflow restarts the growth window.
-* Without overflow: the scale is multiplied by `scale_factor` once `scale_window` clean steps have passed
-  since the last overflow (or since the start), and again every `scale_window` clean steps after that.
-  Each growth restores the remaining hysteresis to its configured value.
+* Without overflow: the first clean step after an overflow (or the first step of all) never grows the
+  scale; after it, the scale is multiplied by `scale_factor` on every `scale_window`-th further clean step.
+  Exactly as DeepSpeed >= 0.17.1 (PR #6976) computes it: with `stable = iterations - last_overflow_iter - 1`
+  (clean steps before this one since the last overflow, or since the start with last_overflow_iter = -1),
+  grow when `stable > 0 and stable % scale_window == 0`. So from the start with window 2 the scale grows at
+  steps 2, 4, 6, ... (0-based), and after an overflow at step k at k+3, k+5, ... DeepSpeed <= 0.17.0 grew one
+  step earlier (`(iterations - last_overflow_iter) % scale_window == 0`). Each growth restores the remaining
+  hysteresis to its configured value.
 * `consecutive_hysteresis`: the remaining hysteresis is restored on every clean step too, so only
   consecutive overflows use it up. Without it, absorbed overflows stay counted until the scale next grows.
 
@@ -86,7 +91,7 @@ class LossScaler:
         self.skipped_steps = 0
         """Steps whose gradients overflowed (and so were skipped)."""
         self.last_overflow_iter = -1
-        """Value of `iterations` at the last overflow; -1 before any. The growth window counts from it."""
+        """Value of `iterations` at the last overflow; -1 before any. The growth window counts from the step after it."""
         self._warned_at_min = False
 
     @classmethod
@@ -128,7 +133,10 @@ class LossScaler:
         elif self._dynamic:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.delayed_shift
-            if (self.iterations - self.last_overflow_iter) % self.scale_window == 0:
+            # DeepSpeed 0.19's rule (see the module docstring): the clean steps before this one since the last
+            # overflow must be a positive multiple of the window.
+            stable = self.iterations - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
                 self.hysteresis_left = self.delayed_shift
                 self._scale *= self.scale_factor
         self.iterations += 1
