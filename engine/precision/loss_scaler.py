@@ -47,7 +47,7 @@ class LossScaler:
     Args:
         dynamic: adjust the scale on overflow / after clean windows (DeepSpeed: loss_scale 0).
         init_scale: starting scale (static: the fixed scale).
-        scale_factor: divide by it on overflow, multiply by it after `scale_window` clean steps.
+        scale_factor: divide by it on overflow, multiply by it on growth (when: see the module docstring).
         scale_window: clean steps between two growths (config `loss_scale_window`).
         min_scale: the scale never drops below it (config `min_loss_scale`).
         delayed_shift: overflows needed to lower the scale (config `hysteresis`); 1 = every overflow.
