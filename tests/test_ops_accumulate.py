@@ -19,7 +19,8 @@ import torch
 
 from engine.ops import accumulate as accumulate_module
 from engine.ops import builder, cuda_builder
-from engine.ops.accumulate import SUPPORTED_PAIRS, accumulate, torch_accumulate
+from engine.ops.accumulate import accumulate, torch_accumulate
+from engine.ops.checks import SUPPORTED_PAIRS
 
 K = 1 << 14  # zero_engine::kChunk (csrc/cpu/ops.h): the threaded path's work unit
 PARALLEL = 1 << 19  # kParallelElements (csrc/cpu/accumulate.cpp): from this many elements on, threads split

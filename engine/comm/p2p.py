@@ -31,8 +31,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from engine.ops.accumulate import SUPPORTED_PAIRS, accumulate
-from engine.ops.flatten import SUPPORTED_DTYPES, copy_into
+from engine.ops.accumulate import accumulate
+from engine.ops.checks import SUPPORTED_DTYPES, SUPPORTED_PAIRS
+from engine.ops.flatten import copy_into
 
 # A slice is received in up to MAX_SEGMENTS segments of at least SEGMENT_BYTES: the reduction of one
 # overlaps the transfer of the next. Each gloo message costs far more than its latency suggests

@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.ops.checks import check_accumulate_args
 from engine.ops.select import compiled_module
-
-SUPPORTED_PAIRS = frozenset({
-    (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-})
-"""(dst dtype, src dtype) pairs accumulate takes."""
 
 
 def accumulate(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
     """dst += float32(src) * scale, in place. See [Note: accumulate semantics] for the exact rounding."""
-    check_args(dst, src)
+    check_accumulate_args(dst, src)
     ext = compiled_module([dst, src])
     if ext is not None:
         ext.accumulate(dst, src, float(scale))
@@ -55,35 +50,4 @@ def torch_accumulate(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -
             dst.copy_(dst.float().add_(addend))  # float32 sum, then one round-to-nearest-even into dst
 
 
-def check_args(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """accumulate's checks (named TypeError/ValueError), also the compiled binding's (engine/ops/cpu_lib.py)."""
-    for name, t in (("dst", dst), ("src", src)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"accumulate: {name} is a {type(t).__name__}, not a torch.Tensor")
-    if (dst.dtype, src.dtype) not in SUPPORTED_PAIRS:
-        raise TypeError(f"accumulate: dst {_name(dst.dtype)} with src {_name(src.dtype)} is not supported; "
-                        "supported: dst float32 with src float32, bfloat16 or float16, or dst bfloat16 / float16 "
-                        "with src of the same dtype")
-    if dst.device != src.device:
-        raise ValueError(f"accumulate: dst is on {dst.device} but src is on {src.device}; move them to one "
-                         "device")
-    for name, t in (("dst", dst), ("src", src)):
-        if not t.is_contiguous():
-            raise ValueError(f"accumulate: {name} is not contiguous (stride {t.stride()}, shape "
-                             f"{tuple(t.shape)}); pass .contiguous()")
-        if t.dim() != 1:
-            raise ValueError(f"accumulate: {name} must be 1-D, got shape {tuple(t.shape)}; pass .view(-1) of a "
-                             "contiguous tensor")
-    n = dst.numel()
-    if src.numel() != n:
-        raise ValueError(f"accumulate: dst.numel() = {n} != src.numel() = {src.numel()}; dst and src must have "
-                         "the same number of elements")
-    d, s = dst.data_ptr(), src.data_ptr()
-    disjoint = d + n * dst.element_size() <= s or s + n * src.element_size() <= d
-    if n and not disjoint and not (d == s and dst.dtype == src.dtype):
-        raise ValueError("accumulate: dst and src partially overlap in memory; pass disjoint tensors (or the same "
-                         "one)")
 
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -30,12 +30,11 @@ from typing import Any, overload
 
 import torch
 
+from engine.ops.checks import check_lists, check_tensors
 from engine.ops.select import compiled_module
 
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE = 1 << 18
 """Elements the torch path updates at a time (1 MiB of float32 per temporary)."""
-_LP_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def adam_step(
@@ -127,22 +126,6 @@ def adam_step_reference(
                 pieces[4].copy_(p)
 
 
-def check_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor]) -> None:
-    """One grad, exp_avg, exp_avg_sq (and lp_param, if any) per param, all tensors (named errors)."""
-    n = len(params)
-    if not len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n:
-        raise ValueError(f"adam_step: one grad, exp_avg and exp_avg_sq per param expected; got {n} params, "
-                         f"{len(grads)} grads, {len(exp_avgs)} exp_avgs, {len(exp_avg_sqs)} exp_avg_sqs")
-    if lp_params and len(lp_params) != n:
-        raise ValueError(f"adam_step: lp_params must be empty or hold one tensor per param; got {len(lp_params)} "
-                         f"for {n} params")
-    for name, tensors in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
-                          ("exp_avg_sqs", exp_avg_sqs), ("lp_params", lp_params)):
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"adam_step: {name}[{i}] is {type(t).__name__}, not a tensor")
-
 
 def _check_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                  grad_scale: float) -> None:
@@ -157,32 +140,6 @@ def _check_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_de
         raise ValueError(f"adam_step: grad_scale must be finite, got {grad_scale!r}; skip the step when the "
                          "gradients overflowed instead of stepping with a non-finite scale")
 
-
-def check_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                   exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor]) -> None:
-    """Each tensor's dtype, contiguity, size and device against its param's (any device, one device per
-    param): the fallback's checks, and the named errors of the compiled binding (engine/ops/cpu_lib.py)."""
-    for i, param in enumerate(params):
-        lists = [("params", param, (torch.float32,)), ("grads", grads[i], _GRAD_DTYPES),
-                 ("exp_avgs", exp_avgs[i], (torch.float32,)), ("exp_avg_sqs", exp_avg_sqs[i], (torch.float32,))]
-        if lp_params:
-            lists.append(("lp_params", lp_params[i], _LP_DTYPES))
-        for name, t, dtypes in lists:
-            if t.dtype not in dtypes:
-                raise TypeError(f"adam_step: {name}[{i}] has dtype {t.dtype}; expected {_dtype_names(dtypes)}")
-            if not t.is_contiguous():
-                raise ValueError(f"adam_step: {name}[{i}] is not contiguous; pass .contiguous()")
-            if t.numel() != param.numel():
-                raise ValueError(f"adam_step: {name}[{i}] has {t.numel()} elements but params[{i}] has "
-                                 f"{param.numel()}")
-            if t.device != param.device:
-                raise ValueError(f"adam_step: {name}[{i}] is on {t.device} but params[{i}] is on {param.device}; "
-                                 "keep each param's tensors on one device")
-
-
-def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
-    names = [str(d).removeprefix("torch.") for d in dtypes]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 @dataclass

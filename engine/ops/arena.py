@@ -46,6 +46,7 @@ from typing import NamedTuple, Protocol, TypedDict
 import torch
 
 from engine.ops import builder
+from engine.ops.cpu_lib import thread_count
 
 BLOCK_ALIGN = 64
 """Bytes: every block starts on a cache line and its size is rounded up to one."""
@@ -228,6 +229,35 @@ class BlockArena:
         return self._blocks.base
 
 
+class _CompiledFreeList:
+    """csrc/cpu/arena.cpp's buffer and free list (arena.FreeList). The C++ state is freed when this
+    object dies: the finalizers of lent blocks hold it (see [Note: how the fallback learns that a block
+    is free] in engine/ops/arena.py), so that is after the last block's storage."""
+
+    def __init__(self, lib: ctypes.CDLL, capacity_bytes: int, config_key: str) -> None:
+        capacity = check_capacity(capacity_bytes, config_key)
+        handle = lib.ze_arena_create(capacity, thread_count())  # pre-touches every page, without the GIL
+        if not handle:
+            raise RuntimeError(f"Arena: could not allocate {capacity} bytes; lower {config_key}")
+        self._lib, self._handle = lib, handle
+        self.base: int = lib.ze_arena_base(handle)
+        destroy = weakref.finalize(self, lib.ze_arena_destroy, handle)
+        destroy.atexit = False  # blocks may still be in use while the interpreter exits: leave the memory
+
+    def take(self, size: int) -> tuple[int, Usage | None]:
+        refused = (ctypes.c_int64 * 6)()
+        offset = self._lib.ze_arena_take(self._handle, size, refused)
+        return (offset, None) if offset >= 0 else (-1, Usage(*refused))
+
+    def give_back(self, offset: int, size: int) -> None:
+        self._lib.ze_arena_give_back(self._handle, offset, size)
+
+    def usage(self) -> Usage:
+        out = (ctypes.c_int64 * 6)()
+        self._lib.ze_arena_usage(self._handle, out)
+        return Usage(*out)
+
+
 class TorchArena(BlockArena):
     """The pure-torch arena: same algorithm, offsets, stats and errors as the compiled one."""
 
@@ -246,8 +276,8 @@ class Arena:
     def __init__(self, capacity_bytes: int, config_key: str = "capacity_bytes") -> None:
         ext = builder.load()
         self.compiled = ext is not None
-        self._impl: BlockArena = (ext.Arena(int(capacity_bytes), config_key) if ext is not None
-                                  else TorchArena(int(capacity_bytes), config_key))
+        self._impl: BlockArena = (BlockArena(_CompiledFreeList(ext.library, int(capacity_bytes), config_key), config_key)
+                                  if ext is not None else TorchArena(int(capacity_bytes), config_key))
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous CPU tensor in a free block (contents undefined); RuntimeError when none fits."""

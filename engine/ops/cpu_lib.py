@@ -18,17 +18,12 @@ from __future__ import annotations
 import array
 import ctypes
 import operator
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from engine.ops import accumulate as accumulate_ops
-from engine.ops import adam as adam_ops
-from engine.ops import arena as arena_ops
-from engine.ops import flatten as flatten_ops
-from engine.ops import overflow as overflow_ops
+from engine.ops import checks
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """torch dtype -> the C API's dtype code (csrc/cpu/ops.h, DType)."""
@@ -147,7 +142,7 @@ def _increment_versions(tensors: list[torch.Tensor]) -> None:
         torch.autograd.graph.increment_version(t)
 
 
-def _threads() -> int:
+def thread_count() -> int:
     """torch's intra-op thread count: torch.set_num_threads governs these ops as it does torch's own."""
     return torch.get_num_threads()
 
@@ -181,7 +176,7 @@ class CpuOps:
         ok = (flat_scan.ok and scan.ok and flat.dim() == 1 and len(offsets) == len(many)
               and all(0 <= o <= size - n for o, n in zip(offsets, scan.numels)))
         if not ok:
-            raise _named(lambda: flatten_ops.check_args(op, flat, flat_name, many, many_name, offsets),
+            raise _named(lambda: checks.check_copy_args(op, flat, flat_name, many, many_name, offsets),
                          [(flat_name, flat), *_indexed(many_name, many)], op)
         base, step = flat.data_ptr(), flat.element_size()
         flat_ptrs = array.array("Q", [base + int(o) * step for o in offsets])
@@ -189,17 +184,17 @@ class CpuOps:
         ins, outs = (scan.ptrs, _address(flat_ptrs)) if into_flat else (_address(flat_ptrs), scan.ptrs)
         in_types, out_types = ((scan.type_array, _address(flat_types)) if into_flat
                                else (_address(flat_types), scan.type_array))
-        self._lib.ze_copy(ins, outs, scan.numel_array, in_types, out_types, len(many), float(scale), _threads())
+        self._lib.ze_copy(ins, outs, scan.numel_array, in_types, out_types, len(many), float(scale), thread_count())
 
     def sum_squares_and_overflow(self, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> tuple[float, bool]:
         """(sum of (float(x) * scale)^2 over all elements in double, whether any element is inf/nan)."""
         scan = _Scan(tensors, DTYPE_CODES)
         if not scan.ok:
-            raise _named(lambda: overflow_ops.check_args(tensors), _indexed("tensors", tensors),
+            raise _named(lambda: checks.check_overflow_args(tensors), _indexed("tensors", tensors),
                          "sum_squares_and_overflow")
         overflow = ctypes.c_int32(0)
         total = self._lib.ze_sum_squares_and_overflow(scan.ptrs, scan.numel_array, scan.type_array, len(tensors),
-                                                      float(scale), _threads(), ctypes.byref(overflow))
+                                                      float(scale), thread_count(), ctypes.byref(overflow))
         return float(total), bool(overflow.value)
 
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
@@ -207,13 +202,13 @@ class CpuOps:
         ok = isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.is_cpu and src.is_cpu
         if ok:
             try:
-                accumulate_ops.check_args(dst, src)  # two tensors: the named check costs what a scan would
+                checks.check_accumulate_args(dst, src)  # two tensors: the named check costs what a scan would
             except (TypeError, ValueError):
                 ok = False
         if not ok:
-            raise _named(lambda: accumulate_ops.check_args(dst, src), [("dst", dst), ("src", src)], "accumulate")
+            raise _named(lambda: checks.check_accumulate_args(dst, src), [("dst", dst), ("src", src)], "accumulate")
         self._lib.ze_accumulate(dst.data_ptr(), src.data_ptr(), dst.numel(), DTYPE_CODES[dst.dtype],
-                                DTYPE_CODES[src.dtype], float(scale), _threads())
+                                DTYPE_CODES[src.dtype], float(scale), thread_count())
 
     def adam_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                   exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
@@ -226,8 +221,8 @@ class CpuOps:
                  _Scan(exp_avg_sqs, _FP32)] + ([_Scan(lp_params, _LOW_PRECISION)] if lp_params else [])
         if not all(scan.ok and scan.numels == scans[0].numels for scan in scans):
             def check() -> None:
-                adam_ops.check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
-                adam_ops.check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+                checks.check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+                checks.check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
 
             named = [*_indexed("params", params), *_indexed("grads", grads), *_indexed("exp_avgs", exp_avgs),
                      *_indexed("exp_avg_sqs", exp_avg_sqs), *_indexed("lp_params", lp_params)]
@@ -240,38 +235,9 @@ class CpuOps:
                                scans[0].numel_array, scans[1].type_array, lp.type_array if lp else None, len(params),
                                float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
                                int(bool(adamw_mode)), int(step), int(bool(bias_correction)), float(grad_scale),
-                               _threads())
+                               thread_count())
 
-    def Arena(self, capacity_bytes: int, config_key: str) -> arena_ops.BlockArena:
-        """A pre-touched arena of `capacity_bytes` lending best-fit 64-byte-aligned blocks (arena.Arena; the
-        name is the pybind11 class's that this replaces)."""
-        return arena_ops.BlockArena(_CompiledFreeList(self._lib, capacity_bytes, config_key), config_key)
-
-
-class _CompiledFreeList:
-    """csrc/cpu/arena.cpp's buffer and free list (arena.FreeList). The C++ state is freed when this
-    object dies: the finalizers of lent blocks hold it (see [Note: how the fallback learns that a block
-    is free] in engine/ops/arena.py), so that is after the last block's storage."""
-
-    def __init__(self, lib: ctypes.CDLL, capacity_bytes: int, config_key: str) -> None:
-        capacity = arena_ops.check_capacity(capacity_bytes, config_key)
-        handle = lib.ze_arena_create(capacity, _threads())  # pre-touches every page, without the GIL
-        if not handle:
-            raise RuntimeError(f"Arena: could not allocate {capacity} bytes; lower {config_key}")
-        self._lib, self._handle = lib, handle
-        self.base: int = lib.ze_arena_base(handle)
-        destroy = weakref.finalize(self, lib.ze_arena_destroy, handle)
-        destroy.atexit = False  # blocks may still be in use while the interpreter exits: leave the memory
-
-    def take(self, size: int) -> tuple[int, arena_ops.Usage | None]:
-        refused = (ctypes.c_int64 * 6)()
-        offset = self._lib.ze_arena_take(self._handle, size, refused)
-        return (offset, None) if offset >= 0 else (-1, arena_ops.Usage(*refused))
-
-    def give_back(self, offset: int, size: int) -> None:
-        self._lib.ze_arena_give_back(self._handle, offset, size)
-
-    def usage(self) -> arena_ops.Usage:
-        out = (ctypes.c_int64 * 6)()
-        self._lib.ze_arena_usage(self._handle, out)
-        return arena_ops.Usage(*out)
+    @property
+    def library(self) -> ctypes.CDLL:
+        """The loaded library (engine/ops/arena.py builds its compiled free list on it)."""
+        return self._lib

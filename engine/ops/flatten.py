@@ -20,9 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.ops.checks import check_copy_args
 from engine.ops.select import compiled_module
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def copy_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int], scale: float = 1.0) -> None:
@@ -31,7 +30,7 @@ def copy_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence
     See [Note: copy semantics]. dst is 1-D and contiguous, every source contiguous; dtypes float32,
     bfloat16, float16 in any combination.
     """
-    check_args("copy_into", dst, "dst", srcs, "srcs", offsets)
+    check_copy_args("copy_into", dst, "dst", srcs, "srcs", offsets)
     ext = compiled_module([dst, *srcs])
     if ext is not None:
         ext.copy_into(dst, list(srcs), [int(o) for o in offsets], float(scale))
@@ -44,7 +43,7 @@ def copy_out(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[
 
     See [Note: copy semantics]. src is 1-D and contiguous, every destination contiguous.
     """
-    check_args("copy_out", src, "src", dsts, "dsts", offsets)
+    check_copy_args("copy_out", src, "src", dsts, "dsts", offsets)
     ext = compiled_module([src, *dsts])
     if ext is not None:
         ext.copy_out(src, list(dsts), [int(o) for o in offsets], float(scale))
@@ -78,33 +77,4 @@ def _copy(out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         out.copy_(inp.float() * scale)  # out of place: inp.float() is inp itself for a float32 input
 
 
-def check_args(op: str, flat: torch.Tensor, flat_name: str, many: Sequence[torch.Tensor], many_name: str,
-               offsets: Sequence[int]) -> None:
-    """copy_into's / copy_out's checks of every tensor and range (named TypeError/ValueError), also the
-    compiled binding's (engine/ops/cpu_lib.py)."""
-    check_tensor(op, flat, flat_name)
-    if flat.dim() != 1:
-        raise ValueError(f"{op}: {flat_name} must be 1-D, got shape {tuple(flat.shape)}; pass a flat buffer "
-                         f"(.view(-1) of a contiguous tensor)")
-    if len(many) != len(offsets):
-        raise ValueError(f"{op}: len({many_name}) = {len(many)} != len(offsets) = {len(offsets)}; give one "
-                         f"offset per tensor")
-    size = flat.numel()
-    for i, (t, offset) in enumerate(zip(many, offsets)):
-        check_tensor(op, t, f"{many_name}[{i}]")
-        n = t.numel()
-        if offset < 0 or offset + n > size:
-            raise ValueError(f"{op}: offsets[{i}] + {many_name}[{i}].numel() = {offset} + {n} is outside "
-                             f"{flat_name} (numel {size}); the range must lie inside it")
 
-
-def check_tensor(op: str, t: torch.Tensor, name: str) -> None:
-    """The checks every op makes of a tensor argument before the kernel sees it (named TypeError/ValueError)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} is a {type(t).__name__}, not a torch.Tensor")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16 (cast it "
-                        f"first)")
-    if not t.is_contiguous():
-        raise ValueError(f"{op}: {name} is not contiguous (stride {t.stride()}, shape {tuple(t.shape)}); pass "
-                         f".contiguous()")

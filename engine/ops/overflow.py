@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.ops.flatten import check_tensor
+from engine.ops.checks import check_overflow_args
 from engine.ops.select import compiled_module
 
 _PIECE = 1 << 22
@@ -26,19 +26,13 @@ _PIECE = 1 << 22
 
 def sum_squares_and_overflow(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> tuple[float, bool]:
     """(sum over all elements of (float(x) * scale)^2 in float64, whether any element is inf/nan)."""
-    check_args(tensors)
+    check_overflow_args(tensors)
     ext = compiled_module(tensors)
     if ext is not None:
         total, overflow = ext.sum_squares_and_overflow(list(tensors), float(scale))
         return float(total), bool(overflow)
     return torch_sum_squares_and_overflow(tensors, scale)
 
-
-def check_args(tensors: Sequence[torch.Tensor]) -> None:
-    """Every tensor's dtype and contiguity (named TypeError/ValueError), also the compiled binding's
-    (engine/ops/cpu_lib.py)."""
-    for i, t in enumerate(tensors):
-        check_tensor("sum_squares_and_overflow", t, f"tensors[{i}]")
 
 
 def torch_sum_squares_and_overflow(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> tuple[float, bool]:
