@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine import checkpointing, comm
+from engine.accessors import AccessorsMixin
 from engine.auto_cast import to_half
 from engine.config.types import EngineConfig
 from engine.monitor.events import StepRecord, achieved, step_events
@@ -70,7 +71,7 @@ class DestroyedEngineError(RuntimeError):
             "AttributeError): train first, or evaluate with a separate Trainer")
 
 
-class Engine(SavingMixin, torch.nn.Module):
+class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
     """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface. A
     torch.nn.Module as DeepSpeedEngine is (Lightning Fabric finds the engine by scanning
     `module.modules()`; user code checks isinstance(model, nn.Module)), with the model registered as
@@ -383,57 +384,6 @@ class Engine(SavingMixin, torch.nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary for the current micro-step (frameworks that manage accumulation)."""
         self._boundary_override = is_boundary
-
-    # --------------------------------------------------------------------------- accessors
-    @property
-    def dp_world_size(self) -> int:
-        """DeepSpeedEngine's name: ranks in this rank's data-parallel group."""
-        return self.parallel.dp_size
-
-    @property
-    def mp_world_size(self) -> int:
-        """DeepSpeedEngine's name: ranks in this rank's tensor-parallel group."""
-        return self.parallel.tp_size
-
-    def train_batch_size(self) -> int:
-        return self.engine_config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.engine_config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.engine_config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.engine_config.zero.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.engine_config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.engine_config.bf16.enabled
-
-    def gradient_clipping(self) -> float:
-        return self.engine_config.gradient_clipping
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
-
-    def get_mom(self) -> list[Any]:
-        if not self.optimizer:
-            return []
-        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """Gradient norm before clipping at the last optimizer step (None before the first)."""
-        return self._global_grad_norm
-
-    def was_step_applied(self) -> bool:
-        return self._step_applied
-
-    def get_loss(self) -> float | None:
-        """Mean unscaled loss of the last accumulation window on this rank."""
-        return self._last_loss
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank per category: the model states (params, master, gradients,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.checkpoint import store
+from engine.checkpoint import restore, store
 from engine.checkpoint.atomic_file import atomic_save
 from engine.checkpoint.training_state import Counters, TrainingState
 from engine.config.types import EngineConfig
@@ -116,7 +116,7 @@ class SavingMixin:
                         load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
         """DeepSpeed's load_checkpoint -> (checkpoint path, client_state). tag None reads `latest`.
         Loads at any world size and ZeRO stage: every piece is found by parameter name and offset."""
-        loaded = store.load(self._training_state(), load_dir, tag, load_module_strict, load_optimizer_states,
+        loaded = restore.load(self._training_state(), load_dir, tag, load_module_strict, load_optimizer_states,
                             load_lr_scheduler_states, load_module_only)
         if loaded.counters is not None:
             self.global_steps = loaded.counters.global_steps

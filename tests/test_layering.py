@@ -132,8 +132,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine.zero.flat", "engine.zero.stage3"),
     # sharded checkpoints of a stage's records; the memory estimator; the environment report
     ("engine.checkpoint", "engine.checkpoint.deepspeed_format", "engine.estimate", "engine.report"),
-    # the Engine's parts: its save/load methods, the optimizer it returns
-    ("engine.saving", "engine.zero_optimizer"),
+    # the Engine's parts: its save/load methods, its accessors, the optimizer it returns
+    ("engine.saving", "engine.zero_optimizer", "engine.accessors"),
     ("engine.engine",),
     ("engine.initialize",),
     # the public surface (engine/__init__.py)

@@ -27,12 +27,14 @@ from engine.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+)
+from engine.parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
-    param_is_not_tensor_parallel_duplicate,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
-    set_tensor_model_parallel_attributes,
 )
 from engine.parallel.random import (
     RNGStatesTracker,

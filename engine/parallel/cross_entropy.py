@@ -20,7 +20,7 @@ import torch
 
 from engine import comm
 from engine.comm import ProcessGroup
-from engine.parallel.layers import resolve_group, size_and_rank
+from engine.parallel.mappings import resolve_group, size_and_rank
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -299,7 +299,7 @@ def _convert_stage0(tag_dir: str, head: dict[str, Any], module: dict[str, Any], 
 
 # ------------------------------------------------------------------------------------------- head
 def _head(head: dict[str, Any], groups: list[dict[str, Any]], loss_scaler: dict[str, Any] | None) -> dict[str, Any]:
-    """What store.load reads from rank 0's model file, in the engine's terms."""
+    """What restore.load reads from rank 0's model file, in the engine's terms."""
     config = head.get("ds_config")
     config = config if isinstance(config, dict) else {}
     steps = int(head.get("global_steps", 0))
