@@ -27,15 +27,19 @@ class BuildPyWithOps(build_py):
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise SystemExit(f"{ENV_BUILD}=1: torch is not importable in the build environment; install torch "
-                             "first and pass --no-build-isolation to pip") from None
+            raise SystemExit(
+                f"{ENV_BUILD}=1: torch is not importable in the build environment; install torch "
+                "first and pass --no-build-isolation to pip"
+            ) from None
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from engine.ops import build
 
         if build.main() != 0:
-            raise SystemExit(f"{ENV_BUILD}=1: the C++ extension did not build (reason above); unset {ENV_BUILD} "
-                             "to install without it (it then builds on first use, or the engine runs on its "
-                             "pure-torch fallbacks)")
+            raise SystemExit(
+                f"{ENV_BUILD}=1: the C++ extension did not build (reason above); unset {ENV_BUILD} "
+                "to install without it (it then builds on first use, or the engine runs on its "
+                "pure-torch fallbacks)"
+            )
 
 
 setup(cmdclass={"build_py": BuildPyWithOps})

@@ -45,10 +45,19 @@ def _status_mib(key: str) -> float:
     return float("nan")
 
 
-def _rank(rank: int, port: int, model: str, zero: dict[str, Any], precision: str, steps: int, warmup: int,
-          out: Any) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def _rank(
+    rank: int, port: int, model: str, zero: dict[str, Any], precision: str, steps: int, warmup: int, out: Any
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT / "examples"))
     from gpt import GPT
@@ -59,10 +68,16 @@ def _rank(rank: int, port: int, model: str, zero: dict[str, Any], precision: str
     torch.manual_seed(0)
     net = GPT(cfg)
     built = _status_mib("VmRSS")
-    eng, *_ = engine.initialize(model=net, config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "bf16": {"enabled": precision == "bf16"}, "zero_optimization": {"stage": 3, "overlap_comm": True, **zero}})
+    eng, *_ = engine.initialize(
+        model=net,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "bf16": {"enabled": precision == "bf16"},
+            "zero_optimization": {"stage": 3, "overlap_comm": True, **zero},
+        },
+    )
     times = []
     for i, (x, y) in enumerate(batches(cfg, steps + warmup)):
         engine.comm.barrier()
@@ -71,8 +86,12 @@ def _rank(rank: int, port: int, model: str, zero: dict[str, Any], precision: str
         eng.step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    result = {"times": times, "peak": _status_mib("VmHWM") - built, "steady": _status_mib("VmRSS") - built,
-              "memory": dict(eng.memory_report())}
+    result = {
+        "times": times,
+        "peak": _status_mib("VmHWM") - built,
+        "steady": _status_mib("VmRSS") - built,
+        "memory": dict(eng.memory_report()),
+    }
     eng.destroy()
     engine.comm.destroy_process_group()
     out.put((rank, result))
@@ -104,36 +123,58 @@ def main() -> None:
     args = parser.parse_args()
     cfg = MODELS[args.model]
     block = 12 * cfg.d_model * cfg.d_model  # about one transformer block's elements
-    modes = {"re-gather for backward": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 2 * block},
-             "kept (DeepSpeed defaults)": {}}
+    modes = {
+        "re-gather for backward": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 2 * block},
+        "kept (DeepSpeed defaults)": {},
+    }
     rows = []
     for precision in ("fp32", "bf16"):
         for mode, zero in modes.items():
-            for label, arena in (("default allocator, linear saving views", {"stage3_arena_bytes": 0,
-                                                                              "memory_efficient_linear": False}),
-                                 ("default allocator", {"stage3_arena_bytes": 0}),
-                                 ("arena (auto size)", {"stage3_arena_bytes": "auto"})):
+            for label, arena in (
+                ("default allocator, linear saving views", {"stage3_arena_bytes": 0, "memory_efficient_linear": False}),
+                ("default allocator", {"stage3_arena_bytes": 0}),
+                ("arena (auto size)", {"stage3_arena_bytes": "auto"}),
+            ):
                 ranks = run_variant(args.model, {**zero, **arena}, precision, args.steps, args.warmup)
                 median = statistics.median(ranks[0]["times"])
-                rows.append((precision, mode, label, median, max(r["peak"] for r in ranks),
-                             max(r["steady"] for r in ranks), ranks[0]["memory"]))
+                rows.append(
+                    (
+                        precision,
+                        mode,
+                        label,
+                        median,
+                        max(r["peak"] for r in ranks),
+                        max(r["steady"] for r in ranks),
+                        ranks[0]["memory"],
+                    )
+                )
                 print(f"{precision} {mode} {label}: median {median:.3f} s, peak {rows[-1][4]:.0f} MiB", flush=True)
     mib = 2**20
-    lines = [f"# Stage 3 with and without the memory arena, model {args.model}, 2 ranks, gloo, CPU", "",
-             (f"Median of {args.steps} steps after {args.warmup} warm-up steps; each variant in fresh processes. "
-             "Peak RSS: the larger rank's VmHWM over the whole run less its VmRSS once the model was built (what "
-             "the engine and training add); steady RSS: VmRSS after the last step, less the same. "
-             "Arena: capacity (auto-sized) and the most of it in use. Time ratio: each row's median over the "
-             "first row's (default allocator, torch's linear) in the same mode."), "",
-             ("| precision | mode | allocator | median s | time ratio | peak RSS added MiB | steady RSS added MiB | "
-             "arena MiB | arena peak MiB | peak gathered MiB |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Stage 3 with and without the memory arena, model {args.model}, 2 ranks, gloo, CPU",
+        "",
+        (
+            f"Median of {args.steps} steps after {args.warmup} warm-up steps; each variant in fresh processes. "
+            "Peak RSS: the larger rank's VmHWM over the whole run less its VmRSS once the model was built (what "
+            "the engine and training add); steady RSS: VmRSS after the last step, less the same. "
+            "Arena: capacity (auto-sized) and the most of it in use. Time ratio: each row's median over the "
+            "first row's (default allocator, torch's linear) in the same mode."
+        ),
+        "",
+        (
+            "| precision | mode | allocator | median s | time ratio | peak RSS added MiB | steady RSS added MiB | "
+            "arena MiB | arena peak MiB | peak gathered MiB |"
+        ),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     base: dict[tuple[str, str], float] = {}
     for precision, mode, label, median, peak, steady, memory in rows:
         base.setdefault((precision, mode), median)
-        lines.append(f"| {precision} | {mode} | {label} | {median:.3f} | {median / base[(precision, mode)]:.3f} | "
-                     f"{peak:.0f} | {steady:.0f} | {memory['arena'] / mib:.1f} | {memory['arena_peak'] / mib:.1f} | "
-                     f"{memory['peak_gathered'] / mib:.1f} |")
+        lines.append(
+            f"| {precision} | {mode} | {label} | {median:.3f} | {median / base[(precision, mode)]:.3f} | "
+            f"{peak:.0f} | {steady:.0f} | {memory['arena'] / mib:.1f} | {memory['arena_peak'] / mib:.1f} | "
+            f"{memory['peak_gathered'] / mib:.1f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -71,8 +71,12 @@ def main() -> None:
     width = 2048
     layers = max(1, round(args.params / (width * width)))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 1}, "steps_per_print": None}
+    cfg = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": None,
+    }
     eng, *_ = engine.initialize(model=model, config=cfg)
     eng.backward(eng(torch.randn(2, width)).pow(2).mean())
     eng.step()
@@ -96,17 +100,29 @@ def main() -> None:
             for f in files:
                 file_crc32(f)
             checks.append(time.perf_counter() - t0)
-        hashes = {name: statistics.median(_hash_seconds(files, make) for _ in range(3))
-                  for name, make in HASHES.items()}
+        hashes = {
+            name: statistics.median(_hash_seconds(files, make) for _ in range(3)) for name, make in HASHES.items()
+        }
     eng.destroy()
     save, crc, load, check = (statistics.median(x) for x in (saves, crcs, loads, checks))
-    rows = [("save_checkpoint (CRC-32 streamed while writing)", save, crc),
-            ("load_checkpoint (every file checked before reading)", load, check)]
-    lines = [f"# Checkpoint integrity cost ({size / 1e6:.0f} MB checkpoint, {layers} x {width}^2 params, fp32 AdamW)",
-             "", "| operation | median s | CRC-32 part s | CRC share |", "| --- | ---: | ---: | ---: |"]
+    rows = [
+        ("save_checkpoint (CRC-32 streamed while writing)", save, crc),
+        ("load_checkpoint (every file checked before reading)", load, check),
+    ]
+    lines = [
+        f"# Checkpoint integrity cost ({size / 1e6:.0f} MB checkpoint, {layers} x {width}^2 params, fp32 AdamW)",
+        "",
+        "| operation | median s | CRC-32 part s | CRC share |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     lines += [f"| {name} | {total:.3f} | {part:.3f} | {part / total:.1%} |" for name, total, part in rows]
-    lines += ["", f"Candidate hashes over the same {size / 1e6:.0f} MB of files (page cache, 16 MiB reads):", "",
-              "| hash | median s | GB/s | share of the save |", "| --- | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        f"Candidate hashes over the same {size / 1e6:.0f} MB of files (page cache, 16 MiB reads):",
+        "",
+        "| hash | median s | GB/s | share of the save |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     lines += [f"| {name} | {t:.3f} | {size / t / 1e9:.2f} | {t / save:.1%} |" for name, t in hashes.items()]
     lines += ["", "Machine:", *machine_facts(ROOT, load_before, busy_cores=1)]
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)

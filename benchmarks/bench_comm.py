@@ -66,7 +66,6 @@ GOAL_RS_AG, GOAL_ZERO3, GOAL_BF16 = 1.2, 1.7, 0.6
 FULL_CHECK_MIB = 16  # up to this size the check also covers in place, async and torch's own results
 
 
-
 def default_repeats(mib: float) -> int:
     """Fewer repeats for big buffers: one 256 MiB round of every row takes seconds here."""
     return 10 if mib <= 4 else 7 if mib <= 16 else 5 if mib <= 64 else 3
@@ -76,8 +75,10 @@ def default_repeats(mib: float) -> int:
 def _torch_collectives(dist: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """torch's reduce-scatter and all-gather of flat tensors: reduce_scatter_single / all_gather_single
     where this torch has them (2.13 deprecates the *_tensor names), else the older names."""
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
-            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+    return (
+        getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+    )
 
 
 def _slice_values(owner: int, part: int, numel: int, size_key: int) -> torch.Tensor:
@@ -186,8 +187,11 @@ def _selection(comm: Any) -> list[str]:
             sig = inspect.signature(obj)
         except (TypeError, ValueError):
             continue
-        required = [p for p in sig.parameters.values() if p.default is p.empty
-                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        required = [
+            p
+            for p in sig.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
         if required:  # a helper of one collective, not a choice
             continue
         try:
@@ -199,12 +203,14 @@ def _selection(comm: Any) -> list[str]:
 
 def _as_ring(fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn with comm's ring schedule chosen (engine/comm/ring.py) for its duration."""
+
     def run() -> Any:
         os.environ[CHOICE_ENV] = "ring"
         try:
             return fn()
         finally:
             os.environ.pop(CHOICE_ENV, None)
+
     return run
 
 
@@ -298,11 +304,15 @@ def _bench_size(comm: Any, dist: Any, mib: float, repeats: int | None, has_wire:
     all_problems: list[Any] = [None] * world
     dist.all_gather_object(all_problems, problems)
     row = {
-        "mib": mib, "numel": numel, "repeats": reps, "full_check": mib <= FULL_CHECK_MIB,
+        "mib": mib,
+        "numel": numel,
+        "repeats": reps,
+        "full_check": mib <= FULL_CHECK_MIB,
         "median": {n: statistics.median(local[i].tolist()) for i, n in enumerate(names)},
         "best": {n: min(local[i].tolist()) for i, n in enumerate(names)},
         "problems": [f"rank {r}: {p}" for r, ps in enumerate(all_problems) for p in ps],
-        "traffic": traffic, "seconds": time.perf_counter() - t_size,
+        "traffic": traffic,
+        "seconds": time.perf_counter() - t_size,
     }
     # torch's ZeRO-3 pattern from its parts: its collectives keep no state between calls.
     row["median"]["z3_torch"] = 2 * row["median"]["torch_ag"] + row["median"]["torch_rs"]
@@ -321,28 +331,50 @@ def _bench_world(sizes_mib: list[float], repeats: int | None) -> dict[str, Any]:
     os.environ.pop(CHOICE_ENV, None)
     has_wire = "wire_dtype" in inspect.signature(comm.reduce_scatter).parameters
     torch_rs, torch_ag = _torch_collectives(dist)
-    out: dict[str, Any] = {"world": world, "has_wire": has_wire, "selection": _selection(comm),
-                           "torch_fns": f"{torch_rs.__name__}, {torch_ag.__name__}",
-                           "comm_file": inspect.getsourcefile(comm), "sizes": []}
+    out: dict[str, Any] = {
+        "world": world,
+        "has_wire": has_wire,
+        "selection": _selection(comm),
+        "torch_fns": f"{torch_rs.__name__}, {torch_ag.__name__}",
+        "comm_file": inspect.getsourcefile(comm),
+        "sizes": [],
+    }
 
     for mib in sizes_mib:
         row = _bench_size(comm, dist, mib, repeats, has_wire)
         out["sizes"].append(row)
         if rank == 0:
-            print(f"[bench_comm] world {world}, {mib:g} MiB: {row['repeats']} repeats, {row['seconds']:.1f} s "
-                  f"(warm-up and check {row['warm_s']:.1f} s), check {'ok' if not row['problems'] else 'FAILED'}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[bench_comm] world {world}, {mib:g} MiB: {row['repeats']} repeats, {row['seconds']:.1f} s "
+                f"(warm-up and check {row['warm_s']:.1f} s), check {'ok' if not row['problems'] else 'FAILED'}",
+                file=sys.stderr,
+                flush=True,
+            )
         free = getattr(comm, "free_buffers", None)  # drop comm's cached buffers of this size
         if free is not None:
             free()
     return out if rank == 0 else None
 
 
-def _worker(rank: int, world: int, port: int, sizes_mib: list[float], repeats: int | None,
-            results: mp.Queue[tuple[int, bool, Any]]) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"})
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    sizes_mib: list[float],
+    repeats: int | None,
+    results: mp.Queue[tuple[int, bool, Any]],
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     torch.set_num_threads(1)
     comm = None
     try:
@@ -368,8 +400,10 @@ def run_world(world: int, sizes_mib: list[float], repeats: int | None, timeout: 
     ctx = mp.get_context("spawn")
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, sizes_mib, repeats, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, sizes_mib, repeats, results), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     outcome: dict[int, Any] = {}
@@ -377,15 +411,18 @@ def run_world(world: int, sizes_mib: list[float], repeats: int | None, timeout: 
     try:
         while len(outcome) < world:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(outcome))} of {world} did not "
-                                   f"finish within {timeout:.0f} s")
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world)) - set(outcome))} of {world} did not finish within {timeout:.0f} s"
+                )
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
                 if dead:
-                    raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes "
-                                       f"{[procs[r].exitcode for r in dead]}; killed for memory?)") from None
+                    raise RuntimeError(
+                        f"rank(s) {dead} died without reporting (exit codes "
+                        f"{[procs[r].exitcode for r in dead]}; killed for memory?)"
+                    ) from None
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
@@ -406,8 +443,12 @@ def _sums(row: dict[str, Any]) -> dict[str, float | None]:
     def add(*keys: str) -> float | None:
         return sum(m[k] for k in keys) if all(k in m for k in keys) else None
 
-    return {"torch_rsag": add("torch_rs", "torch_ag"), "ours_rsag": add("ours_rs", "ours_ag"),
-            "bf16_rsag": add("bf16_rs", "bf16_ag"), "ring_rsag": add("ring_rs", "ring_ag")}
+    return {
+        "torch_rsag": add("torch_rs", "torch_ag"),
+        "ours_rsag": add("ours_rs", "ours_ag"),
+        "bf16_rsag": add("bf16_rs", "bf16_ag"),
+        "ring_rsag": add("ring_rs", "ring_ag"),
+    }
 
 
 def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
@@ -415,15 +456,22 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
     frac = (n - 1) / n
     lines = [f"## {n} ranks", ""]
     if n > cores:
-        lines += [(f"**{n} ranks on {cores} cores: oversubscribed {n / cores:g}x.** Ranks share cores, so these "
-                   "times include CPU contention (the reductions and copies compete with the transfers); compare "
-                   "ratios within this table, not seconds with the other world size."), ""]
+        lines += [
+            (
+                f"**{n} ranks on {cores} cores: oversubscribed {n / cores:g}x.** Ranks share cores, so these "
+                "times include CPU contention (the reductions and copies compete with the transfers); compare "
+                "ratios within this table, not seconds with the other world size."
+            ),
+            "",
+        ]
     lines += [
         "Median ms of the slowest rank (bus GB/s in brackets).",
         "",
-        ("| MiB/rank | torch AR | torch RS | torch AG | torch RS+AG | ours RS | ours AG | ours RS+AG | "
-         "ours bf16 RS | ours bf16 AG | ours bf16 RS+AG | ZeRO-3 torch (2 AG + RS) | ZeRO-3 ours | "
-         "ring RS | ring AG | ring RS+AG |"),
+        (
+            "| MiB/rank | torch AR | torch RS | torch AG | torch RS+AG | ours RS | ours AG | ours RS+AG | "
+            "ours bf16 RS | ours bf16 AG | ours bf16 RS+AG | ZeRO-3 torch (2 AG + RS) | ZeRO-3 ours | "
+            "ring RS | ring AG | ring RS+AG |"
+        ),
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in res["sizes"]:
@@ -434,15 +482,30 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
         def cell(t: float | None, nbytes: float) -> str:
             return "n/a" if t is None else f"{t * 1e3:.2f} ({nbytes / t / 1e9:.2f})"
 
-        lines.append("| " + " | ".join([
-            f"{row['mib']:g}",
-            cell(m["torch_ar"], 2 * frac * b32),
-            cell(m["torch_rs"], frac * b32), cell(m["torch_ag"], frac * b32), cell(s["torch_rsag"], 2 * frac * b32),
-            cell(m["ours_rs"], frac * b32), cell(m["ours_ag"], frac * b32), cell(s["ours_rsag"], 2 * frac * b32),
-            cell(m.get("bf16_rs"), frac * b16), cell(m["bf16_ag"], frac * b16), cell(s["bf16_rsag"], 2 * frac * b16),
-            cell(m["z3_torch"], 3 * frac * b32), cell(m["z3_ours"], 3 * frac * b32),
-            cell(m.get("ring_rs"), frac * b32), cell(m.get("ring_ag"), frac * b32), cell(s["ring_rsag"], 2 * frac * b32),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{row['mib']:g}",
+                    cell(m["torch_ar"], 2 * frac * b32),
+                    cell(m["torch_rs"], frac * b32),
+                    cell(m["torch_ag"], frac * b32),
+                    cell(s["torch_rsag"], 2 * frac * b32),
+                    cell(m["ours_rs"], frac * b32),
+                    cell(m["ours_ag"], frac * b32),
+                    cell(s["ours_rsag"], 2 * frac * b32),
+                    cell(m.get("bf16_rs"), frac * b16),
+                    cell(m["bf16_ag"], frac * b16),
+                    cell(s["bf16_rsag"], 2 * frac * b16),
+                    cell(m["z3_torch"], 3 * frac * b32),
+                    cell(m["z3_ours"], 3 * frac * b32),
+                    cell(m.get("ring_rs"), frac * b32),
+                    cell(m.get("ring_ag"), frac * b32),
+                    cell(s["ring_rsag"], 2 * frac * b32),
+                ]
+            )
+            + " |"
+        )
 
     def judged(value: float | None, goal: float, row: dict[str, Any]) -> str:
         if value is None:
@@ -455,9 +518,11 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
         "",
         "Ratios to torch's all-reduce of the same run, and the correctness check:",
         "",
-        (f"| MiB/rank | torch RS+AG / AR | ours RS+AG / AR (goal <= {GOAL_RS_AG}, theory 1.0) | torch ZeRO-3 / AR | "
-         f"ours ZeRO-3 / AR (goal <= {GOAL_ZERO3}, theory 1.5) | bf16 wire / fp32, ours (goal <= {GOAL_BF16}) | "
-         "ring RS+AG / AR | repeats | check (ours vs exact) |"),
+        (
+            f"| MiB/rank | torch RS+AG / AR | ours RS+AG / AR (goal <= {GOAL_RS_AG}, theory 1.0) | torch ZeRO-3 / AR | "
+            f"ours ZeRO-3 / AR (goal <= {GOAL_ZERO3}, theory 1.5) | bf16 wire / fp32, ours (goal <= {GOAL_BF16}) | "
+            "ring RS+AG / AR | repeats | check (ours vs exact) |"
+        ),
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in res["sizes"]:
@@ -465,11 +530,13 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
         ar = m["torch_ar"]
         bf16 = s["bf16_rsag"] / s["ours_rsag"] if s["bf16_rsag"] is not None else None
         check = "ok" if not row["problems"] else "**FAILED**: " + "; ".join(row["problems"])
-        lines.append(f"| {row['mib']:g} | {s['torch_rsag'] / ar:.2f} | {judged(s['ours_rsag'] / ar, GOAL_RS_AG, row)} | "
-                     f"{m['z3_torch'] / ar:.2f} | {judged(m['z3_ours'] / ar, GOAL_ZERO3, row)} | "
-                     f"{judged(bf16, GOAL_BF16, row)} | "
-                     f"{'n/a' if s['ring_rsag'] is None else format(s['ring_rsag'] / ar, '.2f')} | "
-                     f"{row['repeats']} | {check} |")
+        lines.append(
+            f"| {row['mib']:g} | {s['torch_rsag'] / ar:.2f} | {judged(s['ours_rsag'] / ar, GOAL_RS_AG, row)} | "
+            f"{m['z3_torch'] / ar:.2f} | {judged(m['z3_ours'] / ar, GOAL_ZERO3, row)} | "
+            f"{judged(bf16, GOAL_BF16, row)} | "
+            f"{'n/a' if s['ring_rsag'] is None else format(s['ring_rsag'] / ar, '.2f')} | "
+            f"{row['repeats']} | {check} |"
+        )
 
     lines += [
         "",
@@ -494,71 +561,110 @@ def _world_tables(res: dict[str, Any], cores: int) -> list[str]:
     return lines
 
 
-def write_report(args: argparse.Namespace, results: list[dict[str, Any]], errors: dict[int, str],
-                 load_before: tuple[float, ...], wall: float) -> str:
+def write_report(
+    args: argparse.Namespace,
+    results: list[dict[str, Any]],
+    errors: dict[int, str],
+    load_before: tuple[float, ...],
+    wall: float,
+) -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env_native = os.environ.get(NATIVE_ENV)
     lines = [
-        f"# Collectives: engine.comm against torch.distributed, gloo over loopback, {cores} cores", "",
-        (f"{datetime.date.today().isoformat()}; torch {torch.__version__}; {os.cpu_count()} cores "
-         f"({cores} usable); world sizes {', '.join(map(str, args.worlds))} (real processes, one intra-op "
-         f"thread each, OMP_NUM_THREADS=1); per-rank buffers of {', '.join(f'{m:g}' for m in args.sizes_mib)} "
-         f"MiB of fp32; whole run {wall:.0f} s."), "",
-        "What \"ours\" is: engine.comm.reduce_scatter / all_gather with the default selection "
+        f"# Collectives: engine.comm against torch.distributed, gloo over loopback, {cores} cores",
+        "",
+        (
+            f"{datetime.date.today().isoformat()}; torch {torch.__version__}; {os.cpu_count()} cores "
+            f"({cores} usable); world sizes {', '.join(map(str, args.worlds))} (real processes, one intra-op "
+            f"thread each, OMP_NUM_THREADS=1); per-rank buffers of {', '.join(f'{m:g}' for m in args.sizes_mib)} "
+            f"MiB of fp32; whole run {wall:.0f} s."
+        ),
+        "",
+        'What "ours" is: engine.comm.reduce_scatter / all_gather with the default selection '
         f"({NATIVE_ENV} unset in the ranks"
         + (f"; it was {env_native!r} in the caller's environment and was removed" if env_native is not None else "")
-        + "). comm's selection functions answered, per world size:", "",
+        + "). comm's selection functions answered, per world size:",
+        "",
     ]
     if load_before[0] > cores - 0.5:
-        busy = (f"**The machine was busy: load average {load_before[0]:.1f} on {cores} cores before the run.** "
-                "Other work shared the cores, so the times are noisy (small sizes most); rerun on an idle "
-                "machine before drawing conclusions.")
+        busy = (
+            f"**The machine was busy: load average {load_before[0]:.1f} on {cores} cores before the run.** "
+            "Other work shared the cores, so the times are noisy (small sizes most); rerun on an idle "
+            "machine before drawing conclusions."
+        )
         lines[4:4] = [busy, ""]
     for res in results:
         sel = "; ".join(res["selection"]) or "no selection function found in engine.comm"
         wire = "has" if res["has_wire"] else "has **no**"
-        lines.append(f"- {res['world']} ranks: {sel}; comm.reduce_scatter {wire} wire_dtype parameter"
-                     + ("" if res["has_wire"] else " (bf16-wire rows n/a)"))
+        lines.append(
+            f"- {res['world']} ranks: {sel}; comm.reduce_scatter {wire} wire_dtype parameter"
+            + ("" if res["has_wire"] else " (bf16-wire rows n/a)")
+        )
     lines.append("")
     for res in results:
         lines += _world_tables(res, cores) + [""]
     for world, err in errors.items():
         lines += [f"## {world} ranks: failed", "", "```", err.strip()[-3000:], "```", ""]
-    lines += ["Notes:", ""] + [f"- {n}" for n in (
-        ("Times: each rank waits at a barrier, then times its own call (async_op=False); the slowest rank's time "
-         "per repeat is kept and the median over repeats is shown (one warm-up call of each row first, for "
-         "ours the checked call below; then every row is timed round-robin, one repeat of each in turn). The sums (RS+AG) add medians; the ZeRO-3 columns are timed "
-         "as one sequence all-gather, all-gather, reduce-scatter for ours (fp32, the same buffers); torch's "
-         "ZeRO-3 is 2 x its all-gather + its reduce-scatter (medians), not timed as a sequence."),
-        ("Bus GB/s (1 GB = 1e9 bytes): all-reduce 2(N-1)/N x bytes / t, reduce-scatter and all-gather "
-         "(N-1)/N x bytes / t, RS+AG 2(N-1)/N, ZeRO-3 3(N-1)/N; bytes = the per-rank buffer (fp32), for the "
-         "bf16 columns the bf16 bytes actually sent (half)."),
-        ("torch columns call torch.distributed directly (gloo): all_reduce, "
-         f"{results[0]['torch_fns'] if results else 'reduce_scatter_single, all_gather_single'} "
-         "(the flat-tensor reduce-scatter and all-gather; reduce_scatter_tensor / all_gather_into_tensor in "
-         "older torch). bf16 wire = comm.reduce_scatter(fp32 out, bf16 bucket) (fp32 accumulation) "
-         "+ comm.all_gather of a bf16 buffer of the same element count; "
-         "\"bf16 wire / fp32\" = its sum over ours fp32 RS+AG. ring = the same fp32 calls with "
-         "ZERO_ENGINE_COLLECTIVES=ring (engine/comm/ring.py, checked like ours); with 2 ranks a ring is the "
-         "pairwise exchange and comm runs the direct one, so there the ring columns time the same code as "
-         "ours and their difference is this machine's noise."),
-        ("Check, once per configuration (world size and buffer size), on every rank: the first call of each "
-         "timed form of ours (out of place, async_op=False: reduce_scatter fp32, bf16-wire reduce_scatter, "
-         "all_gather fp32 and bf16) on fresh deterministic inputs, against the exact result each rank computes "
-         "locally: reduce_scatter allclose(rtol=atol=1e-5) to the fp32 sum, bf16-wire within (N-1) x 2^-8 x "
-         f"sum|x| elementwise, all_gather bit-exact. Up to {FULL_CHECK_MIB:g} MiB also in place, async_op=True "
-         "and torch's own results the same way. A failed check voids the row's goals (\"not judged\")."),
-        ("Traffic: the difference of engine.comm.comm_stats()['bytes_sent'] over one call, against the "
-         "(N-1)/N x buffer bytes a ring or pairwise exchange must send (bf16: of the bf16 bytes)."),
-    )]
-    lines += ["", "Settings:", "",
-              f"- command: `python benchmarks/bench_comm.py --sizes-mib {','.join(f'{m:g}' for m in args.sizes_mib)} "
-              f"--worlds {','.join(map(str, args.worlds))}" + (f" --repeats {args.repeats}`" if args.repeats else "`"),
-              ("- repeats: " + (f"{args.repeats} for every size" if args.repeats else
-                                "by size (10 up to 4 MiB, 7 up to 16, 5 up to 64, 3 above)")
-               + " after one warm-up call"),
-              f"- engine.comm from {results[0]['comm_file'] if results else 'n/a'}",
-              "", "Machine:", ""] + machine_facts(str(ROOT), load_before, max(args.worlds))
+    lines += ["Notes:", ""] + [
+        f"- {n}"
+        for n in (
+            (
+                "Times: each rank waits at a barrier, then times its own call (async_op=False); the slowest rank's time "
+                "per repeat is kept and the median over repeats is shown (one warm-up call of each row first, for "
+                "ours the checked call below; then every row is timed round-robin, one repeat of each in turn). The sums (RS+AG) add medians; the ZeRO-3 columns are timed "
+                "as one sequence all-gather, all-gather, reduce-scatter for ours (fp32, the same buffers); torch's "
+                "ZeRO-3 is 2 x its all-gather + its reduce-scatter (medians), not timed as a sequence."
+            ),
+            (
+                "Bus GB/s (1 GB = 1e9 bytes): all-reduce 2(N-1)/N x bytes / t, reduce-scatter and all-gather "
+                "(N-1)/N x bytes / t, RS+AG 2(N-1)/N, ZeRO-3 3(N-1)/N; bytes = the per-rank buffer (fp32), for the "
+                "bf16 columns the bf16 bytes actually sent (half)."
+            ),
+            (
+                "torch columns call torch.distributed directly (gloo): all_reduce, "
+                f"{results[0]['torch_fns'] if results else 'reduce_scatter_single, all_gather_single'} "
+                "(the flat-tensor reduce-scatter and all-gather; reduce_scatter_tensor / all_gather_into_tensor in "
+                "older torch). bf16 wire = comm.reduce_scatter(fp32 out, bf16 bucket) (fp32 accumulation) "
+                "+ comm.all_gather of a bf16 buffer of the same element count; "
+                '"bf16 wire / fp32" = its sum over ours fp32 RS+AG. ring = the same fp32 calls with '
+                "ZERO_ENGINE_COLLECTIVES=ring (engine/comm/ring.py, checked like ours); with 2 ranks a ring is the "
+                "pairwise exchange and comm runs the direct one, so there the ring columns time the same code as "
+                "ours and their difference is this machine's noise."
+            ),
+            (
+                "Check, once per configuration (world size and buffer size), on every rank: the first call of each "
+                "timed form of ours (out of place, async_op=False: reduce_scatter fp32, bf16-wire reduce_scatter, "
+                "all_gather fp32 and bf16) on fresh deterministic inputs, against the exact result each rank computes "
+                "locally: reduce_scatter allclose(rtol=atol=1e-5) to the fp32 sum, bf16-wire within (N-1) x 2^-8 x "
+                f"sum|x| elementwise, all_gather bit-exact. Up to {FULL_CHECK_MIB:g} MiB also in place, async_op=True "
+                "and torch's own results the same way. A failed check voids the row's goals (\"not judged\")."
+            ),
+            (
+                "Traffic: the difference of engine.comm.comm_stats()['bytes_sent'] over one call, against the "
+                "(N-1)/N x buffer bytes a ring or pairwise exchange must send (bf16: of the bf16 bytes)."
+            ),
+        )
+    ]
+    lines += [
+        "",
+        "Settings:",
+        "",
+        f"- command: `python benchmarks/bench_comm.py --sizes-mib {','.join(f'{m:g}' for m in args.sizes_mib)} "
+        f"--worlds {','.join(map(str, args.worlds))}" + (f" --repeats {args.repeats}`" if args.repeats else "`"),
+        (
+            "- repeats: "
+            + (
+                f"{args.repeats} for every size"
+                if args.repeats
+                else "by size (10 up to 4 MiB, 7 up to 16, 5 up to 64, 3 above)"
+            )
+            + " after one warm-up call"
+        ),
+        f"- engine.comm from {results[0]['comm_file'] if results else 'n/a'}",
+        "",
+        "Machine:",
+        "",
+    ] + machine_facts(str(ROOT), load_before, max(args.worlds))
     return "\n".join(lines) + "\n"
 
 
@@ -579,15 +685,24 @@ def plot(results: list[dict[str, Any]], path: str) -> bool:
             "torch RS+AG": ([_sums(row)["torch_rsag"] for row in res["sizes"]], "#8c8c8c", "-"),
             "ours RS+AG": ([_sums(row)["ours_rsag"] for row in res["sizes"]], "#4c72b0", "-"),
             "ours bf16 wire RS+AG": ([_sums(row)["bf16_rsag"] for row in res["sizes"]], "#55a868", "-"),
-            "ring RS+AG" + (" (2 ranks: the direct code)" if res["world"] == 2 else ""):
-                ([_sums(row)["ring_rsag"] for row in res["sizes"]], "#8172b3", "--"),
+            "ring RS+AG" + (" (2 ranks: the direct code)" if res["world"] == 2 else ""): (
+                [_sums(row)["ring_rsag"] for row in res["sizes"]],
+                "#8172b3",
+                "--",
+            ),
         }
         for label, (vals, color, style) in series.items():
             pts = [(s, v * 1e3) for s, v in zip(sizes, vals) if v is not None]
             if pts:
                 ax.plot(*zip(*pts), style, color=color, marker="o", label=label)
-        ax.plot(sizes, [row["median"]["torch_ar"] * 1e3 * GOAL_RS_AG for row in res["sizes"]], ":",
-                color="#dd8452", linewidth=1, label=f"goal for RS+AG: {GOAL_RS_AG} x all-reduce")
+        ax.plot(
+            sizes,
+            [row["median"]["torch_ar"] * 1e3 * GOAL_RS_AG for row in res["sizes"]],
+            ":",
+            color="#dd8452",
+            linewidth=1,
+            label=f"goal for RS+AG: {GOAL_RS_AG} x all-reduce",
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
@@ -613,8 +728,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", default="1,4,16,64,256", help="per-rank fp32 buffer sizes, MiB")
     parser.add_argument("--worlds", default="2,4", help="world sizes, each run in one set of spawned processes")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed repeats per row (default: 10 up to 4 MiB, 7 up to 16, 5 up to 64, 3 above)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repeats per row (default: 10 up to 4 MiB, 7 up to 16, 5 up to 64, 3 above)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world size before giving up")
     args = parser.parse_args()
     args.sizes_mib = [float(s) for s in args.sizes_mib.split(",") if s.strip()]

@@ -44,8 +44,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def single_rank_env() -> None:
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29533",
+    }.items():
         os.environ.setdefault(key, value)
 
 
@@ -84,8 +90,9 @@ def fsdp2_runner(model: GPT, args: argparse.Namespace):
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                  fused=True)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = model(x, y)
@@ -122,13 +129,27 @@ def main() -> None:
     tokens = args.micro_batch * args.seq_len
     flops_per_token = 6 * n_params + 12 * args.n_layers * args.d_model * args.seq_len
     tflops = flops_per_token * tokens / step_s / 1e12
-    print(json.dumps({
-        "system": args.system if args.system == "fsdp2" else f"engine stage {args.stage}",
-        "device": torch.cuda.get_device_name(0), "params": n_params, "d_model": args.d_model,
-        "n_layers": args.n_layers, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-        "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s), "tflops": round(tflops, 1),
-        "mfu": round(tflops / args.peak_tflops, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "system": args.system if args.system == "fsdp2" else f"engine stage {args.stage}",
+                "device": torch.cuda.get_device_name(0),
+                "params": n_params,
+                "d_model": args.d_model,
+                "n_layers": args.n_layers,
+                "seq_len": args.seq_len,
+                "micro_batch": args.micro_batch,
+                "step_s": round(step_s, 4),
+                "tokens_per_s": round(tokens / step_s),
+                "tflops": round(tflops, 1),
+                "mfu": round(tflops / args.peak_tflops, 4),
+                "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "first_loss": round(losses[0], 4),
+                "last_loss": round(losses[-1], 4),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

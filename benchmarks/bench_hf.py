@@ -76,8 +76,18 @@ class Run:
 # ---------------------------------------------------------------------------------------------- setup
 def install_compat(target: str) -> None:
     """compat/deepspeed as a real distribution named deepspeed, into `target` only."""
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-           "--target", target, COMPAT]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        target,
+        COMPAT,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     if done.returncode != 0:
         raise SystemExit(f"pip could not install {COMPAT}:\n{done.stdout}\n{done.stderr}")
@@ -85,8 +95,14 @@ def install_compat(target: str) -> None:
 
 def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-                "TOKENIZERS_PARALLELISM": "false"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     return env
 
 
@@ -98,8 +114,10 @@ def deepspeed_env() -> dict[str, str]:
     return {**base_env(), "DS_ACCELERATOR": "cpu"}  # CPU tensors and gloo; never the compat package
 
 
-VERSIONS = ("import deepspeed, transformers, accelerate, torch; "
-            "print(deepspeed.__version__, transformers.__version__, accelerate.__version__, torch.__version__)")
+VERSIONS = (
+    "import deepspeed, transformers, accelerate, torch; "
+    "print(deepspeed.__version__, transformers.__version__, accelerate.__version__, torch.__version__)"
+)
 
 
 def versions(python: str, env: dict[str, str]) -> tuple[list[str], str]:
@@ -108,8 +126,15 @@ def versions(python: str, env: dict[str, str]) -> tuple[list[str], str]:
     if not os.path.exists(python):
         return [], f"{python} does not exist"
     try:
-        done = subprocess.run([python, "-c", VERSIONS], env=env, cwd=tempfile.gettempdir(), capture_output=True,
-                              text=True, timeout=300, check=False)
+        done = subprocess.run(
+            [python, "-c", VERSIONS],
+            env=env,
+            cwd=tempfile.gettempdir(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return [], f"{python} could not be run ({type(exc).__name__}: {exc})"
     if done.returncode != 0:
@@ -141,48 +166,105 @@ def write_configs(tmp: str) -> dict[int, str]:
 
 
 def model_args(args: argparse.Namespace) -> list[str]:
-    return ["--n_layer", str(args.n_layer), "--n_embd", str(args.n_embd), "--n_head", str(args.n_head),
-            "--seq_len", str(args.seq_len), "--dropout", "0", "--seed", str(args.seed)]
+    return [
+        "--n_layer",
+        str(args.n_layer),
+        "--n_embd",
+        str(args.n_embd),
+        "--n_head",
+        str(args.n_head),
+        "--seq_len",
+        str(args.seq_len),
+        "--dropout",
+        "0",
+        "--seed",
+        str(args.seed),
+    ]
 
 
 def save_init(args: argparse.Namespace, tmp: str, compat_dir: str) -> str:
     """The initial weights every run loads: built once, one process, no --deepspeed."""
     init = os.path.join(tmp, "init")
-    cmd = [sys.executable, EXAMPLE, "--output_dir", os.path.join(tmp, "init_out"), "--save_init_to", init,
-           *model_args(args)]
-    done = subprocess.run(cmd, cwd=ROOT, env=engine_env(compat_dir), capture_output=True, text=True,
-                          timeout=600, check=False)
+    cmd = [
+        sys.executable,
+        EXAMPLE,
+        "--output_dir",
+        os.path.join(tmp, "init_out"),
+        "--save_init_to",
+        init,
+        *model_args(args),
+    ]
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=engine_env(compat_dir), capture_output=True, text=True, timeout=600, check=False
+    )
     if done.returncode != 0:
         raise SystemExit(f"saving the initial model failed:\n{done.stderr[-4000:]}")
     return init
 
 
 # ---------------------------------------------------------------------------------------------- one run
-def run_case(case: Case, rep: int, args: argparse.Namespace, tmp: str, init: str, configs: dict[int, str],
-             compat_dir: str) -> Run:
+def run_case(
+    case: Case, rep: int, args: argparse.Namespace, tmp: str, init: str, configs: dict[int, str], compat_dir: str
+) -> Run:
     tag = f"s{case.stage}_{case.precision}_{case.system}_{rep}"
     report, metrics = os.path.join(tmp, f"{tag}.report.json"), os.path.join(tmp, f"{tag}.metrics")
     script_args = [
-        "--output_dir", os.path.join(tmp, f"{tag}.out"), "--init_from", init, *model_args(args),
-        "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1",
-        "--per_device_train_batch_size", str(args.batch), "--max_steps", str(args.steps),
-        "--deepspeed", configs[case.stage], "--report_file", report, "--metrics_file", metrics,
+        "--output_dir",
+        os.path.join(tmp, f"{tag}.out"),
+        "--init_from",
+        init,
+        *model_args(args),
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        "--logging_steps",
+        "1",
+        "--per_device_train_batch_size",
+        str(args.batch),
+        "--max_steps",
+        str(args.steps),
+        "--deepspeed",
+        configs[case.stage],
+        "--report_file",
+        report,
+        "--metrics_file",
+        metrics,
     ]
     if case.precision == "bf16":
         script_args += ["--bf16", "true"]
     port = str(free_port())
     if case.system == "engine":
-        cmd = [sys.executable, "-m", "launcher.zrun", "--nproc_per_node", str(WORLD), "--master_port", port,
-               EXAMPLE, *script_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "launcher.zrun",
+            "--nproc_per_node",
+            str(WORLD),
+            "--master_port",
+            port,
+            EXAMPLE,
+            *script_args,
+        ]
         env = engine_env(compat_dir)
     else:
-        cmd = [args.deepspeed_python, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-               "--master_port", port, EXAMPLE, *script_args]
+        cmd = [
+            args.deepspeed_python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(WORLD),
+            "--master_port",
+            port,
+            EXAMPLE,
+            *script_args,
+        ]
         env = deepspeed_env()
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout,
-                              check=False)
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired:
         return Run(wall_s=time.perf_counter() - t0, error=f"timed out after {args.timeout:.0f} s")
     run = Run(wall_s=time.perf_counter() - t0)
@@ -233,10 +315,15 @@ def summarise(runs: list[Run], warmup: int) -> Summary:
     ok = [r for r in runs if not r.error and len(r.step_times) > warmup]
     medians = [timed_median(r, warmup) for r in ok]
     spread = max((max_abs_diff(ok[0].losses, r.losses) for r in ok[1:]), default=0.0)
-    return Summary(medians, statistics.median(medians) if medians else None,
-                   statistics.median(max(r.peak_rss) for r in ok) if ok else None,
-                   ok[0].losses if ok else [], ok[0].eval_loss if ok else None, spread,
-                   [r.error for r in runs if r.error])
+    return Summary(
+        medians,
+        statistics.median(medians) if medians else None,
+        statistics.median(max(r.peak_rss) for r in ok) if ok else None,
+        ok[0].losses if ok else [],
+        ok[0].eval_loss if ok else None,
+        spread,
+        [r.error for r in runs if r.error],
+    )
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
@@ -245,14 +332,20 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def write_report(args: argparse.Namespace, results: dict[Case, Summary], notes: list[str],
-                 ds_version: str) -> str:
-    command = " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT) else sys.executable,
-                        "benchmarks/bench_hf.py", *map(shlex.quote, sys.argv[1:])])
+def write_report(args: argparse.Namespace, results: dict[Case, Summary], notes: list[str], ds_version: str) -> str:
+    command = " ".join(
+        [
+            os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT) else sys.executable,
+            "benchmarks/bench_hf.py",
+            *map(shlex.quote, sys.argv[1:]),
+        ]
+    )
     cases = sorted(results, key=lambda c: (c.stage, PRECISIONS.index(c.precision), SYSTEMS.index(c.system)))
     lines = [
-        ("# HF Trainer: the engine (compat `deepspeed` package) vs DeepSpeed "
-         f"{ds_version or '(not measured)'}, {WORLD} ranks, CPU"),
+        (
+            "# HF Trainer: the engine (compat `deepspeed` package) vs DeepSpeed "
+            f"{ds_version or '(not measured)'}, {WORLD} ranks, CPU"
+        ),
         "",
         f"Command: `{command}`",
         "",
@@ -260,16 +353,20 @@ def write_report(args: argparse.Namespace, results: dict[Case, Summary], notes: 
         "",
         *machine_facts(ROOT, args.load_before, WORLD),
         "",
-        (f"GPT-2 from a config ({args.n_layer} layers, width {args.n_embd}, {args.n_head} heads, "
-         f"{args.seq_len + 1} tokens of bytes per window), micro batch {args.batch} per rank, {args.steps} "
-         f"optimizer steps; step time = rank 0's median over steps {args.warmup + 1}-{args.steps} (the first "
-         f"{args.warmup} are warm-up), median over {args.repeats} repeats (per-repeat medians in the last "
-         "column). Ratio: the engine's median / DeepSpeed's at the same stage and precision. Peak RSS: "
-         "ru_maxrss at exit, the most over ranks. Loss difference: the largest |engine - DeepSpeed| over "
-         "the logged per-step training losses."),
+        (
+            f"GPT-2 from a config ({args.n_layer} layers, width {args.n_embd}, {args.n_head} heads, "
+            f"{args.seq_len + 1} tokens of bytes per window), micro batch {args.batch} per rank, {args.steps} "
+            f"optimizer steps; step time = rank 0's median over steps {args.warmup + 1}-{args.steps} (the first "
+            f"{args.warmup} are warm-up), median over {args.repeats} repeats (per-repeat medians in the last "
+            "column). Ratio: the engine's median / DeepSpeed's at the same stage and precision. Peak RSS: "
+            "ru_maxrss at exit, the most over ranks. Loss difference: the largest |engine - DeepSpeed| over "
+            "the logged per-step training losses."
+        ),
         "",
-        ("| stage | system | median step s | ratio to DeepSpeed | peak RSS MiB/rank (max) | final loss | "
-         "eval loss | max \\|loss diff\\| vs DeepSpeed | per-repeat medians s |"),
+        (
+            "| stage | system | median step s | ratio to DeepSpeed | peak RSS MiB/rank (max) | final loss | "
+            "eval loss | max \\|loss diff\\| vs DeepSpeed | per-repeat medians s |"
+        ),
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for case in cases:
@@ -284,23 +381,36 @@ def write_report(args: argparse.Namespace, results: dict[Case, Summary], notes: 
         ratio = f"{s.step_s / ds.step_s:.3f}" if ds_ok and case.system == "engine" else ""
         if case.system == "deepspeed":
             ratio = "1"
-        diff = (f"{max_abs_diff(s.losses, ds.losses):.2e}" if ds_ok and case.system == "engine" else "")
+        diff = f"{max_abs_diff(s.losses, ds.losses):.2e}" if ds_ok and case.system == "engine" else ""
         lines.append(
             f"| {case.stage} {case.precision} | {NAMES[case.system]} | {s.step_s:.3f} | {ratio} | "
             f"{s.peak_rss:.0f} | {s.losses[-1]:.6f} | {s.eval_loss:.6f} | {diff} | "
-            f"{', '.join(f'{m:.3f}' for m in s.medians)} |")
+            f"{', '.join(f'{m:.3f}' for m in s.medians)} |"
+        )
     spreads = {c.label(): results[c].repeat_spread for c in cases if results[c].repeat_spread > 0}
     notes = [
         *notes,
-        ("Repeats of each configuration logged " + ("identical losses." if not spreads else
-         "different losses: " + ", ".join(f"{k} {v:.2e}" for k, v in spreads.items()) + ".")),
-        ("Optimizer: the configs' {\"type\": \"AdamW\"}. The engine builds torch.optim.AdamW(foreach=True); "
-         "DeepSpeed without offload builds its compiled FusedAdam (on DS_ACCELERATOR=cpu the C++ fused_adam "
-         "op). Both take WarmupLR with HF's \"auto\" values (lr 5e-5)."),
-        ("Step time is end to end as Trainer runs it: forward, backward, the step, logging every step "
-         "(a loss .item() and the gradient norm) and fetching the next batch; barriers are not added."),
-        ("Peak RSS is the whole process's: Python, torch, transformers (and for DeepSpeed its own imports), "
-         "the model load, training, evaluation and the final save_model."),
+        (
+            "Repeats of each configuration logged "
+            + (
+                "identical losses."
+                if not spreads
+                else "different losses: " + ", ".join(f"{k} {v:.2e}" for k, v in spreads.items()) + "."
+            )
+        ),
+        (
+            'Optimizer: the configs\' {"type": "AdamW"}. The engine builds torch.optim.AdamW(foreach=True); '
+            "DeepSpeed without offload builds its compiled FusedAdam (on DS_ACCELERATOR=cpu the C++ fused_adam "
+            'op). Both take WarmupLR with HF\'s "auto" values (lr 5e-5).'
+        ),
+        (
+            "Step time is end to end as Trainer runs it: forward, backward, the step, logging every step "
+            "(a loss .item() and the gradient norm) and fetching the next batch; barriers are not added."
+        ),
+        (
+            "Peak RSS is the whole process's: Python, torch, transformers (and for DeepSpeed its own imports), "
+            "the model load, training, evaluation and the final save_model."
+        ),
     ]
     lines += ["", "Notes:", "", *[f"- {n}" for n in notes]]
     path = os.path.join(args.out_dir, "hf.md")
@@ -314,6 +424,7 @@ def plot(args: argparse.Namespace, results: dict[Case, Summary]) -> str | None:
     """One loss panel per stage (rows) and precision (columns), the step times in a bar chart below."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -325,8 +436,11 @@ def plot(args: argparse.Namespace, results: dict[Case, Summary]) -> str | None:
     for i, stage in enumerate(stages):
         for j, prec in enumerate(precs):
             _plot_losses(fig.add_subplot(grid[i, j]), results, stage, prec)
-    _plot_step_times(fig.add_subplot(grid[len(stages), :]), results,
-                     [(st, pr) for st in stages for pr in precs if Case(st, pr, "engine") in results])
+    _plot_step_times(
+        fig.add_subplot(grid[len(stages), :]),
+        results,
+        [(st, pr) for st in stages for pr in precs if Case(st, pr, "engine") in results],
+    )
     fig.suptitle(f"HF Trainer, {WORLD} ranks, CPU: engine (compat deepspeed) vs DeepSpeed", fontsize=11)
     fig.tight_layout()
     path = os.path.join(args.out_dir, "hf.png")
@@ -383,9 +497,12 @@ def cpu_flags() -> set[str]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages (1, 2, 3)")
-    p.add_argument("--precisions", default="fp32,bf16",
-                   help="comma-separated: fp32, bf16 (bf16 is dropped, with a note, where the CPU has neither "
-                        "avx512_bf16 nor amx_bf16)")
+    p.add_argument(
+        "--precisions",
+        default="fp32,bf16",
+        help="comma-separated: fp32, bf16 (bf16 is dropped, with a note, where the CPU has neither "
+        "avx512_bf16 nor amx_bf16)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="launches per configuration and system, interleaved")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per launch")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the step time")
@@ -396,9 +513,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
-    p.add_argument("--deepspeed_python", default=DEFAULT_DS_PYTHON if os.path.exists(DEFAULT_DS_PYTHON) else "",
-                   help="the interpreter of a venv with the real DeepSpeed, transformers and accelerate "
-                        "(default: /work/dsvenv/bin/python when it exists; '' = engine only)")
+    p.add_argument(
+        "--deepspeed_python",
+        default=DEFAULT_DS_PYTHON if os.path.exists(DEFAULT_DS_PYTHON) else "",
+        help="the interpreter of a venv with the real DeepSpeed, transformers and accelerate "
+        "(default: /work/dsvenv/bin/python when it exists; '' = engine only)",
+    )
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args()
     args.stage_list = [int(s) for s in args.stages.split(",") if s.strip()]
@@ -419,10 +539,12 @@ def main() -> None:
         args.precision_list.remove("bf16")
         notes.append("bf16 not timed: this CPU has neither avx512_bf16 nor amx_bf16 (bf16 would be emulated).")
     elif "bf16" in args.precision_list:
-        notes.append("bf16 rows: Trainer's --bf16 true (the configs' \"bf16\": {\"enabled\": \"auto\"} becomes "
-                     "true; both systems keep fp32 master weights); this CPU has avx512_bf16"
-                     + (" and AMX." if "amx_bf16" in flags else ", no AMX.")
-                     + " bf16 losses differ by bf16 rounding, not fp32 noise.")
+        notes.append(
+            'bf16 rows: Trainer\'s --bf16 true (the configs\' "bf16": {"enabled": "auto"} becomes '
+            "true; both systems keep fp32 master weights); this CPU has avx512_bf16"
+            + (" and AMX." if "amx_bf16" in flags else ", no AMX.")
+            + " bf16 losses differ by bf16 rounding, not fp32 noise."
+        )
     ds, why = versions(args.deepspeed_python, deepspeed_env()) if args.deepspeed_python else ([], "not asked")
     if ds and "zeroengine" in ds[0]:
         ds, why = [], f"{args.deepspeed_python} imports the engine's compat package ({ds[0]}), not DeepSpeed"
@@ -438,21 +560,27 @@ def main() -> None:
         install_compat(compat_dir)
         eng, _ = versions(sys.executable, engine_env(compat_dir))
         if eng:
-            notes.append(f"Engine side: {sys.executable}, `deepspeed` = compat {eng[0]}, transformers {eng[1]}, "
-                         f"accelerate {eng[2]}, torch {eng[3]}, launched with `python -m launcher.zrun`.")
+            notes.append(
+                f"Engine side: {sys.executable}, `deepspeed` = compat {eng[0]}, transformers {eng[1]}, "
+                f"accelerate {eng[2]}, torch {eng[3]}, launched with `python -m launcher.zrun`."
+            )
         if ds:
-            notes.append(f"DeepSpeed side: {args.deepspeed_python}, deepspeed {ds[0]}, transformers {ds[1]}, "
-                         f"accelerate {ds[2]}, torch {ds[3]}, launched with `python -m torch.distributed.run`, "
-                         "DS_ACCELERATOR=cpu.")
+            notes.append(
+                f"DeepSpeed side: {args.deepspeed_python}, deepspeed {ds[0]}, transformers {ds[1]}, "
+                f"accelerate {ds[2]}, torch {ds[3]}, launched with `python -m torch.distributed.run`, "
+                "DS_ACCELERATOR=cpu."
+            )
         if 3 in args.stage_list:
-            notes.append("Stage 3 runs configs/hf/zero3.json without its \"train_batch_size\": \"auto\" on both "
-                         "systems. As it is, the real DeepSpeed stops before training: transformers enters "
-                         "deepspeed.zero.Init to load the model, Accelerate (under --use_cpu) has initialised "
-                         "torch.distributed but not deepspeed.comm, so DeepSpeedConfig counts world size 1 and "
-                         "asserts `train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * "
-                         "world_size 16 != 8 * 1 * 1`. Without the key both derive 16 from the micro batch.")
+            notes.append(
+                'Stage 3 runs configs/hf/zero3.json without its "train_batch_size": "auto" on both '
+                "systems. As it is, the real DeepSpeed stops before training: transformers enters "
+                "deepspeed.zero.Init to load the model, Accelerate (under --use_cpu) has initialised "
+                "torch.distributed but not deepspeed.comm, so DeepSpeedConfig counts world size 1 and "
+                "asserts `train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * "
+                "world_size 16 != 8 * 1 * 1`. Without the key both derive 16 from the micro batch."
+            )
         if 1 in args.stage_list:
-            notes.append("Stage 1: configs/hf/zero2.json with \"stage\": 1.")
+            notes.append('Stage 1: configs/hf/zero2.json with "stage": 1.')
         init = save_init(args, tmp, compat_dir)
         configs = write_configs(tmp)
         for rep in range(args.repeats):
@@ -463,10 +591,15 @@ def main() -> None:
                         case = Case(stage, prec, system)
                         run = run_case(case, rep, args, tmp, init, configs, compat_dir)
                         runs.setdefault(case, []).append(run)
-                        status = (f"FAILED ({run.error})" if run.error else
-                                  f"median step {timed_median(run, args.warmup):.3f} s, final loss {run.losses[-1]:.6f}")
-                        print(f"[repeat {rep + 1}/{args.repeats}] {case.label()}: {status} "
-                              f"(launch {run.wall_s:.0f} s)", flush=True)
+                        status = (
+                            f"FAILED ({run.error})"
+                            if run.error
+                            else f"median step {timed_median(run, args.warmup):.3f} s, final loss {run.losses[-1]:.6f}"
+                        )
+                        print(
+                            f"[repeat {rep + 1}/{args.repeats}] {case.label()}: {status} (launch {run.wall_s:.0f} s)",
+                            flush=True,
+                        )
     results = {case: summarise(rs, args.warmup) for case, rs in runs.items()}
     md = write_report(args, results, notes, ds_version)
     png = plot(args, results)

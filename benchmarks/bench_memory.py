@@ -56,13 +56,26 @@ MIB = 2**20
 STATE_KEYS = ("params", "master", "gradients", "optimizer_state")
 """memory_report() categories that are model states; its other byte counts are buffers."""
 BASELINE = "ddp"
-VARIANTS = ["ddp", "ddp-bf16", "fsdp2", "engine-0", "engine-1", "engine-2", "engine-3",
-            "deepspeed-0", "deepspeed-1", "deepspeed-2", "deepspeed-3"]
-LABELS = {"ddp": "PyTorch DDP, fp32 model + autocast bf16 (baseline)",
-          "ddp-bf16": "PyTorch DDP, bf16 model, AdamW on bf16",
-          "fsdp2": "PyTorch FSDP2, bf16 mixed precision",
-          **{f"engine-{s}": f"engine stage {s} bf16" for s in range(4)},
-          **{f"deepspeed-{s}": f"DeepSpeed stage {s} bf16" for s in range(4)}}
+VARIANTS = [
+    "ddp",
+    "ddp-bf16",
+    "fsdp2",
+    "engine-0",
+    "engine-1",
+    "engine-2",
+    "engine-3",
+    "deepspeed-0",
+    "deepspeed-1",
+    "deepspeed-2",
+    "deepspeed-3",
+]
+LABELS = {
+    "ddp": "PyTorch DDP, fp32 model + autocast bf16 (baseline)",
+    "ddp-bf16": "PyTorch DDP, bf16 model, AdamW on bf16",
+    "fsdp2": "PyTorch FSDP2, bf16 mixed precision",
+    **{f"engine-{s}": f"engine stage {s} bf16" for s in range(4)},
+    **{f"deepspeed-{s}": f"DeepSpeed stage {s} bf16" for s in range(4)},
+}
 
 
 # ------------------------------------------------------------------------------------------ one rank
@@ -93,9 +106,12 @@ def _torch_states(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) 
     """Model states of a torch baseline, read after the last step (gradients live until the next
     zero_grad); optimizer state = its tensors with more than one element (AdamW's step counter is not)."""
     state = [v for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1]
-    return {"params": _storage_bytes(list(params)), "master": 0,
-            "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer_state": _storage_bytes(state)}
+    return {
+        "params": _storage_bytes(list(params)),
+        "master": 0,
+        "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer_state": _storage_bytes(state),
+    }
 
 
 @dataclass
@@ -109,8 +125,9 @@ class Trainer:
     note: str = ""
 
 
-def _torch_trainer(model: torch.nn.Module, params: list[torch.nn.Parameter], autocast: bool,
-                   buckets: Callable[[], int] | None) -> Trainer:
+def _torch_trainer(
+    model: torch.nn.Module, params: list[torch.nn.Parameter], autocast: bool, buckets: Callable[[], int] | None
+) -> Trainer:
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=True)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -139,8 +156,9 @@ def _ddp(model: GPT, bf16_model: bool) -> Trainer:
         model = model.to(torch.bfloat16)
     ddp = DistributedDataParallel(model)
     params = list(ddp.parameters())
-    return _torch_trainer(ddp, params, autocast=not bf16_model,
-                          buckets=lambda: sum(p.numel() * p.element_size() for p in params))
+    return _torch_trainer(
+        ddp, params, autocast=not bf16_model, buckets=lambda: sum(p.numel() * p.element_size() for p in params)
+    )
 
 
 def _fsdp2(model: GPT) -> Trainer:
@@ -161,10 +179,13 @@ engine sizes buckets from the measured link, and the layout's padding would diff
 
 
 def _engine_config(stage: int) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "bf16": {"enabled": True},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET},
+    }
 
 
 def _engine(model: GPT, stage: int) -> Trainer:
@@ -224,8 +245,9 @@ def run_rank(args: argparse.Namespace) -> None:
     rec["psi"] = sum(p.numel() for p in model.parameters() if p.requires_grad)  # each shared parameter once
     if args.variant.startswith("engine"):
         estimate: Any = engine.estimate_memory  # a lazy module attribute (engine/__init__.py's __getattr__)
-        rec["estimate"] = estimate(model, stage=int(args.variant[-1]), world_size=ws, dtype="bf16",
-                                   bucket_size=BUCKET).total
+        rec["estimate"] = estimate(
+            model, stage=int(args.variant[-1]), world_size=ws, dtype="bf16", bucket_size=BUCKET
+        ).total
     trainer = _wrap(args.variant, model)
     del model  # the wrapper holds what it keeps
     rec["maxrss_wrapped"] = _maxrss_kib()
@@ -237,8 +259,9 @@ def run_rank(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
         if i == 0:
             rec["maxrss_step1"] = _maxrss_kib()
-    rec.update(maxrss_after=_maxrss_kib(), rss_after=_vmrss_kib(), times=times, memory=trainer.states(),
-               note=trainer.note)
+    rec.update(
+        maxrss_after=_maxrss_kib(), rss_after=_vmrss_kib(), times=times, memory=trainer.states(), note=trainer.note
+    )
     trainer.close()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
@@ -282,9 +305,24 @@ def _zrun() -> list[str]:
 
 def _launch(variant: str, args: argparse.Namespace) -> Row:
     out = tempfile.mkdtemp(prefix=f"bench_memory_{variant}_")
-    cmd = [*_zrun(), "--nproc_per_node", str(args.world_size), os.path.abspath(__file__), "--variant", variant,
-           "--out", out, "--model", args.model, "--steps", str(args.steps), "--threads", str(args.threads),
-           "--timeout", str(args.timeout)]
+    cmd = [
+        *_zrun(),
+        "--nproc_per_node",
+        str(args.world_size),
+        os.path.abspath(__file__),
+        "--variant",
+        variant,
+        "--out",
+        out,
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--timeout",
+        str(args.timeout),
+    ]
     print(f"[bench_memory] {variant}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     try:
@@ -302,8 +340,11 @@ def _launch(variant: str, args: argparse.Namespace) -> Row:
         with open(p) as f:
             ranks.append(json.load(f))
     shutil.rmtree(out, ignore_errors=True)
-    print(f"[bench_memory] {variant}: done in {time.perf_counter() - t0:.0f} s, peak RSS "
-          f"{max(r['maxrss_after'] for r in ranks) / 1024:.0f} MiB", flush=True)
+    print(
+        f"[bench_memory] {variant}: done in {time.perf_counter() - t0:.0f} s, peak RSS "
+        f"{max(r['maxrss_after'] for r in ranks) / 1024:.0f} MiB",
+        flush=True,
+    )
     return Row(variant, ranks)
 
 
@@ -319,28 +360,40 @@ def _ranks_cell(values: Sequence[float], fmt: Callable[[float], str]) -> str:
 
 def _main_table(rows: list[Row], psi: int) -> list[str]:
     base = next((r for r in rows if r.variant == BASELINE and r.ranks), None)
-    lines = [("| variant | model states MiB/rank | model states / Psi (B per param per rank) | constant buffers MiB | "
-              "peak RSS MiB | peak RSS - pre-model RSS MiB | peak RSS / DDP's |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| variant | model states MiB/rank | model states / Psi (B per param per rank) | constant buffers MiB | "
+            "peak RSS MiB | peak RSS - pre-model RSS MiB | peak RSS / DDP's |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if not r.ranks:
             lines.append(f"| {LABELS[r.variant]} | {r.error} | | | | | |")
             continue
         states, bufs = r.states(), r.buffers()
         ratio = f"{r.most('maxrss_after') / base.most('maxrss_after'):.3f}" if base else "n/a"
-        lines.append(" | ".join([
-            f"| {LABELS[r.variant]}", _ranks_cell(states, _mib),
-            _ranks_cell(states, lambda v: f"{v / psi:.2f}"),
-            _ranks_cell(bufs, _mib) + (" (computed)" if r.variant.startswith("ddp") else ""),
-            _ranks_cell([x["maxrss_after"] / 1024 for x in r.ranks], lambda v: f"{v:.0f}"),
-            _ranks_cell([(x["maxrss_after"] - x["rss_before"]) / 1024 for x in r.ranks], lambda v: f"{v:.0f}"),
-            ratio + " |"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"| {LABELS[r.variant]}",
+                    _ranks_cell(states, _mib),
+                    _ranks_cell(states, lambda v: f"{v / psi:.2f}"),
+                    _ranks_cell(bufs, _mib) + (" (computed)" if r.variant.startswith("ddp") else ""),
+                    _ranks_cell([x["maxrss_after"] / 1024 for x in r.ranks], lambda v: f"{v:.0f}"),
+                    _ranks_cell([(x["maxrss_after"] - x["rss_before"]) / 1024 for x in r.ranks], lambda v: f"{v:.0f}"),
+                    ratio + " |",
+                ]
+            )
+        )
     return lines
 
 
 def _breakdown(rows: list[Row]) -> list[str]:
-    lines = ["| variant | params | master | gradients | optimizer state | sum | buckets | arena | peak gathered |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| variant | params | master | gradients | optimizer state | sum | buckets | arena | peak gathered |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if not r.ranks or not r.ranks[0]["memory"]:
             continue
@@ -348,36 +401,53 @@ def _breakdown(rows: list[Row]) -> list[str]:
 
         def cell(key: str, m: dict[str, int] = m) -> str:
             return _mib(m[key]) if key in m else "n/a"
-        lines.append(f"| {LABELS[r.variant]} | " + " | ".join(cell(k) for k in STATE_KEYS) +
-                     f" | {_mib(sum(m[k] for k in STATE_KEYS))} | {cell('buckets')} | {cell('arena')} | "
-                     f"{cell('peak_gathered')} |")
+
+        lines.append(
+            f"| {LABELS[r.variant]} | "
+            + " | ".join(cell(k) for k in STATE_KEYS)
+            + f" | {_mib(sum(m[k] for k in STATE_KEYS))} | {cell('buckets')} | {cell('arena')} | "
+            f"{cell('peak_gathered')} |"
+        )
     return lines
 
 
 def _estimates(rows: list[Row], ws: int) -> list[str]:
-    lines = [("| variant | Psi | measured model states B/rank | estimate_memory(...).total B | measured / estimate | "
-              "measured x N / Psi | estimate x N / Psi | constant buffers B |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| variant | Psi | measured model states B/rank | estimate_memory(...).total B | measured / estimate | "
+            "measured x N / Psi | estimate x N / Psi | constant buffers B |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if r.kind != "engine" or not r.ranks:
             continue
         psi, est, meas = r.ranks[0]["psi"], r.ranks[0]["estimate"], max(r.states())
-        lines.append(f"| {LABELS[r.variant]} | {psi:,} | {meas:,} | {est:,} | {meas / est:.3f} | "
-                     f"{meas * ws / psi:.2f} | {est * ws / psi:.2f} | {max(r.buffers()):,} |")
+        lines.append(
+            f"| {LABELS[r.variant]} | {psi:,} | {meas:,} | {est:,} | {meas / est:.3f} | "
+            f"{meas * ws / psi:.2f} | {est * ws / psi:.2f} | {max(r.buffers()):,} |"
+        )
     return lines
 
 
 def _phases(rows: list[Row]) -> list[str]:
-    lines = [("| variant | pre-model RSS | after building the model | after wrapping | after step 1 | "
-              "after the last step | RSS after the steps | step s (median, rank 0) |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| variant | pre-model RSS | after building the model | after wrapping | after step 1 | "
+            "after the last step | RSS after the steps | step s (median, rank 0) |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if not r.ranks:
             continue
         keys = ("rss_before", "maxrss_built", "maxrss_wrapped", "maxrss_step1", "maxrss_after", "rss_after")
         times = sorted(r.ranks[0]["times"])
-        lines.append(f"| {LABELS[r.variant]} | " + " | ".join(f"{r.most(k):.0f}" for k in keys) +
-                     f" | {times[len(times) // 2]:.2f} |")
+        lines.append(
+            f"| {LABELS[r.variant]} | "
+            + " | ".join(f"{r.most(k):.0f}" for k in keys)
+            + f" | {times[len(times) // 2]:.2f} |"
+        )
     return lines
 
 
@@ -391,86 +461,140 @@ def _goals(rows: list[Row], ws: int) -> list[str]:
     bound = 16 * psi / ws + bufs
     m = s3.ranks[0]["memory"]
     split = " + ".join(f"{k} {m[k] * ws / psi:.2f}" for k in STATE_KEYS)
-    out = [(f"- Model states at stage 3 <= 16 Psi/N + constant buffers: measured {_mib(states)} MiB/rank = "
+    out = [
+        (
+            f"- Model states at stage 3 <= 16 Psi/N + constant buffers: measured {_mib(states)} MiB/rank = "
             f"{states * ws / psi:.2f} Psi/N bytes ({split}), plus {_mib(bufs)} MiB of constant buffers, against "
             f"16 Psi/N = {_mib(16 * psi / ws)} MiB (+ the buffers: {_mib(bound)} MiB): "
             + ("met" if states + bufs <= bound else "not met")
             + f"; the estimator's bf16 figure is 14 Psi/N = {_mib(14 * psi / ws)} MiB (fp32 master 4 + bf16 "
-            "gradients 2 + Adam 8; no bf16 parameter shard is kept).")]
+            "gradients 2 + Adam 8; no bf16 parameter shard is kept)."
+        )
+    ]
     if ddp is not None:
         e, d = s3.most("maxrss_after"), ddp.most("maxrss_after")
-        out.append(f"- Peak RSS at stage 3 <= DDP's: {e:.0f} MiB against {d:.0f} MiB (ratio {e / d:.3f}): "
-                   + ("met" if e <= d else "not met") + " (the larger rank of each).")
+        out.append(
+            f"- Peak RSS at stage 3 <= DDP's: {e:.0f} MiB against {d:.0f} MiB (ratio {e / d:.3f}): "
+            + ("met" if e <= d else "not met")
+            + " (the larger rank of each)."
+        )
     return out
 
 
 def _write(args: argparse.Namespace, cfg: GPTConfig, rows: list[Row], ds_note: str) -> str:
     ws = args.world_size
     psi = next((r.ranks[0]["psi"] for r in rows if r.ranks), sum(p.numel() for p in GPT(cfg).parameters()))
-    command = (f"ZERO_ENGINE_CACHE=/tmp/zcache_bench .venv/bin/python benchmarks/bench_memory.py --model {args.model} "
-               f"--world-size {ws} --steps {args.steps}" + (f" --variants {args.variants}" if args.variants else ""))
+    command = (
+        f"ZERO_ENGINE_CACHE=/tmp/zcache_bench .venv/bin/python benchmarks/bench_memory.py --model {args.model} "
+        f"--world-size {ws} --steps {args.steps}" + (f" --variants {args.variants}" if args.variants else "")
+    )
     lines = [
-        (f"# Model-state bytes and peak RSS per rank, bf16, model {args.model} ({psi / 1e6:.1f}M params), "
-         f"{ws} ranks, gloo, CPU"),
-        "", f"Re-run: `{command}`", "",
-        (f"Each variant ran in fresh processes ({ws} ranks, {args.threads} thread each) for {args.steps} training "
-         f"steps (forward, backward, clip {CLIP}, AdamW lr {LR}) on micro batches of {MICRO} x {cfg.seq_len} tokens. "
-         f"Psi = {psi:,} trainable parameters. Peak RSS: `ru_maxrss` after the last step (the process's "
-         "high-water mark over its whole life: model build, wrapping, every step); pre-model RSS: VmRSS after "
-         "importing torch and the engine, making the process group and the batches, before the model is built. "
-         "Ratio: peak RSS / the DDP baseline's, larger rank of each. Where the ranks differ the cell shows r0 / r1."),
-        "", *_main_table(rows, psi),
-        "", "Goals of the issue, with the measured figures:", "", *_goals(rows, ws),
-        "", ("Engine rows against `engine.estimate_memory(model, stage, world_size=N, dtype=\"bf16\", "
-             "bucket_size=2e6).total` "
-             "(the estimator counts model states only):"), "", *_estimates(rows, ws),
-        "", "Model states by category, rank 0, MiB (engine: `memory_report()`; torch baselines: from the tensors):",
-        "", *_breakdown(rows),
-        "", ("Where the peak comes from: the larger rank's `ru_maxrss` (MiB) after each phase, and VmRSS at the "
-             "start and end:"), "", *_phases(rows),
-        "", "What each variant holds:", "",
-        ("- DDP (the baseline): the fp32 model, `torch.autocast(\"cpu\", dtype=torch.bfloat16)` around the "
-         "forward, torch AdamW (foreach) on the fp32 parameters. It is the bf16 training torch users run and "
-         "the one that does the same arithmetic as the engine's bf16: fp32 weights that the optimizer updates "
-         "(the engine's fp32 master), fp32 Adam moments, bf16 matmuls. Model states 16 Psi: fp32 params 4 + "
-         "fp32 gradients 4 + Adam 8. Constant buffers: the reducer's flat gradient buckets (fp32, Psi x 4 bytes, "
-         "gradient_as_bucket_view=False is DDP's default), computed, since DDP does not expose them. Autocast's "
-         "bf16 weight copies (2 Psi) live from the forward to the backward and are in the peak RSS, not the "
-         "model states."),
-        ("- DDP, bf16 model (for reference, not the baseline): `model.to(torch.bfloat16)` and torch AdamW on the "
-         "bf16 parameters, as bench_step.py's \"DDP bf16\": no fp32 copy anywhere, bf16 moments, so 8 Psi "
-         "(params 2 + gradients 2 + Adam 4) plus bf16 buckets 2 Psi. It holds half of what the engine must "
-         "hold for the same numerics (updates smaller than a bf16 ulp are lost), so it is a floor, not a fair "
-         "comparison."),
-        ("- FSDP2: the fp32 model, `fully_shard` on each block then the root, on a 1-D CPU mesh, "
-         "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`: the fp32 sharded parameters are the master "
-         "weights (bf16 copies exist only as all-gather output while a block is in use), gradients are fp32 "
-         "shards, torch AdamW (foreach) on the shards: 16 Psi/N. Counted from the local shards "
-         "(`DTensor.to_local()`); its communication buffers are transient (no constant buffers)."),
-        ("- Engine: `engine.initialize(model=GPT(cfg), config={\"bf16\": {\"enabled\": true}, \"zero_optimization\": "
-         "{\"stage\": S, \"reduce_bucket_size\": 2e6, \"allgather_bucket_size\": 2e6}}, AdamW lr 1e-4, weight_decay 0, "
-         "gradient_clipping 1.0, micro batch 8)`, every other setting at its default (gradients in bf16, "
-         "DeepSpeed's default grad_accum_dtype). Model states = `memory_report()` params + master + gradients + optimizer_state "
-         "(tensors with at least one dimension); constant buffers = its `buckets` (at stage 3 the `arena` instead "
-         "when one is configured, the buckets live in it); `peak_gathered` (stage 3's most gathered unit bytes "
-         "at once) is transient and in neither."),
+        (
+            f"# Model-state bytes and peak RSS per rank, bf16, model {args.model} ({psi / 1e6:.1f}M params), "
+            f"{ws} ranks, gloo, CPU"
+        ),
+        "",
+        f"Re-run: `{command}`",
+        "",
+        (
+            f"Each variant ran in fresh processes ({ws} ranks, {args.threads} thread each) for {args.steps} training "
+            f"steps (forward, backward, clip {CLIP}, AdamW lr {LR}) on micro batches of {MICRO} x {cfg.seq_len} tokens. "
+            f"Psi = {psi:,} trainable parameters. Peak RSS: `ru_maxrss` after the last step (the process's "
+            "high-water mark over its whole life: model build, wrapping, every step); pre-model RSS: VmRSS after "
+            "importing torch and the engine, making the process group and the batches, before the model is built. "
+            "Ratio: peak RSS / the DDP baseline's, larger rank of each. Where the ranks differ the cell shows r0 / r1."
+        ),
+        "",
+        *_main_table(rows, psi),
+        "",
+        "Goals of the issue, with the measured figures:",
+        "",
+        *_goals(rows, ws),
+        "",
+        (
+            'Engine rows against `engine.estimate_memory(model, stage, world_size=N, dtype="bf16", '
+            "bucket_size=2e6).total` "
+            "(the estimator counts model states only):"
+        ),
+        "",
+        *_estimates(rows, ws),
+        "",
+        "Model states by category, rank 0, MiB (engine: `memory_report()`; torch baselines: from the tensors):",
+        "",
+        *_breakdown(rows),
+        "",
+        (
+            "Where the peak comes from: the larger rank's `ru_maxrss` (MiB) after each phase, and VmRSS at the "
+            "start and end:"
+        ),
+        "",
+        *_phases(rows),
+        "",
+        "What each variant holds:",
+        "",
+        (
+            '- DDP (the baseline): the fp32 model, `torch.autocast("cpu", dtype=torch.bfloat16)` around the '
+            "forward, torch AdamW (foreach) on the fp32 parameters. It is the bf16 training torch users run and "
+            "the one that does the same arithmetic as the engine's bf16: fp32 weights that the optimizer updates "
+            "(the engine's fp32 master), fp32 Adam moments, bf16 matmuls. Model states 16 Psi: fp32 params 4 + "
+            "fp32 gradients 4 + Adam 8. Constant buffers: the reducer's flat gradient buckets (fp32, Psi x 4 bytes, "
+            "gradient_as_bucket_view=False is DDP's default), computed, since DDP does not expose them. Autocast's "
+            "bf16 weight copies (2 Psi) live from the forward to the backward and are in the peak RSS, not the "
+            "model states."
+        ),
+        (
+            "- DDP, bf16 model (for reference, not the baseline): `model.to(torch.bfloat16)` and torch AdamW on the "
+            'bf16 parameters, as bench_step.py\'s "DDP bf16": no fp32 copy anywhere, bf16 moments, so 8 Psi '
+            "(params 2 + gradients 2 + Adam 4) plus bf16 buckets 2 Psi. It holds half of what the engine must "
+            "hold for the same numerics (updates smaller than a bf16 ulp are lost), so it is a floor, not a fair "
+            "comparison."
+        ),
+        (
+            "- FSDP2: the fp32 model, `fully_shard` on each block then the root, on a 1-D CPU mesh, "
+            "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`: the fp32 sharded parameters are the master "
+            "weights (bf16 copies exist only as all-gather output while a block is in use), gradients are fp32 "
+            "shards, torch AdamW (foreach) on the shards: 16 Psi/N. Counted from the local shards "
+            "(`DTensor.to_local()`); its communication buffers are transient (no constant buffers)."
+        ),
+        (
+            '- Engine: `engine.initialize(model=GPT(cfg), config={"bf16": {"enabled": true}, "zero_optimization": '
+            '{"stage": S, "reduce_bucket_size": 2e6, "allgather_bucket_size": 2e6}}, AdamW lr 1e-4, weight_decay 0, '
+            "gradient_clipping 1.0, micro batch 8)`, every other setting at its default (gradients in bf16, "
+            "DeepSpeed's default grad_accum_dtype). Model states = `memory_report()` params + master + gradients + optimizer_state "
+            "(tensors with at least one dimension); constant buffers = its `buckets` (at stage 3 the `arena` instead "
+            "when one is configured, the buckets live in it); `peak_gathered` (stage 3's most gathered unit bytes "
+            "at once) is transient and in neither."
+        ),
         f"- {ds_note}",
-        "", "Notes:", "",
-        ("- Every variant builds the full fp32 model on every rank first (4 Psi, no meta-device / zero.Init "
-         "construction) and casts or shards it afterwards, so that transient is in every peak; the phase "
-         "table shows which phase set each peak."),
-        ("- Peak RSS beyond model states and buffers: the pre-model interpreter + torch + engine, activations "
-         f"and their gradients (micro batch {MICRO} x {cfg.seq_len} tokens, the {cfg.vocab_size}-wide logits and "
-         "cross-entropy being the largest), gathered stage-3 units, autocast's weight copies, and memory the "
-         "allocator keeps after it is freed."),
-        ("- Peak RSS moves by a few tens of MiB between runs of the same code (allocator, timing of the "
-         "communication threads): differences of that size between rows are noise. The optimizer state is "
-         "allocated in the first step, so the peak is normally reached by the second or third."),
+        "",
+        "Notes:",
+        "",
+        (
+            "- Every variant builds the full fp32 model on every rank first (4 Psi, no meta-device / zero.Init "
+            "construction) and casts or shards it afterwards, so that transient is in every peak; the phase "
+            "table shows which phase set each peak."
+        ),
+        (
+            "- Peak RSS beyond model states and buffers: the pre-model interpreter + torch + engine, activations "
+            f"and their gradients (micro batch {MICRO} x {cfg.seq_len} tokens, the {cfg.vocab_size}-wide logits and "
+            "cross-entropy being the largest), gathered stage-3 units, autocast's weight copies, and memory the "
+            "allocator keeps after it is freed."
+        ),
+        (
+            "- Peak RSS moves by a few tens of MiB between runs of the same code (allocator, timing of the "
+            "communication threads): differences of that size between rows are noise. The optimizer state is "
+            "allocated in the first step, so the peak is normally reached by the second or third."
+        ),
         "- MiB = 2^20 bytes; model states / Psi in bytes per parameter per rank (x N for units of Psi/N).",
-        "", "Settings:", "",
+        "",
+        "Settings:",
+        "",
         f"- model {args.model}: {cfg}",
         f"- world size {ws}, backend gloo, {args.threads} intra-op thread(s) per rank, {args.steps} steps per variant",
-        "", "Machine:", "", *machine_facts(ROOT, args.load_before, ws),
+        "",
+        "Machine:",
+        "",
+        *machine_facts(ROOT, args.load_before, ws),
     ]
     path = os.path.join(ROOT, "benchmarks", "results", f"memory_{args.model}.md")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -483,6 +607,7 @@ def _write(args: argparse.Namespace, cfg: GPTConfig, rows: list[Row], ds_note: s
 def _plot(args: argparse.Namespace, rows: list[Row], md_path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
@@ -513,14 +638,21 @@ def _plot(args: argparse.Namespace, rows: list[Row], md_path: str) -> None:
     for ax in (ax_s, ax_r):
         ax.set_xlim(0, ax.get_xlim()[1] * 1.2)
     ax_s.invert_yaxis()
-    kinds = [("ddp", "#dd8452", "PyTorch DDP"), ("fsdp2", "#8172b3", "PyTorch FSDP2"), ("engine", "#4c72b0", "engine"),
-             ("deepspeed", "#55a868", "DeepSpeed")]
+    kinds = [
+        ("ddp", "#dd8452", "PyTorch DDP"),
+        ("fsdp2", "#8172b3", "PyTorch FSDP2"),
+        ("engine", "#4c72b0", "engine"),
+        ("deepspeed", "#55a868", "DeepSpeed"),
+    ]
     handles = [Patch(facecolor=c, label=n) for k, c, n in kinds if any(r.kind == k for r in done)]
-    handles += [Patch(facecolor="#888888", alpha=0.35, label="constant buffers (left)"),
-                Patch(facecolor="#cccccc", label="pre-model RSS (right)")]
+    handles += [
+        Patch(facecolor="#888888", alpha=0.35, label="constant buffers (left)"),
+        Patch(facecolor="#cccccc", label="pre-model RSS (right)"),
+    ]
     fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles), frameon=False)
-    fig.suptitle(f"bf16 memory per rank, model {args.model}, {args.world_size} ranks (gloo, CPU), lower is better",
-                 fontsize=10)
+    fig.suptitle(
+        f"bf16 memory per rank, model {args.model}, {args.world_size} ranks (gloo, CPU), lower is better", fontsize=10
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     png = md_path[:-3] + ".png"
     fig.savefig(png, dpi=110)
@@ -534,10 +666,13 @@ def run_all(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     has_ds = importlib.util.find_spec("deepspeed") is not None
-    ds_note = ("DeepSpeed: installed, rows above (RSS only: its model states are not read); the engine's config "
-               "plus \"torch_adam\": true" if has_ds else
-               "DeepSpeed: not installed here (`importlib.util.find_spec(\"deepspeed\")` is None), no rows; "
-               "run this from a venv that has it to add them.")
+    ds_note = (
+        "DeepSpeed: installed, rows above (RSS only: its model states are not read); the engine's config "
+        'plus "torch_adam": true'
+        if has_ds
+        else 'DeepSpeed: not installed here (`importlib.util.find_spec("deepspeed")` is None), no rows; '
+        "run this from a venv that has it to add them."
+    )
     rows = []
     for v in plan:
         if v.startswith("deepspeed") and not has_ds:

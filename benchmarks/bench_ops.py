@@ -62,9 +62,13 @@ def memcpy_gbps(nbytes: int, repeats: int, threads: int) -> float:
     part = nbytes // threads
 
     with ThreadPoolExecutor(threads) as pool:
+
         def copy() -> None:
-            list(pool.map(lambda i: libc.memcpy(dst.data_ptr() + i * part, src.data_ptr() + i * part, part),
-                          range(threads)))
+            list(
+                pool.map(
+                    lambda i: libc.memcpy(dst.data_ptr() + i * part, src.data_ptr() + i * part, part), range(threads)
+                )
+            )
 
         return 2 * part * threads / timed(copy, repeats) / 1e9
 
@@ -86,8 +90,12 @@ def rows_flatten(numel: int, repeats: int) -> list[tuple[str, str, float, int]]:
     return [
         ("flatten 64 fp32 tensors", "engine copy_into", timed(lambda: copy_into(dst, srcs, offsets), repeats), nbytes),
         ("flatten 64 fp32 tensors", "torch.cat(out=)", timed(lambda: torch.cat(srcs, out=dst), repeats), nbytes),
-        ("flatten 64 fp32 tensors", "torch._utils._flatten_dense_tensors",
-         timed(lambda: torch._utils._flatten_dense_tensors(srcs), repeats), nbytes),
+        (
+            "flatten 64 fp32 tensors",
+            "torch._utils._flatten_dense_tensors",
+            timed(lambda: torch._utils._flatten_dense_tensors(srcs), repeats),
+            nbytes,
+        ),
         ("flatten 64 fp32 tensors", "torch.cat", timed(lambda: torch.cat(srcs), repeats), nbytes),
     ]
 
@@ -102,14 +110,18 @@ def rows_cast_scale(numel: int, repeats: int) -> list[tuple[str, str, float, int
 
     def two_pass() -> None:
         for t, o in zip(srcs, offsets):
-            view = dst[o:o + t.numel()]
+            view = dst[o : o + t.numel()]
             view.copy_(t)
             view.mul_(scale)
 
     nbytes = (2 + 4) * numel
     return [
-        ("bf16 grads -> fp32 bucket x 1/N", "engine copy_into (one pass)",
-         timed(lambda: copy_into(dst, srcs, offsets, scale), repeats), nbytes),
+        (
+            "bf16 grads -> fp32 bucket x 1/N",
+            "engine copy_into (one pass)",
+            timed(lambda: copy_into(dst, srcs, offsets, scale), repeats),
+            nbytes,
+        ),
         ("bf16 grads -> fp32 bucket x 1/N", "torch copy_ + mul_ (two passes)", timed(two_pass, repeats), nbytes),
     ]
 
@@ -125,8 +137,21 @@ def rows_adam(numel: int, repeats: int) -> list[tuple[str, str, float, int]]:
 
     def fused() -> None:
         step[0] += 1
-        adam_step(params, grads, avgs, sqs, lps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                  adamw_mode=True, step=step[0], grad_scale=coef)
+        adam_step(
+            params,
+            grads,
+            avgs,
+            sqs,
+            lps,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            adamw_mode=True,
+            step=step[0],
+            grad_scale=coef,
+        )
 
     torch_params = [torch.nn.Parameter(p.clone()) for p in params]
     opt = torch.optim.AdamW(torch_params, lr=1e-3, weight_decay=0.01, fused=True)
@@ -141,10 +166,18 @@ def rows_adam(numel: int, repeats: int) -> list[tuple[str, str, float, int]]:
 
     nbytes = 28 * numel  # grad 2 + param 4+4 + m 4+4 + v 4+4 + bf16 copy 2
     return [
-        ("Adam step, bf16 grads, unscale+clip, bf16 copy", "engine adam_step (one pass)",
-         timed(fused, repeats), nbytes),
-        ("Adam step, bf16 grads, unscale+clip, bf16 copy", "torch AdamW(fused=True) + scale + cast passes",
-         timed(torch_way, repeats), nbytes),
+        (
+            "Adam step, bf16 grads, unscale+clip, bf16 copy",
+            "engine adam_step (one pass)",
+            timed(fused, repeats),
+            nbytes,
+        ),
+        (
+            "Adam step, bf16 grads, unscale+clip, bf16 copy",
+            "torch AdamW(fused=True) + scale + cast passes",
+            timed(torch_way, repeats),
+            nbytes,
+        ),
     ]
 
 
@@ -196,16 +229,24 @@ def main() -> None:
     status = builder.status()
     numel = args.mib * 2**20 // 4
     limit = memcpy_gbps(args.mib * 2**20, args.repeats, torch.get_num_threads())
-    rows = (rows_flatten(numel, args.repeats) + rows_cast_scale(numel, args.repeats)
-            + rows_adam(numel // 2, args.repeats) + rows_accumulate(2 * numel, args.repeats)
-            + rows_arena(args.mib * 2**20, args.repeats))
+    rows = (
+        rows_flatten(numel, args.repeats)
+        + rows_cast_scale(numel, args.repeats)
+        + rows_adam(numel // 2, args.repeats)
+        + rows_accumulate(2 * numel, args.repeats)
+        + rows_arena(args.mib * 2**20, args.repeats)
+    )
     lines = [
-        f"# Extension ops vs plain torch, {args.mib} MiB buffers, {torch.get_num_threads()} thread(s)", "",
-        (f"Extension: {status.state} ({status.simd}); torch {torch.__version__}; {platform.processor() or 'cpu'}, "
-        f"{os.cpu_count()} cores. glibc memcpy on {torch.get_num_threads()} thread(s), measured in this run: "
-        f"**{limit:.1f} GB/s** (read + write). GB/s counts the bytes each op must read and write; the last "
-        "column is a torch row's time over the engine row's time for the same task (above 1: the engine's "
-        "op is faster)."), "",
+        f"# Extension ops vs plain torch, {args.mib} MiB buffers, {torch.get_num_threads()} thread(s)",
+        "",
+        (
+            f"Extension: {status.state} ({status.simd}); torch {torch.__version__}; {platform.processor() or 'cpu'}, "
+            f"{os.cpu_count()} cores. glibc memcpy on {torch.get_num_threads()} thread(s), measured in this run: "
+            f"**{limit:.1f} GB/s** (read + write). GB/s counts the bytes each op must read and write; the last "
+            "column is a torch row's time over the engine row's time for the same task (above 1: the engine's "
+            "op is faster)."
+        ),
+        "",
         "| task | implementation | median ms | GB/s | of memcpy | speed-up vs this row |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -214,9 +255,12 @@ def main() -> None:
         firsts.setdefault(task, seconds)
         gbps = nbytes / seconds / 1e9 if nbytes else 0.0
         of_memcpy = f"{gbps / limit:.0%}" if nbytes else "-"
-        lines.append(f"| {task} | {impl} | {seconds * 1e3:.2f} | {gbps:.1f} | {of_memcpy} | "
-                     f"{seconds / firsts[task]:.2f}x the engine's time |" if impl.startswith(("torch", "fresh")) else
-                     f"| {task} | {impl} | {seconds * 1e3:.2f} | {gbps:.1f} | {of_memcpy} | - |")
+        lines.append(
+            f"| {task} | {impl} | {seconds * 1e3:.2f} | {gbps:.1f} | {of_memcpy} | "
+            f"{seconds / firsts[task]:.2f}x the engine's time |"
+            if impl.startswith(("torch", "fresh"))
+            else f"| {task} | {impl} | {seconds * 1e3:.2f} | {gbps:.1f} | {of_memcpy} | - |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)

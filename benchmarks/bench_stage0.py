@@ -45,10 +45,15 @@ def _time_steps(step: Callable[[torch.Tensor, torch.Tensor], None], batches: lis
 def run_engine(cfg: GPTConfig, batches: list, warmup: int, bucket: int) -> list[float]:
     torch.manual_seed(0)
     model = GPT(cfg)
-    eng, _, _, _ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket}})
+    eng, _, _, _ = engine.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket},
+        },
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         eng.backward(eng(x, y))
@@ -99,11 +104,16 @@ def _write_results(model_name: str, cfg: GPTConfig, rows: list[tuple[str, list[f
     os.makedirs(out_dir, exist_ok=True)
     base = statistics.median(dict(rows)["PyTorch DDP"])
     params = sum(p.numel() for p in GPT(cfg).parameters())
-    lines = [f"# Stage 0 step time, model {model_name} ({params / 1e6:.1f}M params), "
-             f"{comm.get_world_size()} ranks, {torch.get_num_threads()} thread(s) per rank, gloo, fp32",
-             "", f"Median of {steps} timed steps (forward + backward + clip + AdamW step), micro batch {MICRO} "
-             f"x {cfg.seq_len} tokens. Ratio: median / DDP's median in the same run.", "",
-             "| variant | median s | p90 s | ratio to DDP |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"# Stage 0 step time, model {model_name} ({params / 1e6:.1f}M params), "
+        f"{comm.get_world_size()} ranks, {torch.get_num_threads()} thread(s) per rank, gloo, fp32",
+        "",
+        f"Median of {steps} timed steps (forward + backward + clip + AdamW step), micro batch {MICRO} "
+        f"x {cfg.seq_len} tokens. Ratio: median / DDP's median in the same run.",
+        "",
+        "| variant | median s | p90 s | ratio to DDP |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, times in rows:
         med = statistics.median(times)
         p90 = sorted(times)[int(0.9 * (len(times) - 1))]
@@ -114,6 +124,7 @@ def _write_results(model_name: str, cfg: GPTConfig, rows: list[tuple[str, list[f
     print("\n".join(lines), flush=True)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

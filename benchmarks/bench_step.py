@@ -96,8 +96,12 @@ def _comm_snapshot() -> dict[str, int]:
     return dict(engine.comm_stats()["bytes_sent"])
 
 
-def _time_steps(step: Callable[[torch.Tensor, torch.Tensor], None], batches: list, warmup: int,
-                on_timed_start: Callable[[], None] | None = None) -> list[float]:
+def _time_steps(
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    batches: list,
+    warmup: int,
+    on_timed_start: Callable[[], None] | None = None,
+) -> list[float]:
     times = []
     for i, (x, y) in enumerate(batches):
         if i == warmup and on_timed_start is not None:
@@ -140,7 +144,9 @@ def run_ddp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
 
     params = list(model.parameters())
     pbytes = sum(nbytes(p) for p in params)
-    state = sum(nbytes(v) for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1)
+    state = sum(
+        nbytes(v) for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1
+    )
     # gradients exist from backward to zero_grad (set_to_none); the reducer keeps its own flat bucket
     # copy of every gradient (gradient_as_bucket_view=False, the default): both computed, not read.
     res.memory = [{"params": pbytes, "master": 0, "gradients": pbytes, "optimizer_state": state, "buckets": pbytes}]
@@ -157,19 +163,32 @@ def _block_numel(cfg: GPTConfig) -> int:
 def _engine_config(stage: int, precision: str, bucket: int, prefetch: int | None = None) -> dict[str, Any]:
     """prefetch: stage 3's stage3_prefetch_bucket_size in elements (0 = no prefetch); None leaves it out."""
     conf: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "bf16": {"enabled": precision == "bf16"},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                              "overlap_comm": True},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "overlap_comm": True,
+        },
     }
     if prefetch is not None:
         conf["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch
     return conf
 
 
-def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int,
-               prefetch: int | None = None, reuse: int | None = None) -> None:
+def run_engine(
+    res: Result,
+    cfg: GPTConfig,
+    batches: list,
+    warmup: int,
+    stage: int,
+    bucket: int,
+    prefetch: int | None = None,
+    reuse: int | None = None,
+) -> None:
     """reuse: stage 3's stage3_max_reuse_distance (0: every block gathered again for its backward, as
     FSDP2's reshard_after_forward; None: the default 1e9, each unit gathered once per step here)."""
     model = _model(cfg)
@@ -178,6 +197,7 @@ def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: i
         conf["zero_optimization"]["stage3_max_reuse_distance"] = reuse
     eng, _, _, _ = engine.initialize(model=model, config=conf)
     try:
+
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             eng.backward(eng(x, y))
             eng.step()
@@ -186,15 +206,17 @@ def run_engine(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: i
         res.times = _time_steps(step, batches, warmup, lambda: before.update(_comm_snapshot()))
         after = _comm_snapshot()
         steps = max(len(res.times), 1)
-        res.comm_per_step = {op: (after[op] - before.get(op, 0)) / steps for op in after
-                             if after[op] != before.get(op, 0)}
+        res.comm_per_step = {
+            op: (after[op] - before.get(op, 0)) / steps for op in after if after[op] != before.get(op, 0)
+        }
         res.memory = [dict(eng.memory_report())]
     finally:
         eng.destroy()
 
 
-def run_deepspeed(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int,
-                  prefetch: int | None = None) -> None:
+def run_deepspeed(
+    res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int, prefetch: int | None = None
+) -> None:
     import deepspeed
 
     # The engine's config as it is (AdamW lr 1e-4, clipping 1.0, the same zero_optimization knobs, bf16);
@@ -207,6 +229,7 @@ def run_deepspeed(res: Result, cfg: GPTConfig, batches: list, warmup: int, stage
     inner = getattr(opt, "optimizer", opt)
     res.detail = type(opt).__name__ + (f"({type(inner).__module__}.{type(inner).__name__})" if inner is not opt else "")
     try:
+
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             eng.backward(eng(x, y))
             eng.step()
@@ -237,8 +260,11 @@ def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
 
     model = _model(cfg)
     mesh = init_device_mesh("cpu", (comm.get_world_size(),))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-          if res.precision == "bf16" else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        if res.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -259,10 +285,12 @@ def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
     # The local shards (fp32; in bf16 also the master: the bf16 copies exist only while gathered, as
     # FSDP2's all-gather output) and the optimizer state on them; FSDP2's communication buffers are
     # transient and not measured (buckets n/a).
-    state = sum(nbytes(v) for p in params for v in opt.state.get(p, {}).values()
-                if torch.is_tensor(v) and local(v).numel() > 1)
-    res.memory = [{"params": sum(nbytes(p) for p in params), "master": 0, "gradients": grad_bytes[0],
-                   "optimizer_state": state}]
+    state = sum(
+        nbytes(v) for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and local(v).numel() > 1
+    )
+    res.memory = [
+        {"params": sum(nbytes(p) for p in params), "master": 0, "gradients": grad_bytes[0], "optimizer_state": state}
+    ]
     res.comm_note = "not counted"
 
 
@@ -277,8 +305,11 @@ def _run_variant(res: Result, fn: Callable[[], None], fail_fast: bool, can_reset
         if fail_fast:
             raise
         res.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        print(f"[rank {comm.get_rank()}] variant {res.name!r} failed:\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[rank {comm.get_rank()}] variant {res.name!r} failed:\n{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
     rss = _proc_status_kib("VmRSS") / 1024
     hwm = _proc_status_kib("VmHWM") / 1024 if reset_ok else -1.0
     gc.collect()
@@ -316,8 +347,9 @@ def _comm_cell(res: Result) -> tuple[str, str]:
     if not res.comm_per_step:
         return ("n/a", res.comm_note or "n/a")
     total = sum(res.comm_per_step.values())
-    split = " + ".join(f"{OP_ABBREV.get(op, op)} {_mb(b)}" for op, b in sorted(
-        res.comm_per_step.items(), key=lambda kv: -kv[1]))
+    split = " + ".join(
+        f"{OP_ABBREV.get(op, op)} {_mb(b)}" for op, b in sorted(res.comm_per_step.items(), key=lambda kv: -kv[1])
+    )
     if res.comm_note:
         split += f" ({res.comm_note})"
     return (f"{total / 1e6:.2f}", split)
@@ -349,19 +381,30 @@ def _stage3_vs_fsdp(results: list[Result]) -> list[str]:
         f_states = max(_model_states(m) for m in fsdp.memory) if fsdp.memory else None
         e_peak = max(eng.peak_rss) if eng is not None and eng.peak_rss else None
         f_peak = max(fsdp.peak_rss) if fsdp.peak_rss else None
-        rows.append(f"| {prec} | {sec(e_med)} | {sec(off_med)} | {sec(f_med)} | {ratio(e_med, f_med)} | "
-                    f"{ratio(off_med, f_med)} | {_mib(e_states) if e_states is not None else 'n/a'} | "
-                    f"{_mib(f_states) if f_states is not None else 'n/a'} | {ratio(e_states, f_states)} | "
-                    f"{f'{e_peak:.0f}' if e_peak is not None else 'n/a'} / {f'{f_peak:.0f}' if f_peak is not None else 'n/a'} |")
+        rows.append(
+            f"| {prec} | {sec(e_med)} | {sec(off_med)} | {sec(f_med)} | {ratio(e_med, f_med)} | "
+            f"{ratio(off_med, f_med)} | {_mib(e_states) if e_states is not None else 'n/a'} | "
+            f"{_mib(f_states) if f_states is not None else 'n/a'} | {ratio(e_states, f_states)} | "
+            f"{f'{e_peak:.0f}' if e_peak is not None else 'n/a'} / {f'{f_peak:.0f}' if f_peak is not None else 'n/a'} |"
+        )
     if not rows:
         return []
-    return ["", ("Stage 3 vs FSDP2 (goal: engine stage 3 step time no worse than FSDP2's, memory per rank no "
-                 "higher; ratios engine / FSDP2 at the same precision, below 1 = the engine is faster / holds less; "
-                 "model states = the most over ranks, peak RSS = the most over ranks, same caveats as above):"), "",
-            ("| precision | engine stage 3 median s | engine stage 3 no prefetch median s | FSDP2 median s | "
-             "step time ratio | no prefetch: step time ratio | engine model states MiB/rank | "
-             "FSDP2 model states MiB/rank | model states ratio | peak RSS MiB engine / FSDP2 |"),
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows]
+    return [
+        "",
+        (
+            "Stage 3 vs FSDP2 (goal: engine stage 3 step time no worse than FSDP2's, memory per rank no "
+            "higher; ratios engine / FSDP2 at the same precision, below 1 = the engine is faster / holds less; "
+            "model states = the most over ranks, peak RSS = the most over ranks, same caveats as above):"
+        ),
+        "",
+        (
+            "| precision | engine stage 3 median s | engine stage 3 no prefetch median s | FSDP2 median s | "
+            "step time ratio | no prefetch: step time ratio | engine model states MiB/rank | "
+            "FSDP2 model states MiB/rank | model states ratio | peak RSS MiB engine / FSDP2 |"
+        ),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
 
 
 def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Result], notes: list[str]) -> None:
@@ -372,16 +415,22 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
     base = {r.precision: statistics.median(r.times) for r in results if r.kind == "ddp" and r.times and not r.error}
     has_peak = any(r.peak_rss for r in results)
     lines = [
-        (f"# Step time, memory and traffic per step, model {args.model} ({n_params / 1e6:.1f}M params), "
-         f"{ws} ranks, {torch.get_num_threads()} thread(s) per rank, gloo, CPU"),
+        (
+            f"# Step time, memory and traffic per step, model {args.model} ({n_params / 1e6:.1f}M params), "
+            f"{ws} ranks, {torch.get_num_threads()} thread(s) per rank, gloo, CPU"
+        ),
         "",
-        (f"Median of {args.steps} timed steps after {args.warmup} warm-up steps (forward + backward + clip + "
-         f"AdamW step; barrier before each step), micro batch {MICRO} x {cfg.seq_len} tokens per rank. "
-         "Ratio: median / the median of DDP at the same precision in the same run."),
+        (
+            f"Median of {args.steps} timed steps after {args.warmup} warm-up steps (forward + backward + clip + "
+            f"AdamW step; barrier before each step), micro batch {MICRO} x {cfg.seq_len} tokens per rank. "
+            "Ratio: median / the median of DDP at the same precision in the same run."
+        ),
         "",
-        ("| variant | median s | min s | p90 s | ratio to DDP | RSS after steps MiB (r0 / r1) | "
-         + ("peak RSS in variant MiB (r0 / r1) | " if has_peak else "")
-         + "model states MiB/rank | buckets MiB | comm MB/step | comm split per step |"),
+        (
+            "| variant | median s | min s | p90 s | ratio to DDP | RSS after steps MiB (r0 / r1) | "
+            + ("peak RSS in variant MiB (r0 / r1) | " if has_peak else "")
+            + "model states MiB/rank | buckets MiB | comm MB/step | comm split per step |"
+        ),
         "| --- | --- | --- | --- | --- | --- | " + ("--- | " if has_peak else "") + "--- | --- | --- | --- |",
     ]
     for r in results:
@@ -404,16 +453,22 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
         row += [states, buckets, total, split]
         lines.append("| " + " | ".join(row) + " |")
     if any(r.memory for r in results):
-        lines += ["", "Model states per rank (rank 0), MiB:", "",
-                  "| variant | params | master | gradients | optimizer state | sum | buckets | peak gathered |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "Model states per rank (rank 0), MiB:",
+            "",
+            "| variant | params | master | gradients | optimizer state | sum | buckets | peak gathered |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
     for r in results:
         if r.memory:
             m = r.memory[0]
             buckets = _mib(m["buckets"]) if "buckets" in m else "n/a"
             gathered = _mib(m["peak_gathered"]) if r.kind == "engine" and "peak_gathered" in m else "n/a"
-            lines.append(f"| {r.name} | {_mib(m['params'])} | {_mib(m['master'])} | {_mib(m['gradients'])} | "
-                         f"{_mib(m['optimizer_state'])} | {_mib(_model_states(m))} | {buckets} | {gathered} |")
+            lines.append(
+                f"| {r.name} | {_mib(m['params'])} | {_mib(m['master'])} | {_mib(m['gradients'])} | "
+                f"{_mib(m['optimizer_state'])} | {_mib(_model_states(m))} | {buckets} | {gathered} |"
+            )
     lines += _stage3_vs_fsdp(results)
     failed = [r for r in results if r.error]
     if failed:
@@ -421,77 +476,105 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
         lines += [f"- {r.name}: {r.error}" for r in failed]
     peak_note = (
         "Peak RSS in variant: VmHWM after resetting it to the current RSS (`/proc/self/clear_refs` = 5) "
-        "just before the variant; same caveat about memory kept from earlier variants." if has_peak else
-        "Peak RSS per variant is not shown: VmHWM could not be reset here (ru_maxrss is per process).")
+        "just before the variant; same caveat about memory kept from earlier variants."
+        if has_peak
+        else "Peak RSS per variant is not shown: VmHWM could not be reset here (ru_maxrss is per process)."
+    )
     notes = [
-        ("DDP bf16 = the model in bf16 (`model.to(torch.bfloat16)`) with torch AdamW (foreach) directly "
-         "on the bf16 parameters, no fp32 master copy, as the reference measurement's \"DDP bf16\"; the "
-         "engine's bf16 keeps fp32 master shards, so its optimizer does more work and holds more state."),
-        ("RSS after steps: VmRSS of each rank right after the variant's last step, before it is freed. "
-         "It includes whatever earlier variants left that the allocator kept (variants run in sequence in "
-         "the same processes), so compare rows with care."),
+        (
+            "DDP bf16 = the model in bf16 (`model.to(torch.bfloat16)`) with torch AdamW (foreach) directly "
+            'on the bf16 parameters, no fp32 master copy, as the reference measurement\'s "DDP bf16"; the '
+            "engine's bf16 keeps fp32 master shards, so its optimizer does more work and holds more state."
+        ),
+        (
+            "RSS after steps: VmRSS of each rank right after the variant's last step, before it is freed. "
+            "It includes whatever earlier variants left that the allocator kept (variants run in sequence in "
+            "the same processes), so compare rows with care."
+        ),
         peak_note,
-        ("Model states: `engine.memory_report()` params + master + gradients + optimizer_state (tensors "
-         "in the optimizer state with more than one element); buckets (communication buffers) shown "
-         "apart. For DDP they are computed from the parameters and the optimizer state: gradients count "
-         "as full-size (they live from backward to zero_grad), and buckets = the reducer's flat copy of "
-         "the gradients (gradient_as_bucket_view=False, DDP's default)."),
-        ("comm MB/step (1 MB = 1e6 bytes): bytes this rank sends per timed step by ring-algorithm volume, "
-         "from the difference of `engine.comm_stats()` over the timed steps (rank 0); ar = all_reduce, "
-         "rs = reduce_scatter, ag = all_gather. For DDP computed: 2 (N-1)/N x gradient bytes."),
-        ("examples/gpt.py does not tie the output head to the token embedding, so model S/M here have "
-         "more parameters than the reference doc's S (5.3M) / M (29.5M); compare ratios, not seconds."),
+        (
+            "Model states: `engine.memory_report()` params + master + gradients + optimizer_state (tensors "
+            "in the optimizer state with more than one element); buckets (communication buffers) shown "
+            "apart. For DDP they are computed from the parameters and the optimizer state: gradients count "
+            "as full-size (they live from backward to zero_grad), and buckets = the reducer's flat copy of "
+            "the gradients (gradient_as_bucket_view=False, DDP's default)."
+        ),
+        (
+            "comm MB/step (1 MB = 1e6 bytes): bytes this rank sends per timed step by ring-algorithm volume, "
+            "from the difference of `engine.comm_stats()` over the timed steps (rank 0); ar = all_reduce, "
+            "rs = reduce_scatter, ag = all_gather. For DDP computed: 2 (N-1)/N x gradient bytes."
+        ),
+        (
+            "examples/gpt.py does not tie the output head to the token embedding, so model S/M here have "
+            "more parameters than the reference doc's S (5.3M) / M (29.5M); compare ratios, not seconds."
+        ),
         *notes,
     ]
     if any(r.kind == "engine" and r.memory and "peak_gathered" in r.memory[0] for r in results):
-        notes.append("Engine stage 3: model states are the shards only (params = this rank's shard of the "
-                     "parameters in the compute dtype; in bf16 master = the fp32 shard); peak gathered = "
-                     "`memory_report()[\"peak_gathered\"]`, the most bytes of gathered (full) units held at "
-                     "once during the variant (warm-up included), not part of the sum; buckets = its gradient "
-                     "buckets. \"no prefetch\" sets stage3_prefetch_bucket_size 0: each unit is gathered on "
-                     "demand, so the difference to the row with prefetch is the overlap of the all-gathers.")
+        notes.append(
+            "Engine stage 3: model states are the shards only (params = this rank's shard of the "
+            "parameters in the compute dtype; in bf16 master = the fp32 shard); peak gathered = "
+            '`memory_report()["peak_gathered"]`, the most bytes of gathered (full) units held at '
+            "once during the variant (warm-up included), not part of the sum; buckets = its gradient "
+            'buckets. "no prefetch" sets stage3_prefetch_bucket_size 0: each unit is gathered on '
+            "demand, so the difference to the row with prefetch is the overlap of the all-gathers."
+        )
     if any(r.kind == "fsdp" for r in results):
-        notes.append("FSDP2: model states from the local shards (`DTensor.to_local()`): params = the fp32 "
-                     "sharded parameters (in bf16 also the master: MixedPrecisionPolicy casts them to bf16 "
-                     "only in the all-gather, so master = 0 is not missing state), gradients = the sharded "
-                     "gradients read after the last step's optimizer step, optimizer state = AdamW's sharded "
-                     "exp_avg / exp_avg_sq; its gathered parameters and communication buffers are transient "
-                     "and not measured (buckets n/a), its traffic is not counted (it calls torch.distributed "
-                     "directly, not through engine.comm).")
+        notes.append(
+            "FSDP2: model states from the local shards (`DTensor.to_local()`): params = the fp32 "
+            "sharded parameters (in bf16 also the master: MixedPrecisionPolicy casts them to bf16 "
+            "only in the all-gather, so master = 0 is not missing state), gradients = the sharded "
+            "gradients read after the last step's optimizer step, optimizer state = AdamW's sharded "
+            "exp_avg / exp_avg_sq; its gathered parameters and communication buffers are transient "
+            "and not measured (buckets n/a), its traffic is not counted (it calls torch.distributed "
+            "directly, not through engine.comm)."
+        )
     if any(r.kind == "deepspeed" for r in results):
-        notes.append("DeepSpeed rows: step times and RSS only; model states, buckets and traffic are not "
-                     "measured for them (n/a).")
+        notes.append(
+            "DeepSpeed rows: step times and RSS only; model states, buckets and traffic are not "
+            "measured for them (n/a)."
+        )
     lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     lines += [
-        "", "Settings:", "",
+        "",
+        "Settings:",
+        "",
         f"- model {args.model}: {cfg}",
-        (f"- world size {ws}, backend gloo, {torch.get_num_threads()} intra-op thread(s) per rank; "
-         f"{args.steps} timed + {args.warmup} warm-up steps per variant, the same random batches for all"),
+        (
+            f"- world size {ws}, backend gloo, {torch.get_num_threads()} intra-op thread(s) per rank; "
+            f"{args.steps} timed + {args.warmup} warm-up steps per variant, the same random batches for all"
+        ),
         f"- AdamW lr {LR}, weight_decay 0, gradient clipping {CLIP}, micro batch {MICRO}, gradient accumulation 1",
-        (f"- engine: zero_optimization {{stage s, reduce_bucket_size {args.bucket}, allgather_bucket_size "
-         f"{args.bucket}, overlap_comm true}}; bf16 variants add \"bf16\": {{\"enabled\": true}}; stage 3 adds "
-         "stage3_prefetch_bucket_size of two blocks (prefetch) or 0 (\"no prefetch\") and "
-         "stage3_max_reuse_distance 0 (each block gathered again for its backward, as FSDP2's "
-         f"reshard_after_forward); \"kept\" leaves both at DeepSpeed's defaults ({PREFETCH} and 1e9: every unit "
-         "prefetched as far as it goes and kept from its forward to its backward, so gathered once per step), "
-         "stage3_max_live_parameters left at its default (1e9)"),
-        ("- DDP: torch.nn.parallel.DistributedDataParallel with the default bucket_cap_mb (25 MB), "
-         "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_"),
+        (
+            f"- engine: zero_optimization {{stage s, reduce_bucket_size {args.bucket}, allgather_bucket_size "
+            f'{args.bucket}, overlap_comm true}}; bf16 variants add "bf16": {{"enabled": true}}; stage 3 adds '
+            'stage3_prefetch_bucket_size of two blocks (prefetch) or 0 ("no prefetch") and '
+            "stage3_max_reuse_distance 0 (each block gathered again for its backward, as FSDP2's "
+            f'reshard_after_forward); "kept" leaves both at DeepSpeed\'s defaults ({PREFETCH} and 1e9: every unit '
+            "prefetched as far as it goes and kept from its forward to its backward, so gathered once per step), "
+            "stage3_max_live_parameters left at its default (1e9)"
+        ),
+        (
+            "- DDP: torch.nn.parallel.DistributedDataParallel with the default bucket_cap_mb (25 MB), "
+            "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_"
+        ),
     ]
     if any(r.kind == "fsdp" for r in results):
         lines.append(
             "- FSDP2: torch.distributed.fsdp.fully_shard on each model.blocks[i], then on the model (default "
             "reshard_after_forward: blocks resharded after forward, the root kept), mesh "
-            "init_device_mesh(\"cpu\", (world size,)); fp32: default MixedPrecisionPolicy(); bf16: the fp32 model "
+            'init_device_mesh("cpu", (world size,)); fp32: default MixedPrecisionPolicy(); bf16: the fp32 model '
             "with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16); "
-            "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_ on the DTensor gradients")
+            "torch.optim.AdamW(foreach=True), torch.nn.utils.clip_grad_norm_ on the DTensor gradients"
+        )
     ds_rows = [r for r in results if r.kind == "deepspeed"]
     if ds_rows:
         lines.append(
             f"- DeepSpeed {args.ds_version} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', '')}), in the process "
-            "group the benchmark made (gloo): the engine's config above plus \"torch_adam\": true in the AdamW "
+            'group the benchmark made (gloo): the engine\'s config above plus "torch_adam": true in the AdamW '
             "params (torch.optim.AdamW, not DeepSpeed's compiled Adam); optimizer wrappers it chose: "
-            + "; ".join(f"{r.name.removeprefix('DeepSpeed ')} {r.detail or 'n/a'}" for r in ds_rows))
+            + "; ".join(f"{r.name.removeprefix('DeepSpeed ')} {r.detail or 'n/a'}" for r in ds_rows)
+        )
     lines += ["", "Machine:", ""] + machine_facts(str(ROOT), args.load_before, comm.get_world_size())
     path = os.path.join(out_dir, f"step_{args.model}.md")
     with open(path, "w") as f:
@@ -503,6 +586,7 @@ def _write_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Resul
 def _plot(args: argparse.Namespace, results: list[Result], out_dir: str, md_path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -511,8 +595,12 @@ def _plot(args: argparse.Namespace, results: list[Result], out_dir: str, md_path
     from matplotlib.patches import Patch
 
     groups = [p for p in ("fp32", "bf16") if any(r.precision == p for r in results)]
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 0.45 * max(
-        sum(r.precision == p for r in results) for p in groups) + 2.0), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(groups),
+        figsize=(6 * len(groups), 0.45 * max(sum(r.precision == p for r in results) for p in groups) + 2.0),
+        squeeze=False,
+    )
     for ax, prec in zip(axes[0], groups):
         rows = [r for r in results if r.precision == prec]
         names = [r.name.replace(f" {prec}", "") for r in rows]
@@ -529,15 +617,20 @@ def _plot(args: argparse.Namespace, results: list[Result], out_dir: str, md_path
         ax.set_xlabel("median step time (s), lower is better")
         ax.invert_yaxis()
         ax.set_xlim(0, max(meds + [1e-3]) * 1.25)
-    handles = [Patch(facecolor="#dd8452", hatch="//", label="PyTorch DDP (baseline)"),
-               Patch(facecolor="#4c72b0", label="engine")]
+    handles = [
+        Patch(facecolor="#dd8452", hatch="//", label="PyTorch DDP (baseline)"),
+        Patch(facecolor="#4c72b0", label="engine"),
+    ]
     if any(r.kind == "fsdp" for r in results):
         handles.append(Patch(facecolor="#8172b3", label="PyTorch FSDP2"))
     if any(r.kind == "deepspeed" for r in results):
         handles.append(Patch(facecolor="#55a868", label="DeepSpeed"))
     fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles), frameon=False)
-    fig.suptitle(f"Step time per variant, model {args.model}, {comm.get_world_size()} ranks (gloo, CPU, "
-                 f"{torch.get_num_threads()} thread/rank)", fontsize=10)
+    fig.suptitle(
+        f"Step time per variant, model {args.model}, {comm.get_world_size()} ranks (gloo, CPU, "
+        f"{torch.get_num_threads()} thread/rank)",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     png = os.path.join(out_dir, f"step_{args.model}.png")
     fig.savefig(png, dpi=110)
@@ -553,10 +646,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--timeout", type=float, default=600, help="collective timeout (s): a hang becomes an error")
     parser.add_argument("--fail-fast", action="store_true", help="re-raise a variant's exception instead of going on")
-    parser.add_argument("--variants", default="",
-                        help="comma-separated filters: run only the variants whose name has, for every word of "
-                             "one filter, a word starting with it (case-insensitive), e.g. 'ddp,deepspeed bf16', "
-                             "'stage 3,fsdp'; default: all")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated filters: run only the variants whose name has, for every word of "
+        "one filter, a word starting with it (case-insensitive), e.g. 'ddp,deepspeed bf16', "
+        "'stage 3,fsdp'; default: all",
+    )
     args = parser.parse_args()
     args.bucket = int(args.bucket)
     args.load_before = os.getloadavg()
@@ -575,31 +671,45 @@ def main() -> None:
         has_ds = True
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install
         has_ds = False
-        notes.append(f"DeepSpeed skipped: `import deepspeed` failed ({type(exc).__name__}: "
-                     f"{str(exc).splitlines()[0] if str(exc) else ''}); the reference doc has its timings.")
+        notes.append(
+            f"DeepSpeed skipped: `import deepspeed` failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); the reference doc has its timings."
+        )
     has_ds = all(_gather(has_ds))  # both ranks must take the same path
 
     plan: list[tuple[Result, Callable[[Result], None]]] = []
     for prec in ("fp32", "bf16"):
-        plan.append((Result(f"PyTorch DDP {prec}", prec, "ddp"),
-                     lambda r: run_ddp(r, cfg, batches, args.warmup)))
+        plan.append((Result(f"PyTorch DDP {prec}", prec, "ddp"), lambda r: run_ddp(r, cfg, batches, args.warmup)))
         for stage in (0, 1, 2):
-            plan.append((Result(f"engine stage {stage} {prec}", prec, "engine"),
-                         lambda r, s=stage: run_engine(r, cfg, batches, args.warmup, s, args.bucket)))
+            plan.append(
+                (
+                    Result(f"engine stage {stage} {prec}", prec, "engine"),
+                    lambda r, s=stage: run_engine(r, cfg, batches, args.warmup, s, args.bucket),
+                )
+            )
         # FSDP2 prefetches the next block; "prefetch" here allows two blocks ahead, "kept" is DeepSpeed's defaults.
         two_blocks = 2 * _block_numel(cfg)
         for label, prefetch, reuse in (("", two_blocks, 0), ("no prefetch ", 0, 0), ("kept ", PREFETCH, None)):
-            plan.append((Result(f"engine stage 3 {label}{prec}", prec, "engine"),
-                         lambda r, pf=prefetch, ru=reuse: run_engine(r, cfg, batches, args.warmup, 3, args.bucket,
-                                                                    pf, ru)))
+            plan.append(
+                (
+                    Result(f"engine stage 3 {label}{prec}", prec, "engine"),
+                    lambda r, pf=prefetch, ru=reuse: run_engine(r, cfg, batches, args.warmup, 3, args.bucket, pf, ru),
+                )
+            )
         plan.append((Result(f"PyTorch FSDP2 {prec}", prec, "fsdp"), lambda r: run_fsdp(r, cfg, batches, args.warmup)))
         if has_ds:
             for stage in (0, 1, 2, 3):
-                plan.append((Result(f"DeepSpeed stage {stage} {prec}", prec, "deepspeed"),
-                             lambda r, s=stage: run_deepspeed(r, cfg, batches, args.warmup, s, args.bucket,
-                                                              PREFETCH if s == 3 else None)))
+                plan.append(
+                    (
+                        Result(f"DeepSpeed stage {stage} {prec}", prec, "deepspeed"),
+                        lambda r, s=stage: run_deepspeed(
+                            r, cfg, batches, args.warmup, s, args.bucket, PREFETCH if s == 3 else None
+                        ),
+                    )
+                )
     filters = [f.lower().split() for f in args.variants.split(",") if f.strip()]
     if filters:
+
         def selected(name: str) -> bool:
             words = name.lower().split()
             return any(all(any(n.startswith(w) for n in words) for w in f) for f in filters)

@@ -45,10 +45,14 @@ BUCKET = 2_000_000
 
 
 def _config(stage: int, tp: int) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0, "steps_per_print": 10_000,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-            "tensor_parallel": {"autotp_size": tp},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10_000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "tensor_parallel": {"autotp_size": tp},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET},
+    }
 
 
 # ------------------------------------------------------------------------------------------ one rank
@@ -61,11 +65,17 @@ def run_rank(args: argparse.Namespace) -> None:
     cfg = MODELS[args.model]
     torch.manual_seed(0)
     model = GPT(cfg)
-    eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(),
-                                     config=_config(args.stage, args.tp))  # AutoTP shards the model here
+    eng, _, _, _ = engine.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(args.stage, args.tp)
+    )  # AutoTP shards the model here
     g = torch.Generator().manual_seed(1000 + eng.parallel.dp_rank)  # TP ranks of one DP position: same data
-    data = [(torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
-             torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g)) for _ in range(args.steps + 1)]
+    data = [
+        (
+            torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
+            torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
+        )
+        for _ in range(args.steps + 1)
+    ]
     times = []
     for x, y in data:
         comm.barrier()
@@ -78,9 +88,17 @@ def run_rank(args: argparse.Namespace) -> None:
     replicated = sum(p.numel() for p in params if not is_tensor_parallel(p))
     report = dict(eng.memory_report())
     sent = eng.comm_stats()["last_step"]["bytes_sent"]
-    out = {"rank": comm.get_rank(), "tp": eng.mp_world_size, "dp": eng.dp_world_size, "step_s": times[1:],
-           "split_numel": split, "replicated_numel": replicated, "report": report, "last_step_sent": sent,
-           "dense_numel": sum(p.numel() for p in GPT(cfg).parameters())}
+    out = {
+        "rank": comm.get_rank(),
+        "tp": eng.mp_world_size,
+        "dp": eng.dp_world_size,
+        "step_s": times[1:],
+        "split_numel": split,
+        "replicated_numel": replicated,
+        "report": report,
+        "last_step_sent": sent,
+        "dense_numel": sum(p.numel() for p in GPT(cfg).parameters()),
+    }
     eng.destroy()
     with open(os.path.join(args.out, f"rank{comm.get_rank()}.json"), "w") as f:
         json.dump(out, f)
@@ -89,8 +107,22 @@ def run_rank(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ the parent
 def _launch(args: argparse.Namespace, tp: int, out: str) -> list[dict[str, Any]]:
     zrun = os.path.join(os.path.dirname(sys.executable), "zrun")
-    cmd = [zrun, "--nproc_per_node", str(args.world_size), os.path.abspath(__file__), "--tp", str(tp), "--out", out,
-           "--model", args.model, "--steps", str(args.steps), "--stage", str(args.stage)]
+    cmd = [
+        zrun,
+        "--nproc_per_node",
+        str(args.world_size),
+        os.path.abspath(__file__),
+        "--tp",
+        str(tp),
+        "--out",
+        out,
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--stage",
+        str(args.stage),
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out)) if f.endswith(".json")]
 
@@ -98,44 +130,74 @@ def _launch(args: argparse.Namespace, tp: int, out: str) -> list[dict[str, Any]]
 def _row(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = ranks[0]
     per_rank_states = max(sum(r["report"][k] for k in STATE_KEYS) for r in ranks)
-    return {"tp": r0["tp"], "dp": r0["dp"], "step_s": statistics.median(max(r["step_s"][i] for r in ranks)
-                                                                        for i in range(len(r0["step_s"]))),
-            "params": max(r["report"]["params"] for r in ranks), "states": per_rank_states,
-            "split": r0["split_numel"], "replicated": r0["replicated_numel"], "dense": r0["dense_numel"],
-            "dp_bytes": sum(v for k, v in r0["last_step_sent"].items() if not k.startswith("tp.")),
-            "tp_bytes": sum(v for k, v in r0["last_step_sent"].items() if k.startswith("tp."))}
+    return {
+        "tp": r0["tp"],
+        "dp": r0["dp"],
+        "step_s": statistics.median(max(r["step_s"][i] for r in ranks) for i in range(len(r0["step_s"]))),
+        "params": max(r["report"]["params"] for r in ranks),
+        "states": per_rank_states,
+        "split": r0["split_numel"],
+        "replicated": r0["replicated_numel"],
+        "dense": r0["dense_numel"],
+        "dp_bytes": sum(v for k, v in r0["last_step_sent"].items() if not k.startswith("tp.")),
+        "tp_bytes": sum(v for k, v in r0["last_step_sent"].items() if k.startswith("tp.")),
+    }
 
 
 def _write(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: tuple[float, ...]) -> str:
     base = rows[0]
-    lines = [f"# Tensor x data parallelism, {args.model} model, ZeRO stage {args.stage}, fp32, {args.world_size} ranks",
-             "", (f"Generated by `benchmarks/bench_tp.py --model {args.model} --world-size {args.world_size} "
-             f"--steps {args.steps} --stage {args.stage}`. Every data-parallel rank trains {MICRO} sequences per step, "
-              "so a layout's global batch is that times its DP size: compare step times per sequence. Model states "
-              "are params + fp32 master (none in fp32) + gradients + Adam state; ZeRO partitions the last three over "
-              "the DP group, so a larger TP (smaller DP) holds fewer parameter bytes but divides gradients and Adam "
-              "state by a smaller DP size (the paper combines both for that reason)."), "",
-             ("| layout | step (s) | s per sequence | params / rank (MiB) | vs DP-only | model states / rank (MiB) "
-             "| vs DP-only | TP-split elements / rank | replicated elements / rank | DP bytes / step (MiB) "
-             "| TP bytes / step (MiB) |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# Tensor x data parallelism, {args.model} model, ZeRO stage {args.stage}, fp32, {args.world_size} ranks",
+        "",
+        (
+            f"Generated by `benchmarks/bench_tp.py --model {args.model} --world-size {args.world_size} "
+            f"--steps {args.steps} --stage {args.stage}`. Every data-parallel rank trains {MICRO} sequences per step, "
+            "so a layout's global batch is that times its DP size: compare step times per sequence. Model states "
+            "are params + fp32 master (none in fp32) + gradients + Adam state; ZeRO partitions the last three over "
+            "the DP group, so a larger TP (smaller DP) holds fewer parameter bytes but divides gradients and Adam "
+            "state by a smaller DP size (the paper combines both for that reason)."
+        ),
+        "",
+        (
+            "| layout | step (s) | s per sequence | params / rank (MiB) | vs DP-only | model states / rank (MiB) "
+            "| vs DP-only | TP-split elements / rank | replicated elements / rank | DP bytes / step (MiB) "
+            "| TP bytes / step (MiB) |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         per_seq = r["step_s"] / (MICRO * r["dp"])
-        lines.append(f"| TP {r['tp']} x DP {r['dp']} | {r['step_s']:.2f} | {per_seq:.3f} | {r['params'] / MIB:.1f} "
-                     f"| {r['params'] / base['params']:.3f} | {r['states'] / MIB:.1f} | {r['states'] / base['states']:.3f} "
-                     f"| {r['split']:,} | {r['replicated']:,} | {r['dp_bytes'] / MIB:.1f} | {r['tp_bytes'] / MIB:.1f} |")
-    lines += ["", ("Parameter bytes per rank at TP t, predicted: (TP-split elements of the dense model / t + replicated "
-              "elements) x 4 bytes; the AutoTP-split share of this model is "
-              f"{rows[-1]['split'] * rows[-1]['tp'] / base['dense']:.1%} (the blocks' Linear layers); the embeddings, "
-              "the head and the norms stay whole on every rank, as DeepSpeed's AutoTP training leaves them."), ""]
+        lines.append(
+            f"| TP {r['tp']} x DP {r['dp']} | {r['step_s']:.2f} | {per_seq:.3f} | {r['params'] / MIB:.1f} "
+            f"| {r['params'] / base['params']:.3f} | {r['states'] / MIB:.1f} | {r['states'] / base['states']:.3f} "
+            f"| {r['split']:,} | {r['replicated']:,} | {r['dp_bytes'] / MIB:.1f} | {r['tp_bytes'] / MIB:.1f} |"
+        )
+    lines += [
+        "",
+        (
+            "Parameter bytes per rank at TP t, predicted: (TP-split elements of the dense model / t + replicated "
+            "elements) x 4 bytes; the AutoTP-split share of this model is "
+            f"{rows[-1]['split'] * rows[-1]['tp'] / base['dense']:.1%} (the blocks' Linear layers); the embeddings, "
+            "the head and the norms stay whole on every rank, as DeepSpeed's AutoTP training leaves them."
+        ),
+        "",
+    ]
     for r in rows:
         predicted = (r["split"] + r["replicated"]) * 4
-        lines.append(f"- TP {r['tp']}: params {r['params']:,} bytes, predicted (split {r['split']:,} + replicated "
-                     f"{r['replicated']:,}) x 4 = {predicted:,} (ratio {r['params'] / predicted:.4f}; any difference is "
-                     "the flat layout's padding)")
-    lines += ["", "Machine:", *machine_facts(ROOT, load_before, args.world_size),
-              (f"- {args.world_size} ranks on this machine's cores: with fewer cores than ranks they share them, so "
-              "step times measure the layouts' total work, not a cluster's speed-up")]
+        lines.append(
+            f"- TP {r['tp']}: params {r['params']:,} bytes, predicted (split {r['split']:,} + replicated "
+            f"{r['replicated']:,}) x 4 = {predicted:,} (ratio {r['params'] / predicted:.4f}; any difference is "
+            "the flat layout's padding)"
+        )
+    lines += [
+        "",
+        "Machine:",
+        *machine_facts(ROOT, load_before, args.world_size),
+        (
+            f"- {args.world_size} ranks on this machine's cores: with fewer cores than ranks they share them, so "
+            "step times measure the layouts' total work, not a cluster's speed-up"
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -150,8 +212,12 @@ def _plot(rows: list[dict[str, Any]], path: str) -> bool:
     names = [f"TP{r['tp']}xDP{r['dp']}" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar(names, [r["params"] / MIB for r in rows], label="params")
-    a.bar(names, [(r["states"] - r["params"]) / MIB for r in rows], bottom=[r["params"] / MIB for r in rows],
-          label="master, gradients, optimizer state")
+    a.bar(
+        names,
+        [(r["states"] - r["params"]) / MIB for r in rows],
+        bottom=[r["params"] / MIB for r in rows],
+        label="master, gradients, optimizer state",
+    )
     a.set_ylabel("MiB per rank")
     a.set_title("model states per rank")
     a.legend()

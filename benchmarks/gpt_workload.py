@@ -24,5 +24,10 @@ MICRO = 8
 
 def batches(cfg: GPTConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1000 + comm.get_rank())
-    return [(torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
-             torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
+            torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=g),
+        )
+        for _ in range(n)
+    ]

@@ -28,19 +28,36 @@ def machine_facts(root: str, load_before: tuple[float, ...], busy_cores: int) ->
     except (OSError, StopIteration):
         pass
     try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=False, timeout=10).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "engine"], capture_output=True,
-                               check=False, text=True, timeout=10).stdout.strip()
+        head = (
+            subprocess.run(
+                ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--", "engine"],
+            capture_output=True,
+            check=False,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         code = f"commit {head}" + (" with uncommitted changes in engine/" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         code = "commit unknown (no git)"
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return [f"- CPU: {cpu}; {os.cpu_count()} logical cores ({affinity} usable by this process); RAM {mem_total}",
-            f"- code: {code}",
-            f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}",
-            f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-            (f"- load average (1/5/15 min) before the run {' / '.join(f'{x:.2f}' for x in load_before)}, after "
-             f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (this benchmark alone keeps up to "
-             f"{min(busy_cores, affinity or 1)} cores busy; more means other work shared the cores and the "
-             "timings are noisier)")]
+    return [
+        f"- CPU: {cpu}; {os.cpu_count()} logical cores ({affinity} usable by this process); RAM {mem_total}",
+        f"- code: {code}",
+        f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}",
+        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        (
+            f"- load average (1/5/15 min) before the run {' / '.join(f'{x:.2f}' for x in load_before)}, after "
+            f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (this benchmark alone keeps up to "
+            f"{min(busy_cores, affinity or 1)} cores busy; more means other work shared the cores and the "
+            "timings are noisier)"
+        ),
+    ]

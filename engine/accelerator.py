@@ -272,12 +272,16 @@ def choose(requested: str | None) -> Accelerator:
         return CudaAccelerator() if torch.cuda.is_available() else CpuAccelerator()
     name = requested.strip().lower()
     if name not in SUPPORTED:
-        raise AcceleratorError(f"DS_ACCELERATOR={requested!r}: this engine runs on {' or '.join(SUPPORTED)}; "
-                               "set one of those or unset DS_ACCELERATOR (then CUDA is used when available)")
+        raise AcceleratorError(
+            f"DS_ACCELERATOR={requested!r}: this engine runs on {' or '.join(SUPPORTED)}; "
+            "set one of those or unset DS_ACCELERATOR (then CUDA is used when available)"
+        )
     if name == "cuda" and not torch.cuda.is_available():
-        raise AcceleratorError("DS_ACCELERATOR='cuda' but torch cannot use CUDA in this process "
-                               f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); "
-                               "set DS_ACCELERATOR=cpu or unset it")
+        raise AcceleratorError(
+            "DS_ACCELERATOR='cuda' but torch cannot use CUDA in this process "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+            "set DS_ACCELERATOR=cpu or unset it"
+        )
     return CudaAccelerator() if name == "cuda" else CpuAccelerator()
 
 

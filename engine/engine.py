@@ -38,14 +38,16 @@ from engine.zero_optimizer import ZeroOptimizer
 logger = get_logger()
 
 _SPENT_GRAPH = (
-    "engine.backward() was called on a loss whose graph an earlier backward() already freed (torch: \"Trying to "
-    "backward through the graph a second time\"); run a new forward for each backward, or pass retain_graph=True "
-    "to the earlier engine.backward() if the graph must be backpropagated twice")
+    'engine.backward() was called on a loss whose graph an earlier backward() already freed (torch: "Trying to '
+    'backward through the graph a second time"); run a new forward for each backward, or pass retain_graph=True '
+    "to the earlier engine.backward() if the graph must be backpropagated twice"
+)
 _SAME_LOSS_AGAIN = (
     "engine.backward() was called twice on the same loss: the earlier backward (retain_graph=True) already "
     "added its gradients, and a second one would count this micro-batch twice (and at stage 3 run through "
     "parameters already partitioned again); nothing was changed. For several losses on one graph, add them "
-    "and call engine.backward() once on the sum")
+    "and call engine.backward() once on the sum"
+)
 
 
 class NoOptimizerError(RuntimeError):
@@ -54,9 +56,10 @@ class NoOptimizerError(RuntimeError):
     def __init__(self, call: str, stage: int) -> None:
         super().__init__(
             f"engine.{call}() needs an optimizer, and this engine (zero_optimization.stage {stage}) was built "
-            "without one: engine.initialize() got no optimizer= and the config has no \"optimizer\" section, "
+            'without one: engine.initialize() got no optimizer= and the config has no "optimizer" section, '
             "which makes an evaluation-only engine (forward only, as in DeepSpeed's ZeRO inference). To train, "
-            "add an \"optimizer\" section to the config or pass optimizer= to engine.initialize()")
+            'add an "optimizer" section to the config or pass optimizer= to engine.initialize()'
+        )
 
 
 class DestroyedEngineError(RuntimeError):
@@ -68,7 +71,8 @@ class DestroyedEngineError(RuntimeError):
             "at the start of every train()); create a new one with engine.initialize(). With HF Trainer at "
             "ZeRO stage 3, trainer.evaluate() before trainer.train() builds an evaluation-only engine that "
             "train() destroys and then reuses (transformers 5.x; DeepSpeed fails there too, with an "
-            "AttributeError): train first, or evaluate with a separate Trainer")
+            "AttributeError): train first, or evaluate with a separate Trainer"
+        )
 
 
 class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
@@ -125,7 +129,9 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         self._in_no_sync = False
         self._step_applied = False
         self._global_grad_norm: float | None = None
-        self._window_loss: torch.Tensor | float = 0.0  # sum of unscaled micro-batch losses since the last optimizer step
+        self._window_loss: torch.Tensor | float = (
+            0.0  # sum of unscaled micro-batch losses since the last optimizer step
+        )
         self._window_micro = 0
         self._last_loss: float | None = None
         self._last_backward: tuple[weakref.ref[torch.Tensor], bool] | None = None
@@ -144,8 +150,11 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         self._monitors = Monitors(config) if self.global_rank == 0 else None
         self._step_ended: float | None = None
         """perf_counter() when the last optimizer step ended: the next step's wall time starts there."""
-        self._profile = (StepProfile(self, config.flops_profiler, self.precision.model_dtype or torch.float32, device)
-                         if config.flops_profiler.enabled and self.global_rank == 0 else None)
+        self._profile = (
+            StepProfile(self, config.flops_profiler, self.precision.model_dtype or torch.float32, device)
+            if config.flops_profiler.enabled and self.global_rank == 0
+            else None
+        )
 
     # ------------------------------------------------------------------------ fall-through
     def __getattr__(self, name: str) -> Any:
@@ -196,8 +205,9 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
             raise NoOptimizerError("backward", self.zero_optimization_stage())
         user_loss = loss
         if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise ValueError(f"engine.backward() needs a scalar loss tensor, got "
-                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+            raise ValueError(
+                f"engine.backward() needs a scalar loss tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}"
+            )
         # Checked before any stage state moves: the same error at every stage, and the step can go on.
         if self._last_backward is not None and self._last_backward[0]() is loss:
             raise RuntimeError(_SAME_LOSS_AGAIN if self._last_backward[1] else _SPENT_GRAPH)
@@ -233,8 +243,10 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         if self.optimizer is None:
             raise NoOptimizerError("step", self.zero_optimization_stage())
         if self._in_no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): gradients there are not reduced "
-                               "across ranks; leave the no_sync() block before calling step()")
+            raise RuntimeError(
+                "engine.step() inside engine.no_sync(): gradients there are not reduced "
+                "across ranks; leave the no_sync() block before calling step()"
+            )
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step(stage)
@@ -246,15 +258,19 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         step now, wherever the window is; the next micro-step starts a new window."""
         stage = self._require_alive()
         if self._in_no_sync:
-            raise RuntimeError("optimizer.step() inside engine.no_sync(): gradients there are not reduced "
-                               "across ranks; leave the no_sync() block before stepping")
+            raise RuntimeError(
+                "optimizer.step() inside engine.no_sync(): gradients there are not reduced "
+                "across ranks; leave the no_sync() block before stepping"
+            )
         if self._window_micro == 0:
             # engine.step() already took this window's step (a loop calling both), or no backward ran:
             # a second update from zero gradients would still move Adam's weights.
             if not self._warned_empty_step and self.global_rank == 0:
-                logger.warning("optimizer.step() with no engine.backward() since the last optimizer step (a loop "
-                               "that also calls engine.step(), or no backward yet): nothing to step, skipped. "
-                               "Call one of engine.step() or optimizer.step() per step (said once)")
+                logger.warning(
+                    "optimizer.step() with no engine.backward() since the last optimizer step (a loop "
+                    "that also calls engine.step(), or no backward yet): nothing to step, skipped. "
+                    "Call one of engine.step() or optimizer.step() per step (said once)"
+                )
                 self._warned_empty_step = True
             return
         self._step_applied = False
@@ -305,8 +321,11 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
             logger.warning(
                 "step %d: gradient norm is %s (non-finite loss or gradients); the step was skipped: weights and "
                 "optimizer state are unchanged and the LR schedule did not advance, skipped_steps %d. Set "
-                "\"check_for_nan_in_loss_and_grad\": true to stop training at such a step instead",
-                self.global_steps + 1, norm, self.skipped_steps + 1)
+                '"check_for_nan_in_loss_and_grad": true to stop training at such a step instead',
+                self.global_steps + 1,
+                norm,
+                self.skipped_steps + 1,
+            )
 
     def _after_optimizer_step(self) -> None:
         self._record_step_comm()
@@ -316,14 +335,24 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         now = time.perf_counter()
         if self._monitors:
             scale = self.precision.scaler.scale if self.precision.scaler is not None else None
-            self._monitors.write_events(step_events(StepRecord(
-                global_samples=self.global_samples, loss=self._last_loss, lr=self.get_lr()[0], loss_scale=scale,
-                grad_norm=self._global_grad_norm, samples=self.train_batch_size(),
-                seconds=now - self._step_ended if self._step_ended is not None else None,
-                flops=self._profile.flops_per_step if self._profile else None,
-                peak_flops=self._profile.peak_flops if self._profile else None,
-                comm_bytes=sum(self._last_step_comm["bytes_sent"].values()), memory=self.memory_report(),
-                phase_ms=self._timers.take_step() if self._timers else {})))
+            self._monitors.write_events(
+                step_events(
+                    StepRecord(
+                        global_samples=self.global_samples,
+                        loss=self._last_loss,
+                        lr=self.get_lr()[0],
+                        loss_scale=scale,
+                        grad_norm=self._global_grad_norm,
+                        samples=self.train_batch_size(),
+                        seconds=now - self._step_ended if self._step_ended is not None else None,
+                        flops=self._profile.flops_per_step if self._profile else None,
+                        peak_flops=self._profile.peak_flops if self._profile else None,
+                        comm_bytes=sum(self._last_step_comm["bytes_sent"].values()),
+                        memory=self.memory_report(),
+                        phase_ms=self._timers.take_step() if self._timers else {},
+                    )
+                )
+            )
         self._step_ended = now
         every = self.engine_config.steps_per_print
         if every and self.global_steps % every == 0:
@@ -331,18 +360,29 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
             rate = self._report_steps * self.train_batch_size() / max(elapsed, 1e-9)
             if self.global_rank == 0:
                 lr = ", ".join(f"{x:.3e}" for x in self.get_lr())
-                logger.info("step %d | loss %.4f | lr [%s] | grad norm %.3f | %.1f samples/s%s | skipped %d",
-                            self.global_steps, self._last_loss, lr, self._global_grad_norm or 0.0, rate,
-                            self._flops_text(elapsed / max(self._report_steps, 1)), self.skipped_steps)
+                logger.info(
+                    "step %d | loss %.4f | lr [%s] | grad norm %.3f | %.1f samples/s%s | skipped %d",
+                    self.global_steps,
+                    self._last_loss,
+                    lr,
+                    self._global_grad_norm or 0.0,
+                    rate,
+                    self._flops_text(elapsed / max(self._report_steps, 1)),
+                    self.skipped_steps,
+                )
                 if self._timers:
                     logger.info(self._timers.report())
                 if self.engine_config.memory_breakdown:
                     logger.info(memory_line(self.memory_report(), self._trainable_numel(), self.global_rank))
                 if self.engine_config.comms_logger:
                     sent, calls = self._last_step_comm["bytes_sent"], self._last_step_comm["calls"]
-                    logger.info("comm last step: %s", ", ".join(
-                        f"{op} {sent.get(op, 0) / 2**20:.2f} MiB in {calls[op]} calls" for op in sorted(calls))
-                        or "nothing sent")
+                    logger.info(
+                        "comm last step: %s",
+                        ", ".join(
+                            f"{op} {sent.get(op, 0) / 2**20:.2f} MiB in {calls[op]} calls" for op in sorted(calls)
+                        )
+                        or "nothing sent",
+                    )
             self._report_started = time.perf_counter()
             self._report_steps = 0
         if not self._rate_warm:
@@ -353,7 +393,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
             self._report_steps = 0
 
     def _flops_text(self, step_seconds: float) -> str:
-        """" | 0.063 TFLOPs/rank (MFU 68.2% of 0.09)" once the flops profiler measured a step; else nothing."""
+        """ " | 0.063 TFLOPs/rank (MFU 68.2% of 0.09)" once the flops profiler measured a step; else nothing."""
         if self._profile is None or not self._profile.flops_per_step:
             return ""
         peak = self._profile.peak_flops
@@ -402,8 +442,10 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
     def _record_step_comm(self) -> None:
         now = comm.comm_stats()
         before = self._comm_at_step
-        self._last_step_comm = {kind: {op: n - before[kind].get(op, 0) for op, n in now[kind].items()
-                                       if n - before[kind].get(op, 0)} for kind in ("bytes_sent", "calls")}
+        self._last_step_comm = {
+            kind: {op: n - before[kind].get(op, 0) for op, n in now[kind].items() if n - before[kind].get(op, 0)}
+            for kind in ("bytes_sent", "calls")
+        }
         self._comm_at_step = now
 
     # ------------------------------------------------------------------------------ teardown

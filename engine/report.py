@@ -36,22 +36,29 @@ def _first_line(command: list[str]) -> str:
 def lines() -> list[str]:
     status = builder.status()
     cuda_ext = cuda_builder.status()
-    cuda = (f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)" if torch.cuda.is_available()
-            else f"not available (torch built with CUDA {torch.version.cuda})" if torch.version.cuda
-            else "not available (CPU build of torch)")
+    cuda = (
+        f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+        if torch.cuda.is_available()
+        else f"not available (torch built with CUDA {torch.version.cuda})"
+        if torch.version.cuda
+        else "not available (CPU build of torch)"
+    )
     out = [
         "zero-engine report",
         "-" * 60,
         f"python ................ {platform.python_version()}",
         f"torch ................. {torch.__version__}",
-        (f"torch installation .... {os.path.dirname(os.path.abspath(torch.__file__))} (build key "
-         f"{builder.installation_key(status.compiler or builder.compiler_version())}: one cache per installation)"),
+        (
+            f"torch installation .... {os.path.dirname(os.path.abspath(torch.__file__))} (build key "
+            f"{builder.installation_key(status.compiler or builder.compiler_version())}: one cache per installation)"
+        ),
         f"CUDA .................. {cuda}",
         f"C++ compiler .......... {status.compiler or 'not found'}",
         f"nvcc .................. {_first_line(['nvcc', '--version'])}",
         f"ninja ................. {_first_line(['ninja', '--version'])}",
         f"ZERO_ENGINE_OPS ....... {status.mode}",
-        f"extension ............. {status.state}" + (f" ({status.reason})" if status.reason else "")
+        f"extension ............. {status.state}"
+        + (f" ({status.reason})" if status.reason else "")
         + (f" in {status.seconds:.1f} s" if status.state == "compiled" else ""),
         f"SIMD level ............ {status.simd}",
         f"cache ................. {status.cache_dir or '-'}",
@@ -68,9 +75,16 @@ def lines() -> list[str]:
     flags = cpu_precision.cpu_flags()
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         native_here = sorted(set(cpu_precision.NATIVE_FLAGS[dtype]) & flags)
-        out.append(f"CPU {name} matmul ......... " + (f"native ({', '.join(native_here)})" if native_here
-                                                   else "unknown (no /proc/cpuinfo flags)" if not flags
-                                                   else "converted per element (no native instructions)"))
+        out.append(
+            f"CPU {name} matmul ......... "
+            + (
+                f"native ({', '.join(native_here)})"
+                if native_here
+                else "unknown (no /proc/cpuinfo flags)"
+                if not flags
+                else "converted per element (no native instructions)"
+            )
+        )
         warning = cpu_precision.slow_low_precision(dtype, flags)
         if warning:
             out.append(f"WARNING: {warning}")

@@ -43,6 +43,7 @@ class SavingMixin:
     micro_steps: int
 
     if TYPE_CHECKING:  # the Engine's own methods, declared for the type checker only (the Engine's stay in the MRO)
+
         def _require_alive(self) -> ZeroStage: ...
 
         def zero_optimization_stage(self) -> int: ...
@@ -60,8 +61,9 @@ class SavingMixin:
         whether a stage-3 model save gathers the whole model (HF/Accelerate ask before saving)."""
         return bool(self.engine_config.zero.stage3_gather_16bit_weights_on_model_save)
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> dict[str, torch.Tensor] | None:
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
         """DeepSpeed's stage-3 full state dict, as HF Trainer and Accelerate save it: on rank 0 every
         parameter (in the training dtype) and persistent buffer on the CPU, tied weights one tensor
         under each name, frozen parameters left out on request; None on the other ranks, as in
@@ -69,9 +71,11 @@ class SavingMixin:
         stage3_gather_16bit_weights_on_model_save says (that flag is for the callers to check)."""
         self._require_alive()
         if self.zero_optimization_stage() != 3:
-            raise ValueError(f"engine._zero3_consolidated_16bit_state_dict() needs zero_optimization.stage 3, this "
-                             f"engine runs stage {self.zero_optimization_stage()} (every rank holds the whole model): "
-                             "use engine.module.state_dict() or engine.consolidated_state_dict()")
+            raise ValueError(
+                f"engine._zero3_consolidated_16bit_state_dict() needs zero_optimization.stage 3, this "
+                f"engine runs stage {self.zero_optimization_stage()} (every rank holds the whole model): "
+                "use engine.module.state_dict() or engine.consolidated_state_dict()"
+            )
         state = self.consolidated_state_dict(torch.device("cpu"))
         if self.global_rank != 0:
             return None
@@ -82,8 +86,9 @@ class SavingMixin:
         frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         return {k: v for k, v in state.items() if k not in frozen}
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """DeepSpeed's save_16bit_model: the whole model's state dict in the training dtype, written by
         rank 0 to save_dir/save_filename (torch.save, atomically: a temporary file fsynced and renamed).
         Every rank must call it. At stage 3 it needs zero_optimization.
@@ -91,9 +96,11 @@ class SavingMixin:
         nothing is saved and False is returned, as in DeepSpeed."""
         self._require_alive()
         if self.zero_optimization_stage() == 3 and not self.zero_gather_16bit_weights_on_model_save():
-            logger.warning("save_16bit_model: nothing saved; at stage 3 it needs \"zero_optimization\": "
-                           "{\"stage3_gather_16bit_weights_on_model_save\": true} (or use "
-                           "engine.consolidated_state_dict())")
+            logger.warning(
+                'save_16bit_model: nothing saved; at stage 3 it needs "zero_optimization": '
+                '{"stage3_gather_16bit_weights_on_model_save": true} (or use '
+                "engine.consolidated_state_dict())"
+            )
             return False
         state = self.consolidated_state_dict()
         if exclude_frozen_parameters:
@@ -102,8 +109,14 @@ class SavingMixin:
             atomic_save(state, os.path.join(save_dir, save_filename))
         return True
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
         """DeepSpeed's save_checkpoint: every rank writes its own shard files into save_dir/tag
         (default tag global_step<N>), the tag appears complete or not at all, then `latest` names it.
         exclude_frozen_parameters leaves the values of requires_grad=False parameters out (loading then
@@ -111,13 +124,26 @@ class SavingMixin:
         tag directory. See engine/checkpoint/."""
         return store.save(self._training_state(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
         """DeepSpeed's load_checkpoint -> (checkpoint path, client_state). tag None reads `latest`.
         Loads at any world size and ZeRO stage: every piece is found by parameter name and offset."""
-        loaded = restore.load(self._training_state(), load_dir, tag, load_module_strict, load_optimizer_states,
-                            load_lr_scheduler_states, load_module_only)
+        loaded = restore.load(
+            self._training_state(),
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
         if loaded.counters is not None:
             self.global_steps = loaded.counters.global_steps
             self.global_samples = loaded.counters.global_samples
@@ -127,19 +153,32 @@ class SavingMixin:
             # does (it does not restore micro_steps), with micro_steps consistent with global_steps.
             self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
             if self.micro_steps != loaded.counters.micro_steps and self.global_rank == 0:
-                logger.info("resumed at step %d at the start of an accumulation window of %d micro-steps "
-                            "(micro_steps %d; the checkpoint had %d: saved inside a window, or with another "
-                            "gradient_accumulation_steps; partial windows are not saved)", self.global_steps,
-                            self.gradient_accumulation_steps(), self.micro_steps, loaded.counters.micro_steps)
+                logger.info(
+                    "resumed at step %d at the start of an accumulation window of %d micro-steps "
+                    "(micro_steps %d; the checkpoint had %d: saved inside a window, or with another "
+                    "gradient_accumulation_steps; partial windows are not saved)",
+                    self.global_steps,
+                    self.gradient_accumulation_steps(),
+                    self.micro_steps,
+                    loaded.counters.micro_steps,
+                )
         return loaded.path, loaded.client_state
 
     def _training_state(self) -> TrainingState:
         """What a checkpoint saves from and loads into (engine/checkpoint/training_state.py)."""
         stage = self._require_alive()
         return TrainingState(
-            module=self.module, optimizer=self.basic_optimizer, lr_scheduler=self.lr_scheduler,
-            loss_scaler=self.precision.scaler, stage=stage,
+            module=self.module,
+            optimizer=self.basic_optimizer,
+            lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.precision.scaler,
+            stage=stage,
             model_dtype=self.precision.model_dtype,
-            counters=Counters(global_steps=self.global_steps, global_samples=self.global_samples,
-                              skipped_steps=self.skipped_steps, micro_steps=self.micro_steps),
-            parallel=self.parallel)
+            counters=Counters(
+                global_steps=self.global_steps,
+                global_samples=self.global_samples,
+                skipped_steps=self.skipped_steps,
+                micro_steps=self.micro_steps,
+            ),
+            parallel=self.parallel,
+        )

@@ -28,7 +28,8 @@ def tp_model_init(model: Any = None, tp_size: int = 1, dtype: Any = None, config
         "tensor parallelism is not supported on this path (the Trainer's data loading under tensor parallelism is "
         "untested with this engine); remove tensor_parallel from the DeepSpeed config (or set autotp_size to 1; for "
         "HF TrainingArguments, drop tp_size) and train data-parallel with ZeRO stage 3, or call "
-        "engine.initialize(...) with tensor_parallel.autotp_size in your own training loop")
+        "engine.initialize(...) with tensor_parallel.autotp_size in your own training loop"
+    )
 
 
 def _refuse_sequence_parallel(*_: Any, **kwargs: Any) -> NoReturn:
@@ -36,7 +37,8 @@ def _refuse_sequence_parallel(*_: Any, **kwargs: Any) -> NoReturn:
     raise UnsupportedFeatureError(
         f"sequence parallelism (Ulysses/ALST{f', sequence_parallel_size = {size}' if size else ''}) is not "
         "implemented by this engine; set sp_size to 1 in Accelerate's ParallelismConfig (or "
-        "TrainingArguments' parallelism_config) and train data-parallel")
+        "TrainingArguments' parallelism_config) and train data-parallel"
+    )
 
 
 class UlyssesSPAttentionHF:
@@ -60,7 +62,8 @@ def refuse_compile(backend: Any = None, compile_kwargs: Any = None, **_: Any) ->
     raise UnsupportedFeatureError(
         f"engine.compile(backend={backend!r}) (torch_compile through DeepSpeed) is not implemented by this "
         "engine; train without it: TrainingArguments(torch_compile=False), or Accelerate's dynamo_backend "
-        "'no' (unset ACCELERATE_DYNAMO_BACKEND)")
+        "'no' (unset ACCELERATE_DYNAMO_BACKEND)"
+    )
 
 
 def refuse_zero3_hook_internals() -> NoReturn:
@@ -77,4 +80,5 @@ def refuse_zero3_hook_internals() -> NoReturn:
         "optimizer.parameter_offload (forward_hooks, param_coordinator, _register_deepspeed_module), which this "
         "engine's stage 3 does not have; set ds3_gather_for_generation=False in GRPOConfig/RLOOConfig (generation "
         "then gathers each layer as it runs, as a training forward does: less memory, slower), or train at ZeRO "
-        "stage 2")
+        "stage 2"
+    )

@@ -84,9 +84,11 @@ class ZeroOptimizer(torch.optim.Optimizer, DeepSpeedOptimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise RuntimeError("add_param_group() on the engine's optimizer: the engine laid out (and partitioned) "
-                           "every parameter at engine.initialize(), so groups cannot be added afterwards; pass "
-                           "all parameter groups to the optimizer before engine.initialize()")
+        raise RuntimeError(
+            "add_param_group() on the engine's optimizer: the engine laid out (and partitioned) "
+            "every parameter at engine.initialize(), so groups cannot be added afterwards; pass "
+            "all parameter groups to the optimizer before engine.initialize()"
+        )
 
     @property
     def parameter_offload(self) -> Any:
@@ -111,8 +113,9 @@ class ZeroOptimizer(torch.optim.Optimizer, DeepSpeedOptimizer):
     def _owner(self) -> Engine:
         engine = self._engine()
         if engine is None:
-            raise RuntimeError("the engine this optimizer belongs to no longer exists; create a new one with "
-                               "engine.initialize()")
+            raise RuntimeError(
+                "the engine this optimizer belongs to no longer exists; create a new one with engine.initialize()"
+            )
         return engine
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -53,5 +53,5 @@ class ByteWindows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = int(self.offsets[i])
-        chunk = self.data[start:start + self.seq_len + 1].long()
+        chunk = self.data[start : start + self.seq_len + 1].long()
         return chunk[:-1], chunk[1:]

@@ -45,19 +45,31 @@ class ModelArguments:
     n_embd: int = field(default=64, metadata={"help": "model width"})
     n_head: int = field(default=4, metadata={"help": "attention heads"})
     seq_len: int = field(default=64, metadata={"help": "bytes per training window"})
-    dropout: float = field(default=0.0, metadata={
-        "help": "GPT-2's residual/embedding/attention dropout (0: runs at any rank count see the same numbers)"})
+    dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "GPT-2's residual/embedding/attention dropout (0: runs at any rank count see the same numbers)"
+        },
+    )
     train_windows: int = field(default=4096, metadata={"help": "training windows drawn from the corpus"})
     eval_windows: int = field(default=64, metadata={"help": "validation windows"})
     init_from: str | None = field(default=None, metadata={"help": "from_pretrained(DIR) instead of from_config"})
     save_init_to: str | None = field(default=None, metadata={"help": "save the initial model here and exit"})
-    evaluate_only: bool = field(default=False, metadata={
-        "help": "only trainer.evaluate() (ZeRO inference at stage 3: no optimizer, parameters partitioned)"})
-    report_file: str | None = field(default=None, metadata={
-        "help": "write the run's log history and how the model was built (partitioned or not) as JSON"})
-    metrics_file: str | None = field(default=None, metadata={
-        "help": "every rank writes FILE.rank{R}.json: {rank, step_times (s, perf_counter from one optimizer "
-                "step's end to the next, the first from train begin), peak_rss_mib (ru_maxrss at exit)}"})
+    evaluate_only: bool = field(
+        default=False,
+        metadata={"help": "only trainer.evaluate() (ZeRO inference at stage 3: no optimizer, parameters partitioned)"},
+    )
+    report_file: str | None = field(
+        default=None,
+        metadata={"help": "write the run's log history and how the model was built (partitioned or not) as JSON"},
+    )
+    metrics_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "every rank writes FILE.rank{R}.json: {rank, step_times (s, perf_counter from one optimizer "
+            "step's end to the next, the first from train begin), peak_rss_mib (ru_maxrss at exit)}"
+        },
+    )
 
 
 class CausalBytes(torch.utils.data.Dataset):
@@ -82,12 +94,14 @@ class StepTimer(TrainerCallback):
         self.last = 0.0
         self.step_times: list[float] = []
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: object) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         self.last = time.perf_counter()
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: object) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         now = time.perf_counter()
         self.step_times.append(now - self.last)
         self.last = now
@@ -96,9 +110,18 @@ class StepTimer(TrainerCallback):
 def build_model(margs: ModelArguments) -> PreTrainedModel:
     if margs.init_from:
         return AutoModelForCausalLM.from_pretrained(margs.init_from)
-    config = GPT2Config(vocab_size=256, n_positions=margs.seq_len + 1, n_embd=margs.n_embd,
-                        n_layer=margs.n_layer, n_head=margs.n_head, bos_token_id=0, eos_token_id=0,
-                        resid_pdrop=margs.dropout, embd_pdrop=margs.dropout, attn_pdrop=margs.dropout)
+    config = GPT2Config(
+        vocab_size=256,
+        n_positions=margs.seq_len + 1,
+        n_embd=margs.n_embd,
+        n_layer=margs.n_layer,
+        n_head=margs.n_head,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=margs.dropout,
+        embd_pdrop=margs.dropout,
+        attn_pdrop=margs.dropout,
+    )
     # from_config (not GPT2LMHeadModel(config)): under a stage-3 config transformers builds the model
     # inside deepspeed.zero.Init, partitioned as each layer is made.
     return AutoModelForCausalLM.from_config(config)
@@ -125,11 +148,18 @@ def main() -> None:
     params = list(model.parameters())
     partitioned = sum(hasattr(p, "ds_shape") and p.numel() == 0 for p in params)
     if partitioned and targs.process_index == 0:
-        print(f"model built partitioned (ZeRO-3 zero.Init): {partitioned} of {len(params)} parameters hold "
-              f"1/{targs.world_size} of their elements on each rank")
+        print(
+            f"model built partitioned (ZeRO-3 zero.Init): {partitioned} of {len(params)} parameters hold "
+            f"1/{targs.world_size} of their elements on each rank"
+        )
     timer = StepTimer()
-    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=val,
-                      callbacks=[timer] if margs.metrics_file else None)
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=train,
+        eval_dataset=val,
+        callbacks=[timer] if margs.metrics_file else None,
+    )
     if not margs.evaluate_only:
         trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
     metrics = trainer.evaluate()
@@ -139,8 +169,10 @@ def main() -> None:
         trainer.save_model()  # every rank: at stage 3 the weights are gathered from all of them
     if margs.report_file and trainer.is_world_process_zero():
         with open(margs.report_file, "w") as f:
-            json.dump({"log_history": trainer.state.log_history, "params": len(params),
-                       "partitioned_at_build": partitioned}, f)
+            json.dump(
+                {"log_history": trainer.state.log_history, "params": len(params), "partitioned_at_build": partitioned},
+                f,
+            )
     if margs.metrics_file:
         # ru_maxrss: KiB on Linux; the whole process's peak (model build, training, evaluation, save).
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

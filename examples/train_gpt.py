@@ -29,8 +29,11 @@ from engine.config.source import read_source
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "zero0.json"),
-                        help="DeepSpeed-format JSON config (default: configs/zero0.json)")
+    parser.add_argument(
+        "--config",
+        default=os.path.join(os.path.dirname(__file__), "..", "configs", "zero0.json"),
+        help="DeepSpeed-format JSON config (default: configs/zero0.json)",
+    )
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--d_model", type=int, default=128)
@@ -38,18 +41,33 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--eval_windows", type=int, default=128, help="validation windows (default 128)")
     parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end (engine.save_checkpoint)")
-    parser.add_argument("--load_dir", default=None, help="resume from this checkpoint directory's latest tag "
-                        "(any world size or ZeRO stage)")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size: AutoTP splits each block's "
-                        "Linear layers over this many ranks and ZeRO partitions over the rest (sets the config's "
-                        "tensor_parallel.autotp_size; default: the config's, else 1)")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="checkpoint every block with engine.checkpointing.checkpoint: its activations are "
-                        "recomputed in the backward instead of kept; the config's activation_checkpointing "
-                        "section says how the checkpoints are kept (partitioned over TP, in an arena)")
-    parser.add_argument("--tensorboard", default=None, metavar="DIR",
-                        help="write TensorBoard event files under DIR/train_gpt (sets the config's tensorboard "
-                        "section; needs pip install 'zero-engine[tensorboard]'); open with tensorboard --logdir DIR")
+    parser.add_argument(
+        "--load_dir",
+        default=None,
+        help="resume from this checkpoint directory's latest tag (any world size or ZeRO stage)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size: AutoTP splits each block's "
+        "Linear layers over this many ranks and ZeRO partitions over the rest (sets the config's "
+        "tensor_parallel.autotp_size; default: the config's, else 1)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="checkpoint every block with engine.checkpointing.checkpoint: its activations are "
+        "recomputed in the backward instead of kept; the config's activation_checkpointing "
+        "section says how the checkpoints are kept (partitioned over TP, in an arena)",
+    )
+    parser.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write TensorBoard event files under DIR/train_gpt (sets the config's tensorboard "
+        "section; needs pip install 'zero-engine[tensorboard]'); open with tensorboard --logdir DIR",
+    )
     engine.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -87,7 +105,9 @@ def main() -> None:
     tensor_parallel = int(raw.get("tensor_parallel", {}).get("autotp_size") or 0) > 1
     # Stage 3: every module is partitioned as soon as it is built (DeepSpeed's zero.Init idiom). Not with
     # tensor parallelism: AutoTP splits whole layers at initialize, and ZeRO then partitions the slices.
-    with engine.zero.Init(config_dict_or_path=config_path, enabled=zero_stage(config_path) == 3 and not tensor_parallel):
+    with engine.zero.Init(
+        config_dict_or_path=config_path, enabled=zero_stage(config_path) == 3 and not tensor_parallel
+    ):
         model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers))
     if args.activation_checkpointing:
         model.checkpoint_blocks = engine.checkpointing.checkpoint
@@ -96,35 +116,50 @@ def main() -> None:
     train_set = ByteWindows(train_bytes, args.seq_len, len(train_bytes) // args.seq_len, seed=args.seed)
     val_set = ByteWindows(val_bytes, args.seq_len, args.eval_windows, seed=args.seed + 1)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: partitioned
-    model_engine, _, loader, _ = engine.initialize(model=model, model_parameters=model.parameters(),
-                                                   training_data=train_set, config=config)
+    model_engine, _, loader, _ = engine.initialize(
+        model=model, model_parameters=model.parameters(), training_data=train_set, config=config
+    )
     global_batch = model_engine.train_batch_size()
     rank0 = model_engine.global_rank == 0
     if rank0:
-        print(f"corpus: {files} stdlib files, {len(train_bytes) / 1e6:.1f} MB train / "
-              f"{len(val_bytes) / 1e6:.1f} MB validation; model {n_params / 1e6:.2f}M params; "
-              f"{model_engine.world_size} rank(s) = TP {model_engine.mp_world_size} x DP {model_engine.dp_world_size}, "
-              f"global batch {global_batch} x {args.seq_len} bytes, "
-              f"ZeRO stage {model_engine.zero_optimization_stage()}", flush=True)
+        print(
+            f"corpus: {files} stdlib files, {len(train_bytes) / 1e6:.1f} MB train / "
+            f"{len(val_bytes) / 1e6:.1f} MB validation; model {n_params / 1e6:.2f}M params; "
+            f"{model_engine.world_size} rank(s) = TP {model_engine.mp_world_size} x DP {model_engine.dp_world_size}, "
+            f"global batch {global_batch} x {args.seq_len} bytes, "
+            f"ZeRO stage {model_engine.zero_optimization_stage()}",
+            flush=True,
+        )
         if args.activation_checkpointing:
             options = engine.checkpointing.current().options
             kept = "partitioned over TP" if engine.checkpointing.current().partitions else "whole"
-            print(f"activation checkpointing: every block ({args.n_layers}), inputs kept {kept}"
-                  f"{', in a contiguous arena' if options.contiguous_memory_optimization else ''}", flush=True)
+            print(
+                f"activation checkpointing: every block ({args.n_layers}), inputs kept {kept}"
+                f"{', in a contiguous arena' if options.contiguous_memory_optimization else ''}",
+                flush=True,
+            )
 
     if args.load_dir:
         loaded_at = time.perf_counter()
         path, _ = model_engine.load_checkpoint(args.load_dir)
         if rank0:
-            print(f"resumed from {path} at step {model_engine.global_steps} in {time.perf_counter() - loaded_at:.2f} s",
-                  flush=True)
+            print(
+                f"resumed from {path} at step {model_engine.global_steps} in {time.perf_counter() - loaded_at:.2f} s",
+                flush=True,
+            )
     micro_eval = model_engine.train_micro_batch_size_per_gpu()
     val_before = evaluate(model_engine.module, val_set, micro_eval, model_engine.device)
     if rank0:
         print(f"validation loss before training: {val_before:.4f} nats/byte", flush=True)
 
-    bar = tqdm(total=args.steps, initial=model_engine.global_steps, desc="train", unit="step", disable=not rank0,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=args.steps,
+        initial=model_engine.global_steps,
+        desc="train",
+        unit="step",
+        disable=not rank0,
+        dynamic_ncols=True,
+    )
     started = time.perf_counter()
     samples_before = model_engine.global_samples  # a resumed run counts its samples from here
     rate_from: tuple[float, int] | None = None
@@ -139,8 +174,9 @@ def main() -> None:
             elapsed = time.perf_counter() - rate_from[0]
             rate = (model_engine.global_samples - rate_from[1]) / elapsed if elapsed > 0 else 0.0
             # refresh=False: one bar line per step (set_postfix and update each printed one)
-            bar.set_postfix(loss=f"{model_engine.get_loss():.3f}", samples_s=f"{rate:.0f}" if rate else "-",
-                            refresh=False)
+            bar.set_postfix(
+                loss=f"{model_engine.get_loss():.3f}", samples_s=f"{rate:.0f}" if rate else "-", refresh=False
+            )
             bar.update(1)
         if model_engine.global_steps >= args.steps:
             break
@@ -150,10 +186,15 @@ def main() -> None:
     val_after = evaluate(model_engine.module, val_set, micro_eval, model_engine.device)
     if rank0:
         done = model_engine.global_samples - samples_before
-        print(f"done: step {model_engine.global_steps}, {done} samples in {wall:.1f} s "
-              f"({done / wall:.1f} samples/s, {done * args.seq_len / wall:.0f} bytes/s)")
-        print(f"final train loss {model_engine.get_loss():.4f}; validation loss {val_before:.4f} -> "
-              f"{val_after:.4f} nats/byte ({val_after / math.log(2):.3f} bits/byte)", flush=True)
+        print(
+            f"done: step {model_engine.global_steps}, {done} samples in {wall:.1f} s "
+            f"({done / wall:.1f} samples/s, {done * args.seq_len / wall:.0f} bytes/s)"
+        )
+        print(
+            f"final train loss {model_engine.get_loss():.4f}; validation loss {val_before:.4f} -> "
+            f"{val_after:.4f} nats/byte ({val_after / math.log(2):.3f} bits/byte)",
+            flush=True,
+        )
     if args.save_dir:
         saved_at = time.perf_counter()
         path = model_engine.save_checkpoint(args.save_dir)

@@ -28,11 +28,7 @@ class RankFailure:
     agent_root: bool = False
 
     def describe(self) -> str:
-        how = (
-            f"was killed by signal {-self.exitcode}"
-            if self.exitcode < 0
-            else f"exited with code {self.exitcode}"
-        )
+        how = f"was killed by signal {-self.exitcode}" if self.exitcode < 0 else f"exited with code {self.exitcode}"
         return f"[{self.host} rank {self.rank}] (local rank {self.local_rank}) {how}"
 
     def zrun_exit_code(self) -> int:
@@ -60,8 +56,12 @@ class FailureParser:
                 records = json.loads(line[len(FAILURES_TAG) :])
                 self.failures = [
                     RankFailure(
-                        int(r["rank"]), int(r["local_rank"]), int(r["exitcode"]), str(r["host"]),
-                        str(r["time"]), bool(r["root"]),
+                        int(r["rank"]),
+                        int(r["local_rank"]),
+                        int(r["exitcode"]),
+                        str(r["host"]),
+                        str(r["time"]),
+                        bool(r["root"]),
                     )
                     for r in records
                 ]
@@ -73,9 +73,7 @@ class FailureParser:
         return False
 
 
-def pick_root_cause(
-    failures: list[RankFailure], last_write: Callable[[RankFailure], float]
-) -> RankFailure | None:
+def pick_root_cause(failures: list[RankFailure], last_write: Callable[[RankFailure], float]) -> RankFailure | None:
     """The rank that failed first.
 
     The agent's own pick is unreliable when several ranks fail within one second (its timestamps
@@ -106,9 +104,7 @@ def rank_log_files(log_dir: str, run_id: str, local_rank: int) -> list[str]:
         return []
     rank_dir = os.path.join(attempts[-1], str(local_rank))
     return [
-        os.path.join(rank_dir, n)
-        for n in ("stdout.log", "stderr.log")
-        if os.path.exists(os.path.join(rank_dir, n))
+        os.path.join(rank_dir, n) for n in ("stdout.log", "stderr.log") if os.path.exists(os.path.join(rank_dir, n))
     ]
 
 

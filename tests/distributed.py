@@ -45,13 +45,28 @@ def _context() -> Any:
     return ctx
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-            env: dict[str, str], results: mp.Queue[tuple[int, bool, Any]]) -> None:
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    results: mp.Queue[tuple[int, bool, Any]],
+) -> None:
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     import torch
     import torch.distributed as dist
 
@@ -68,14 +83,23 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
-                    timeout: float = 120.0, env: dict[str, str] | None = None) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Run fn(*args) on `world_size` processes; return the per-rank results, rank order."""
     ctx = _context()
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, {**os.environ, **(env or {})}, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, port, args, {**os.environ, **(env or {})}, results), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcome: dict[int, tuple[bool, Any]] = {}
@@ -85,15 +109,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple[Any, ..
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outcome))
-                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
-                                   f"(hang?); finished: {sorted(outcome)}")
+                raise TimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
+                    f"(hang?); finished: {sorted(outcome)}"
+                )
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
                 if dead:
-                    raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes "
-                                       f"{[procs[r].exitcode for r in dead]})")
+                    raise RuntimeError(
+                        f"rank(s) {dead} died without reporting (exit codes {[procs[r].exitcode for r in dead]})"
+                    )
                 continue
             outcome[rank] = (ok, pickle.loads(value) if ok else value)
             if not ok:

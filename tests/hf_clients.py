@@ -26,8 +26,18 @@ EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 def install_compat(target: Path) -> Path:
     """`pip install --target TARGET compat/deepspeed`: a real distribution named deepspeed, found by
     importlib.metadata the way transformers and Accelerate look for DeepSpeed."""
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-           "--target", str(target), str(COMPAT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(target),
+        str(COMPAT),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     if done.returncode != 0:
         # No setuptools in this environment: let pip fetch the build backend from the index.
@@ -49,19 +59,31 @@ def client_env(compat_dir: Path) -> dict[str, str]:
     }
 
 
-def run_script(script: Path, args: list[str], world: int, env: dict[str, str], cwd: Path,
-               timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run_script(
+    script: Path, args: list[str], world: int, env: dict[str, str], cwd: Path, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     """`python SCRIPT ARGS` for one rank, `zrun --nproc_per_node WORLD SCRIPT ARGS` for more; a failure
     raises with the end of the output."""
     if world == 1:
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "launcher.zrun", "--nproc_per_node", str(world),
-               "--master_port", str(free_port()), str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "launcher.zrun",
+            "--nproc_per_node",
+            str(world),
+            "--master_port",
+            str(free_port()),
+            str(script),
+            *args,
+        ]
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited with {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
-                             f"\n--- stderr\n{done.stderr[-8000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited with {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
+            f"\n--- stderr\n{done.stderr[-8000:]}"
+        )
     return done
 
 
@@ -78,12 +100,17 @@ def write_config(path: Path, stage: int, *, optimizer: bool = False, **extra: An
     }
     if stage == 3:
         config["zero_optimization"].update(
-            {"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"})
+            {"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
+        )
     if optimizer:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                           "weight_decay": "auto"}}
-        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                              "warmup_num_steps": "auto"}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
+        config["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+        }
     for key, value in extra.items():
         section, _, name = key.partition("__")
         if name:

@@ -28,21 +28,27 @@ def make_model(seed: int = 0, width: int = 16) -> MLP:
     return MLP(width)
 
 
-def global_batches(steps: int, global_batch: int, width: int = 16, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_batches(
+    steps: int, global_batch: int, width: int = 16, seed: int = 1234
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(global_batch, width, generator=g), torch.randn(global_batch, width, generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randn(global_batch, width, generator=g), torch.randn(global_batch, width, generator=g))
+        for _ in range(steps)
+    ]
 
 
-def rank_micro_batch(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int, micro: int,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_micro_batch(
+    batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int, micro: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank r's k-th micro-batch of a global batch: rows [(k*ws + r)*micro, +micro)."""
     start = (k * world_size + rank) * micro
-    return batch[0][start:start + micro], batch[1][start:start + micro]
+    return batch[0][start : start + micro], batch[1][start : start + micro]
 
 
-def reference_train(batches: list[tuple[torch.Tensor, torch.Tensor]], optimizer_config: dict[str, Any],
-                    clip: float, seed: int = 0) -> dict[str, torch.Tensor]:
+def reference_train(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], optimizer_config: dict[str, Any], clip: float, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Plain single-process training on whole global batches: the ground truth."""
     model = make_model(seed)
     opt_type = optimizer_config["type"].lower()

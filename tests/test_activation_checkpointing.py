@@ -73,9 +73,13 @@ class Net(nn.Module):
 
 def _config(stage: int, section: dict[str, Any] | None) -> dict[str, Any]:
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 1000,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 0.5,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000}}
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+    }
     if section is not None:
         config["activation_checkpointing"] = section
     return config
@@ -90,14 +94,16 @@ def _tp_gathered() -> int:
     return comm.comm_stats()["bytes_sent"].get("tp.all_gather", 0)
 
 
-def _train(tp: int, stage: int, form: str | None, section: dict[str, Any] | None
-           ) -> tuple[dict[str, torch.Tensor], list[float], checkpointing.ledger.LedgerStats, int]:
+def _train(
+    tp: int, stage: int, form: str | None, section: dict[str, Any] | None
+) -> tuple[dict[str, torch.Tensor], list[float], checkpointing.ledger.LedgerStats, int]:
     """(consolidated state, losses, checkpoint bytes at the end of the first forward, bytes this rank
     sent in all-gathers over the tensor-parallel group while training)."""
     mpu.model_parallel_manual_seed(1234)  # the default generator and the tracker's stream, as at the start of a run
     model = Net(tp, form)
-    eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(),
-                                     config=_config(stage, section), mpu=mpu if tp > 1 else None)
+    eng, _, _, _ = engine.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(stage, section), mpu=mpu if tp > 1 else None
+    )
     losses = []
     checkpointing.reset_peak()
     peak = checkpointing.stats()
@@ -234,14 +240,21 @@ def test_configure_before_initialize_takes_precedence_over_the_section() -> None
 
 def test_configure_reads_the_section_of_a_config_file_and_arguments_override_it(tmp_path: Any) -> None:
     path = tmp_path / "ds.json"
-    path.write_text('{"train_batch_size": 4, "activation_checkpointing": {"cpu_checkpointing": true, '
-                    '"contiguous_memory_optimization": true, "number_checkpoints": 6, "profile": true}}')
+    path.write_text(
+        '{"train_batch_size": 4, "activation_checkpointing": {"cpu_checkpointing": true, '
+        '"contiguous_memory_optimization": true, "number_checkpoints": 6, "profile": true}}'
+    )
     checkpointing.unconfigure()
     checkpointing.configure(None, deepspeed_config=str(path), num_checkpoints=8, profile=False)
     options = checkpointing.current().options
     assert checkpointing.is_configured() and checkpointing.current().configured_by == "user"
-    assert (options.cpu_checkpointing, options.contiguous_memory_optimization, options.number_checkpoints,
-            options.profile, options.partition_activations) == (True, True, 8, False, False)
+    assert (
+        options.cpu_checkpointing,
+        options.contiguous_memory_optimization,
+        options.number_checkpoints,
+        options.profile,
+        options.partition_activations,
+    ) == (True, True, 8, False, False)
     checkpointing.unconfigure()
     assert not checkpointing.is_configured()
     loaded = engine.load_config(str(path), world_size=1, world_size_source="test")
@@ -289,8 +302,9 @@ def test_non_reentrant_reaches_parameters_when_no_input_requires_grad(caplog: py
     assert layer.weight.grad is not None and torch.equal(layer.weight.grad, torch.ones(4, 3) @ x)
     with caplog.at_level(logging.WARNING, logger="engine.checkpointing"):
         out = checkpointing.checkpoint(layer, x)
-    assert not out.requires_grad and any("use engine.checkpointing.non_reentrant_checkpoint" in r.message
-                                         for r in caplog.records)
+    assert not out.requires_grad and any(
+        "use engine.checkpointing.non_reentrant_checkpoint" in r.message for r in caplog.records
+    )
 
 
 def test_profile_logs_each_forward_and_recompute(caplog: pytest.LogCaptureFixture) -> None:

@@ -24,8 +24,18 @@ from engine.ops import builder
 from engine.ops.arena import BLOCK_ALIGN, Arena, TorchArena
 
 KEY = "zero_optimization.test_arena_bytes"
-DTYPES = [torch.uint8, torch.bool, torch.int16, torch.float16, torch.bfloat16, torch.float32, torch.int32,
-          torch.float64, torch.int64, torch.complex64]
+DTYPES = [
+    torch.uint8,
+    torch.bool,
+    torch.int16,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.int32,
+    torch.float64,
+    torch.int64,
+    torch.complex64,
+]
 
 
 @pytest.fixture(params=["compiled", "fallback"])
@@ -129,8 +139,9 @@ class ArenaWorkload(RuleBasedStateMachine):
 
 
 def test_random_workload_keeps_data_and_coalesces(impl: str) -> None:
-    run_state_machine_as_test(lambda: ArenaWorkload(impl),
-                              settings=settings(max_examples=40, stateful_step_count=40, deadline=None))
+    run_state_machine_as_test(
+        lambda: ArenaWorkload(impl), settings=settings(max_examples=40, stateful_step_count=40, deadline=None)
+    )
 
 
 # ------------------------------------------------------------------------------ placement and errors
@@ -153,7 +164,8 @@ def test_request_too_large_names_request_state_and_config_key(impl: str) -> None
     assert str(error.value) == (
         "Arena: cannot allocate a tensor of shape [1024, 512] and dtype torch.float32 (2097152 bytes, a "
         "2097152-byte block): capacity 1048576 bytes, 4032 in use, largest free block 1044544 bytes. Raise "
-        "zero_optimization.stage3_arena_bytes (the arena's capacity in bytes).")
+        "zero_optimization.stage3_arena_bytes (the arena's capacity in bytes)."
+    )
     assert arena.stats() == before and held.numel() == 1000
 
 

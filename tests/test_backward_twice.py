@@ -13,8 +13,13 @@ import engine
 def _train(stage: int, precision: str, twice: bool, retain: bool = False) -> tuple[str, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "bf16": {"enabled": precision == "bf16"},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": precision == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+    }
     eng, *_ = engine.initialize(model=model, config=cfg)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
@@ -41,14 +46,16 @@ def _train(stage: int, precision: str, twice: bool, retain: bool = False) -> tup
     return (errors[0] if errors else ""), params
 
 
-@pytest.mark.parametrize(("stage", "precision"), [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "fp32"), (2, "bf16"),
-                                                  (3, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize(
+    ("stage", "precision"), [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")]
+)
 def test_backward_twice_on_one_loss_is_named_and_harmless(stage: int, precision: str) -> None:
     once = run_distributed(_train, 2, args=(stage, precision, False))
     twice = run_distributed(_train, 2, args=(stage, precision, True))
     for (_, want), (error, got) in zip(once, twice):
-        assert error.startswith("engine.backward() was called on a loss whose graph an earlier backward() already "
-                                "freed"), error
+        assert error.startswith(
+            "engine.backward() was called on a loss whose graph an earlier backward() already freed"
+        ), error
         assert "retain_graph=True" in error
         for a, b in zip(want, got):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

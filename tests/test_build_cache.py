@@ -30,7 +30,9 @@ spec.loader.exec_module(build_lock)
 d = Path(sys.argv[1])
 """
 
-HOLDER = _PRELUDE + """
+HOLDER = (
+    _PRELUDE
+    + """
 release = Path(sys.argv[2])
 with build_lock.held(d, "the test extension"):
     (d / "lock").write_text("")  # torch's baton, as while compiling
@@ -39,8 +41,11 @@ with build_lock.held(d, "the test extension"):
         time.sleep(0.05)
     (d / "lock").unlink()
 """
+)
 
-TURN = _PRELUDE + """
+TURN = (
+    _PRELUDE
+    + """
 import os
 with build_lock.held(d, "the test extension"):
     with open(d / "turns.log", "a") as log:
@@ -49,11 +54,16 @@ with build_lock.held(d, "the test extension"):
     with open(d / "turns.log", "a") as log:
         log.write(f"end {os.getpid()}\\n")
 """
+)
 
 
 def _start_holder(build_dir: Path, release: Path) -> subprocess.Popen[str]:
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(build_dir), str(release)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(build_dir), str(release)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout is not None
     assert holder.stdout.readline().strip() == "held", holder.stderr.read() if holder.stderr else ""
     return holder
@@ -61,12 +71,22 @@ def _start_holder(build_dir: Path, release: Path) -> subprocess.Popen[str]:
 
 def test_build_dir_is_keyed_on_the_torch_installation(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("ZERO_ENGINE_CACHE", str(tmp_path))
-    base = {"compiler": "c++ 13", "torch_dir": "/venv-a/lib/python3.12/site-packages/torch", "torch_version": "2.13.0",
-            "python": "3.12.3 (main)", "abi": "cpython-312-x86_64-linux-gnu"}
+    base = {
+        "compiler": "c++ 13",
+        "torch_dir": "/venv-a/lib/python3.12/site-packages/torch",
+        "torch_version": "2.13.0",
+        "python": "3.12.3 (main)",
+        "abi": "cpython-312-x86_64-linux-gnu",
+    }
     key = builder.installation_key(**base)
     assert builder.installation_key(**base) == key
-    for field, other in (("torch_dir", "/venv-b/lib/python3.12/site-packages/torch"), ("torch_version", "2.12.0"),
-                         ("python", "3.13.1 (main)"), ("abi", "cpython-313-x86_64-linux-gnu"), ("compiler", "clang 18")):
+    for field, other in (
+        ("torch_dir", "/venv-b/lib/python3.12/site-packages/torch"),
+        ("torch_version", "2.12.0"),
+        ("python", "3.13.1 (main)"),
+        ("abi", "cpython-313-x86_64-linux-gnu"),
+        ("compiler", "clang 18"),
+    ):
         assert builder.installation_key(**{**base, field: other}) != key, field
     here = builder.build_dir("ext", "abc", "c++ 13")
     assert here == builder.build_dir("ext", "abc", "c++ 13")
@@ -75,8 +95,11 @@ def test_build_dir_is_keyed_on_the_torch_installation(monkeypatch, tmp_path) -> 
     import torch
 
     assert builder.installation_key("c++ 13") == builder.installation_key(
-        "c++ 13", torch_dir=os.path.dirname(os.path.abspath(torch.__file__)), torch_version=torch.__version__,
-        python=sys.version)
+        "c++ 13",
+        torch_dir=os.path.dirname(os.path.abspath(torch.__file__)),
+        torch_version=torch.__version__,
+        python=sys.version,
+    )
     assert builder.installation_key("c++ 13", torch_dir="/elsewhere/torch") != builder.installation_key("c++ 13")
 
 
@@ -128,8 +151,9 @@ def test_a_live_builder_is_waited_for_by_name(tmp_path, capsys) -> None:
     while f"waiting for pid {holder.pid}" not in err and time.monotonic() < deadline:
         time.sleep(0.1)
         err += capsys.readouterr().err
-    assert (f"waiting for pid {holder.pid} on {socket.gethostname()}, which is building the test extension in "
-            f"{build_dir}") in err, err
+    assert (
+        f"waiting for pid {holder.pid} on {socket.gethostname()}, which is building the test extension in {build_dir}"
+    ) in err, err
     assert f"if that process is gone, delete {build_dir / 'owner'}" in err
     time.sleep(1.0)  # several polls: the waiter must neither proceed nor repeat itself while the holder lives
     assert not acquired.is_set() and holder.poll() is None
@@ -144,8 +168,10 @@ def test_a_live_builder_is_waited_for_by_name(tmp_path, capsys) -> None:
 
 def test_several_processes_at_once_take_turns(tmp_path) -> None:
     build_dir = tmp_path / "ext"
-    racers = [subprocess.Popen([sys.executable, "-c", TURN, str(build_dir)], stderr=subprocess.PIPE, text=True)
-              for _ in range(3)]
+    racers = [
+        subprocess.Popen([sys.executable, "-c", TURN, str(build_dir)], stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     errs = [racer.communicate(timeout=120)[1] for racer in racers]
     assert all(racer.returncode == 0 for racer in racers), errs
     turns = (build_dir / "turns.log").read_text().split()
@@ -198,8 +224,10 @@ def test_the_builder_says_it_compiles_and_builds_under_the_lock(monkeypatch, tmp
         err = capsys.readouterr().err
         directory = Path(builder.status().cache_dir)
         assert directory.parent == tmp_path / "ops"
-        assert (f"compiling the C++ extension ({len(builder.sources())} sources, first use for this torch "
-                "installation; about 5-15 s;") in err, err
+        assert (
+            f"compiling the C++ extension ({len(builder.sources())} sources, first use for this torch "
+            "installation; about 5-15 s;"
+        ) in err, err
         assert f"pid {os.getpid()} on {socket.gethostname()}; cached in {directory}" in err, err
         assert f"compiled the C++ extension in {builder.status().seconds:.1f} s ({ops.simd_level()})" in err, err
         assert builder.status().state == "compiled"
@@ -239,5 +267,7 @@ def test_report_names_the_torch_installation_and_its_build_key(monkeypatch) -> N
     finally:
         builder.reset_for_tests()
     key = builder.installation_key(builder.compiler_version())
-    assert (f"torch installation .... {os.path.dirname(os.path.abspath(torch.__file__))} (build key {key}: one cache "
-            "per installation)") in lines, lines
+    assert (
+        f"torch installation .... {os.path.dirname(os.path.abspath(torch.__file__))} (build key {key}: one cache "
+        "per installation)"
+    ) in lines, lines

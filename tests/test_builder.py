@@ -12,8 +12,9 @@ PROBE = "from engine.ops import builder; print('module:', builder.load()); print
 
 def _run(mode: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CXX": "/nonexistent/c++", "ZERO_ENGINE_OPS": mode}
-    return subprocess.run([sys.executable, "-W", "always", "-c", PROBE], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-W", "always", "-c", PROBE], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
 
 
 def test_without_a_compiler_the_fallbacks_run_after_one_named_warning() -> None:
@@ -53,9 +54,14 @@ def test_cuda_loader_on_a_cuda_machine_without_nvcc_warns_or_fails_by_name(monke
 def _pip_wheel(tmp_path, extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "ZERO_ENGINE_BUILD_OPS": "1", **extra_env}
-    return subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
-                           "-w", str(tmp_path), root], capture_output=True, text=True, env=env, timeout=600,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v", "-w", str(tmp_path), root],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
 
 
 def test_install_option_builds_the_extension_ahead_of_time(tmp_path) -> None:

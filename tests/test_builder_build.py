@@ -71,14 +71,20 @@ def test_a_compiler_error_is_named_in_the_warning(monkeypatch, tmp_path) -> None
     monkeypatch.setenv(builder.ENV_MODE, "auto")
     try:
         builder.reset_for_tests()
-        with pytest.warns(RuntimeWarning, match=r"C\+\+ extension unavailable \(the build failed: [^;]*broken\.cpp:1:"
-                                                r"\d+: error: .undeclared_name. was not declared"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"C\+\+ extension unavailable \(the build failed: [^;]*broken\.cpp:1:"
+            r"\d+: error: .undeclared_name. was not declared",
+        ):
             assert builder.load() is None
         assert builder.status().state == "fallback"
         monkeypatch.setenv(builder.ENV_MODE, "require")
         builder.reset_for_tests()
-        with pytest.raises(RuntimeError, match=r"require but the C\+\+ extension is unavailable: the build failed: "
-                                               r".*undeclared_name"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"require but the C\+\+ extension is unavailable: the build failed: "
+            r".*undeclared_name",
+        ):
             builder.load()
         assert not list((tmp_path / "cache").glob("ops/*/*.so")), "a failed build must leave no library behind"
     finally:

@@ -45,11 +45,15 @@ class Net(torch.nn.Module):
 
 
 def config(stage: int, world: int, precision: str = "fp32") -> dict[str, Any]:
-    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
-            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-            "bf16": {"enabled": precision == "bf16"},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200}}
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200},
+    }
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +63,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_engine(stage: int, precision: str = "fp32", dropout: float = 0.1) -> Any:
     torch.manual_seed(0)
-    eng, *_ = engine.initialize(model=Net(dropout), config=config(stage, torch.distributed.get_world_size(),
-                                                                   precision))
+    eng, *_ = engine.initialize(model=Net(dropout), config=config(stage, torch.distributed.get_world_size(), precision))
     return eng
 
 
@@ -70,7 +73,7 @@ def train(eng: Any, steps: range) -> list[float]:
     losses = []
     for step in steps:
         x, y = batch(step)
-        x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        x, y = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
         dtype = next(p.dtype for p in eng.module.parameters())
         loss = torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y)
         eng.backward(loss)
@@ -95,14 +98,23 @@ def _resume(stage: int, precision: str, save_dir: str) -> dict[str, Any]:
     second = make_engine(stage, precision)
     path, client = second.load_checkpoint(save_dir)
     resumed += train(second, range(STEPS // 2, STEPS))
-    out = {"losses": losses, "resumed": resumed, "client": client, "path": path, "steps": second.global_steps,
-           "lr": second.get_lr(), "reference": reference, "state": second.consolidated_state_dict()}
+    out = {
+        "losses": losses,
+        "resumed": resumed,
+        "client": client,
+        "path": path,
+        "steps": second.global_steps,
+        "lr": second.get_lr(),
+        "reference": reference,
+        "state": second.consolidated_state_dict(),
+    }
     second.destroy()
     return out
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"),
-                                             (3, "bf16")])
+@pytest.mark.parametrize(
+    "stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")]
+)
 def test_resume_equals_training_straight_through(tmp_path: Path, stage: int, precision: str) -> None:
     results = run_distributed(_resume, 2, args=(stage, precision, str(tmp_path)))
     for r in results:
@@ -120,8 +132,12 @@ def test_resume_equals_training_straight_through(tmp_path: Path, stage: int, pre
     frozen = {"blocks.1.norm.weight", "blocks.1.norm.bias"}
     assert set(head["whole"]) == ({"calls"} if stage == 3 else {"calls"} | frozen)
     assert sorted(os.listdir(tmp_path / f"global_step{STEPS // 2}")) == [
-        "manifest.json", "rank_0_model_states.pt", "rank_0_optim_states.pt", "rank_1_model_states.pt",
-        "rank_1_optim_states.pt"]
+        "manifest.json",
+        "rank_0_model_states.pt",
+        "rank_0_optim_states.pt",
+        "rank_1_model_states.pt",
+        "rank_1_optim_states.pt",
+    ]
 
 
 # ------------------------------------------------------------------------------------ resharding
@@ -162,8 +178,9 @@ def saved_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[in
 
 
 @pytest.mark.parametrize("saved,loaded", [((4, 3), (2, 3)), ((2, 2), (4, 2)), ((4, 3), (1, 3)), ((2, 3), (2, 2))])
-def test_checkpoint_loads_at_another_world_size_and_stage(saved_checkpoints: dict[tuple[int, int], Any],
-                                                           saved: tuple[int, int], loaded: tuple[int, int]) -> None:
+def test_checkpoint_loads_at_another_world_size_and_stage(
+    saved_checkpoints: dict[tuple[int, int], Any], saved: tuple[int, int], loaded: tuple[int, int]
+) -> None:
     """Continuing from a checkpoint on another number of ranks (or stage) equals continuing where it
     was saved; only the summation order differs."""
     path, original = saved_checkpoints[saved]
@@ -194,8 +211,16 @@ def test_an_engine_without_optimizer_loads_a_training_checkpoint(tmp_path: Path)
 
 # ---------------------------------------------------------------------------------- crash safety
 def _save_and_die(save_dir: str, port: int, rank: int) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     import datetime
 
     engine.init_distributed(timeout=datetime.timedelta(seconds=60))
@@ -319,8 +344,13 @@ def _train_and_save(save_dir: str) -> dict[str, torch.Tensor]:
 def test_consolidate_writes_the_models_state_dict(tmp_path: Path) -> None:
     live = run_distributed(_train_and_save, 2, args=(str(tmp_path / "ckpt"),))[0]
     out = tmp_path / "model.pt"
-    done = subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(tmp_path / "ckpt"), str(out)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.checkpoint.consolidate", str(tmp_path / "ckpt"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     state = torch.load(out, weights_only=True)
     assert state.keys() == live.keys()
@@ -332,8 +362,21 @@ def test_consolidate_writes_the_models_state_dict(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     streamed = tmp_path / "model.safetensors"
-    done = subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(tmp_path / "ckpt"),
-                           str(streamed), "--dtype", "bf16"], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.checkpoint.consolidate",
+            str(tmp_path / "ckpt"),
+            str(streamed),
+            "--dtype",
+            "bf16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     read = load_file(str(streamed))
     assert read.keys() == live.keys()

@@ -61,13 +61,23 @@ def _sendable(value: Any) -> Any:
 def _megatron_style_state() -> dict[str, Any]:
     """What Megatron-DeepSpeed's save_checkpoint hands DeepSpeed as client_state, and then some."""
     return {
-        "args": argparse.Namespace(lr=1e-4, num_layers=4, tokenizer_type="GPT2BPETokenizer", save=Path("/runs/a"),
-                                   seed=np.int64(1234), rampup=None),
+        "args": argparse.Namespace(
+            lr=1e-4,
+            num_layers=4,
+            tokenizer_type="GPT2BPETokenizer",
+            save=Path("/runs/a"),
+            seed=np.int64(1234),
+            rampup=None,
+        ),
         "iteration": 7,
         "checkpoint_version": 3.0,
-        "rng_state": [{"random_rng_state": random.Random(0).getstate(),
-                       "np_rng_state": np.random.RandomState(0).get_state(),
-                       "torch_rng_state": torch.Generator().manual_seed(0).get_state()}],
+        "rng_state": [
+            {
+                "random_rng_state": random.Random(0).getstate(),
+                "np_rng_state": np.random.RandomState(0).get_state(),
+                "torch_rng_state": torch.Generator().manual_seed(0).get_state(),
+            }
+        ],
         "best": np.float64(1.5),
         "loss_scale": np.float32(0.1),
         "flag": np.bool_(True),
@@ -87,8 +97,14 @@ def test_what_megatron_style_scripts_save_loads_back_as_the_same_types(tmp_path:
         got = out["loaded"]
         args = got["args"]
         assert type(args) is argparse.Namespace
-        assert vars(args) == {"lr": 1e-4, "num_layers": 4, "tokenizer_type": "GPT2BPETokenizer", "save": "/runs/a",
-                              "seed": 1234, "rampup": None}
+        assert vars(args) == {
+            "lr": 1e-4,
+            "num_layers": 4,
+            "tokenizer_type": "GPT2BPETokenizer",
+            "save": "/runs/a",
+            "seed": 1234,
+            "rampup": None,
+        }
         assert type(args.seed) is np.int64
         assert got["iteration"] == 7 and got["checkpoint_version"] == 3.0
         rng = got["rng_state"][0]
@@ -112,16 +128,21 @@ def test_what_megatron_style_scripts_save_loads_back_as_the_same_types(tmp_path:
         assert type(got["seen"]) is Counter and got["seen"] == Counter("aab")
 
 
-@pytest.mark.parametrize(("client_state", "said"), [
-    ({"args": argparse.Namespace(lr=0.1, start=datetime.datetime(2026, 1, 1))},
-     "client_state['args'].start is a datetime.datetime, which a checkpoint cannot load back"),
-    ({"hist": [1.0, 2.0, 3.0, object()]}, "client_state['hist'][3] is a builtins.object"),
-    ({"when": datetime.date(2026, 1, 1)}, "client_state['when'] is a datetime.date"),
-    ({"names": np.array(["a", None], dtype=object)}, "client_state['names'] is a numpy value of dtype object"),
-    ({"rec": np.zeros(2, dtype=[("a", "<i4")])}, "client_state['rec'] is a numpy value of dtype [('a', '<i4')]"),
-    ({"x": {ENCODED: "numpy"}}, f"client_state['x'] has the key {ENCODED!r}, which checkpoints reserve"),
-    ({"x": {(1, 2): 3}}, "client_state['x'] has a key of type tuple"),
-])
+@pytest.mark.parametrize(
+    ("client_state", "said"),
+    [
+        (
+            {"args": argparse.Namespace(lr=0.1, start=datetime.datetime(2026, 1, 1))},
+            "client_state['args'].start is a datetime.datetime, which a checkpoint cannot load back",
+        ),
+        ({"hist": [1.0, 2.0, 3.0, object()]}, "client_state['hist'][3] is a builtins.object"),
+        ({"when": datetime.date(2026, 1, 1)}, "client_state['when'] is a datetime.date"),
+        ({"names": np.array(["a", None], dtype=object)}, "client_state['names'] is a numpy value of dtype object"),
+        ({"rec": np.zeros(2, dtype=[("a", "<i4")])}, "client_state['rec'] is a numpy value of dtype [('a', '<i4')]"),
+        ({"x": {ENCODED: "numpy"}}, f"client_state['x'] has the key {ENCODED!r}, which checkpoints reserve"),
+        ({"x": {(1, 2): 3}}, "client_state['x'] has a key of type tuple"),
+    ],
+)
 def test_what_would_not_load_is_refused_by_key_path(client_state: dict[str, Any], said: str) -> None:
     with pytest.raises(CheckpointError) as err:
         prepare_client_state(client_state)
@@ -184,6 +205,9 @@ def test_an_older_checkpoint_whose_client_state_cannot_be_read_names_the_file(tm
 
 def test_an_encoded_value_that_was_edited_names_the_file() -> None:
     edited = {"x": [{ENCODED: "numpy", "dtype": "|O", "shape": [1], "scalar": False, "data": bytes(8)}]}
-    with pytest.raises(CheckpointError, match=r"^ckpt/rank_0_model_states\.pt: client_state\['x'\]\[0\] is an "
-                                              r"encoded value this engine cannot rebuild"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^ckpt/rank_0_model_states\.pt: client_state\['x'\]\[0\] is an "
+        r"encoded value this engine cannot rebuild",
+    ):
         restore_client_state(edited, "ckpt/rank_0_model_states.pt")

@@ -64,8 +64,13 @@ def test_flipped_bytes_are_found_at_load_and_in_consolidate(saved: Path, tmp_pat
     _flip_inside_a_tensor(target)
     for message in run_distributed(_load_message, 2, args=(str(damaged),)):
         assert f"{target} was modified or damaged after it was saved (CRC-32" in message, message
-    done = subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(damaged), str(tmp_path / "m.pt")],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.checkpoint.consolidate", str(damaged), str(tmp_path / "m.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode != 0 and f"{target} was modified or damaged" in done.stderr, done.stderr
     assert not (tmp_path / "m.pt").exists()
 
@@ -93,17 +98,20 @@ def _edit(manifest: dict[str, Any], how: str) -> str:
     return json.dumps(manifest)
 
 
-@pytest.mark.parametrize(("how", "said"), [
-    ("missing key", "key (top level): 'pieces' is a required property"),
-    ("wrong type", "key world_size: 'two' is not of type 'integer'"),
-    ("bad piece", "key pieces.0.0.2: -5 is less than the minimum of 0"),
-    ("rank count", "key pieces: lists 1 ranks but world_size is 2"),
-    ("checksum type", "key checksums.rank_0_model_states.pt.crc32: 'abc' is not of type 'integer'"),
-    ("checksum removed", "key checksums: has no entry for rank_1_optim_states.pt"),
-    ("alias target", "key aliases.out.weight: names 'missing.weight', which is not in params"),
-    ("shape", "key params.inp.weight.shape: [3, 3] holds 9 elements but the pieces listed for 'inp.weight' hold "),
-    ("bad json", "not readable JSON (Expecting value: line 1 column "),
-])
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("missing key", "key (top level): 'pieces' is a required property"),
+        ("wrong type", "key world_size: 'two' is not of type 'integer'"),
+        ("bad piece", "key pieces.0.0.2: -5 is less than the minimum of 0"),
+        ("rank count", "key pieces: lists 1 ranks but world_size is 2"),
+        ("checksum type", "key checksums.rank_0_model_states.pt.crc32: 'abc' is not of type 'integer'"),
+        ("checksum removed", "key checksums: has no entry for rank_1_optim_states.pt"),
+        ("alias target", "key aliases.out.weight: names 'missing.weight', which is not in params"),
+        ("shape", "key params.inp.weight.shape: [3, 3] holds 9 elements but the pieces listed for 'inp.weight' hold "),
+        ("bad json", "not readable JSON (Expecting value: line 1 column "),
+    ],
+)
 def test_hand_edited_manifests_are_refused_by_key(saved: Path, tmp_path: Path, how: str, said: str) -> None:
     edited = tmp_path / "edited"
     shutil.copytree(saved, edited)
@@ -122,13 +130,19 @@ def _consolidate_message(ckpt: Path) -> str:
         return str(err)
 
 
-@pytest.mark.parametrize(("piece", "said"), [
-    (["model", "ghost", 0, 4], ("key pieces.1 lists 'ghost', which is neither in params nor saved whole in "
-                                "rank_1_model_states.pt")),
-    (["model", "calls", 1, 1], "key pieces: 'calls' is listed with 2 elements, its saved shape [] holds 1"),
-])
-def test_consolidate_refuses_pieces_its_files_do_not_hold(saved: Path, tmp_path: Path, piece: list[Any],
-                                                          said: str) -> None:
+@pytest.mark.parametrize(
+    ("piece", "said"),
+    [
+        (
+            ["model", "ghost", 0, 4],
+            ("key pieces.1 lists 'ghost', which is neither in params nor saved whole in rank_1_model_states.pt"),
+        ),
+        (["model", "calls", 1, 1], "key pieces: 'calls' is listed with 2 elements, its saved shape [] holds 1"),
+    ],
+)
+def test_consolidate_refuses_pieces_its_files_do_not_hold(
+    saved: Path, tmp_path: Path, piece: list[Any], said: str
+) -> None:
     # Loading reads the pieces of the model's own names; consolidating writes every listed name, with
     # a safetensors header that must fit the data after it.
     edited = tmp_path / "edited"
@@ -177,8 +191,13 @@ def test_consolidate_resolves_tags_as_load_does(saved: Path, tmp_path: Path) -> 
     (ckpt / "t").rename(ckpt / ".t.old")
     assert run_distributed(_load_message, 2, args=(str(ckpt), None)) == ["loaded", "loaded"]
     out = tmp_path / "model.pt"
-    done = subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(ckpt), str(out)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.checkpoint.consolidate", str(ckpt), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert ".t.old is complete" in done.stderr
     assert torch.load(out, weights_only=True).keys()

@@ -41,8 +41,9 @@ def _engine(stage: int, dense: bool = False) -> Any:
     """The test model at the current groups (engine.parallel's, made before: no mpu= needed), GAS
     micro-batches per step at any data-parallel size (the saved micro-step counter places the next
     accumulation boundary)."""
-    dp_size = comm.get_world_size() // (mpu.get_tensor_model_parallel_world_size()
-                                        if mpu.model_parallel_is_initialized() else 1)
+    dp_size = comm.get_world_size() // (
+        mpu.get_tensor_model_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+    )
     config = _config(stage, GAS)
     config["train_micro_batch_size_per_gpu"] = GLOBAL // GAS // dp_size
     eng, *_ = engine.initialize(model=Net(dense=dense), config=config)
@@ -144,11 +145,16 @@ def test_tensor_parallel_checkpoint_reshards_over_dp_consolidates_and_refuses_an
     tp = manifest["tensor_parallel"]
     assert (tp["tp_size"], tp["dp_size"], manifest["world_size"]) == (2, 2, 4)
     assert tp["params"]["blocks.0.up.weight"] == {
-        "partition_dim": 0, "partition_stride": 1, "shape": [FFN, D], "slice_shapes": [[FFN // 2, D]] * 2,
-        "saved_as": ["blocks.0.up.weight@tp0", "blocks.0.up.weight@tp1"]}
+        "partition_dim": 0,
+        "partition_stride": 1,
+        "shape": [FFN, D],
+        "slice_shapes": [[FFN // 2, D]] * 2,
+        "saved_as": ["blocks.0.up.weight@tp0", "blocks.0.up.weight@tp1"],
+    }
     assert tp["params"]["blocks.0.down.weight"]["partition_dim"] == 1
-    assert sorted(tp["params"]) == sorted(f"blocks.{i}.{m}" for i in range(2)
-                                          for m in ("up.weight", "up.bias", "down.weight"))
+    assert sorted(tp["params"]) == sorted(
+        f"blocks.{i}.{m}" for i in range(2) for m in ("up.weight", "up.bias", "down.weight")
+    )
     assert manifest["params"]["blocks.0.down.weight"]["shape"] == [D, FFN]
     # Megatron's layout: TP groups [0, 1] [2, 3], so TP rank 0's data-parallel group is ranks 0 and 2. A
     # replicated tensor is written by those only, each TP rank's slices by its own ranks.

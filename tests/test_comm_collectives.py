@@ -27,8 +27,13 @@ def _rank_data(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torc
     return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _ordered_sum(parts: list[torch.Tensor], rank: int, dtype: torch.dtype, impl: str = "p2p",
-                 partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _ordered_sum(
+    parts: list[torch.Tensor],
+    rank: int,
+    dtype: torch.dtype,
+    impl: str = "p2p",
+    partial_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The sum the engine's reduce-scatter computes on `rank`, each addition in float32 math rounded
     once (float64 stays float64). p2p: own part first, then ranks r+1, r+2, ... mod N, summed in
     `dtype`. ring: ranks r+1, r+2, ..., r-1, the partial sums rounded to `partial_dtype` (the wire;
@@ -80,13 +85,13 @@ def _exercise(slice_numel: int, dtype: torch.dtype) -> dict[str, object]:
             out[f"{impl}.rs{i}"] = o.clone()
         # In place: the output is this rank's slice of the input.
         buf = _rank_data(rank, numel, dtype)
-        comm.reduce_scatter(buf[rank * slice_numel:(rank + 1) * slice_numel], buf)
-        out[f"{impl}.rs_inplace"] = buf[rank * slice_numel:(rank + 1) * slice_numel].clone()
+        comm.reduce_scatter(buf[rank * slice_numel : (rank + 1) * slice_numel], buf)
+        out[f"{impl}.rs_inplace"] = buf[rank * slice_numel : (rank + 1) * slice_numel].clone()
         # All-gather in place and out of place, two in flight.
         full = torch.zeros(numel, dtype=dtype)
-        full[rank * slice_numel:(rank + 1) * slice_numel] = _rank_data(rank, slice_numel, dtype)
+        full[rank * slice_numel : (rank + 1) * slice_numel] = _rank_data(rank, slice_numel, dtype)
         other = torch.full((numel,), -1.0, dtype=dtype)
-        w1 = comm.all_gather(full, full[rank * slice_numel:(rank + 1) * slice_numel], async_op=True)
+        w1 = comm.all_gather(full, full[rank * slice_numel : (rank + 1) * slice_numel], async_op=True)
         w2 = comm.all_gather(other, _rank_data(rank, slice_numel, dtype, salt=5), async_op=True)
         w2.wait()
         w1.wait()
@@ -113,14 +118,20 @@ def test_collectives_equal_the_arithmetic_and_torch(world_size: int) -> None:
                     # p2p and ring: bitwise their ordered sums; native (gloo's all-reduce order): float
                     # tolerance.
                     for impl in ("p2p", "ring"):
-                        assert torch.equal(got[f"{impl}.rs{i}"], _ordered_sum(parts, rank, dtype, impl)), (impl, dtype, i)
-                        torch.testing.assert_close(got[f"{impl}.rs{i}"].double(), got[f"native.rs{i}"].double(),
-                                                   **_tol(dtype))
+                        assert torch.equal(got[f"{impl}.rs{i}"], _ordered_sum(parts, rank, dtype, impl)), (
+                            impl,
+                            dtype,
+                            i,
+                        )
+                        torch.testing.assert_close(
+                            got[f"{impl}.rs{i}"].double(), got[f"native.rs{i}"].double(), **_tol(dtype)
+                        )
                 parts = [_rank_data(r, numel, dtype)[mine] for r in range(world_size)]
                 for impl in ("p2p", "ring"):
                     assert torch.equal(got[f"{impl}.rs_inplace"], _ordered_sum(parts, rank, dtype, impl))
-                    torch.testing.assert_close(got["native.rs_inplace"].double(), got[f"{impl}.rs_inplace"].double(),
-                                               **_tol(dtype))
+                    torch.testing.assert_close(
+                        got["native.rs_inplace"].double(), got[f"{impl}.rs_inplace"].double(), **_tol(dtype)
+                    )
                 gathered = torch.cat([_rank_data(r, slice_numel, dtype) for r in range(world_size)])
                 gathered5 = torch.cat([_rank_data(r, slice_numel, dtype, salt=5) for r in range(world_size)])
                 for impl in IMPLS:
@@ -147,7 +158,9 @@ def test_default_segments_on_megabytes() -> None:
     slice_numel = 2_500_001  # 10 MB of fp32 per slice: three 4 MiB segments per peer
     per_rank = run_distributed(_megabytes, 2, args=(slice_numel,))
     parts = [_rank_data(r, slice_numel * 2, torch.float32) for r in range(2)]
-    sums = [_ordered_sum([p[r * slice_numel:(r + 1) * slice_numel] for p in parts], r, torch.float32) for r in range(2)]
+    sums = [
+        _ordered_sum([p[r * slice_numel : (r + 1) * slice_numel] for p in parts], r, torch.float32) for r in range(2)
+    ]
     for rank, (out, full) in enumerate(per_rank):
         assert torch.equal(out, sums[rank]) and torch.equal(full, torch.cat(sums))
 
@@ -237,7 +250,8 @@ def _diverge(impl: str) -> str:
     t0 = time.monotonic()
     try:
         comm.all_gather(torch.zeros(12), torch.zeros(4)) if rank == 1 else comm.reduce_scatter(
-            torch.zeros(2), torch.zeros(6), key=3)
+            torch.zeros(2), torch.zeros(6), key=3
+        )
         handle = None
     except RuntimeError as e:
         handle = str(e)
@@ -266,12 +280,12 @@ def _many_in_flight(impl: str) -> list[torch.Tensor]:
     works = []
     for i, b in enumerate(bufs):
         if i % 2:
-            works.append(comm.all_gather(b, b[rank * 1000:(rank + 1) * 1000], async_op=True, key=i))
+            works.append(comm.all_gather(b, b[rank * 1000 : (rank + 1) * 1000], async_op=True, key=i))
         else:
-            works.append(comm.reduce_scatter(b[rank * 1000:(rank + 1) * 1000], b, async_op=True, key=i))
+            works.append(comm.reduce_scatter(b[rank * 1000 : (rank + 1) * 1000], b, async_op=True, key=i))
     for i in order:
         works[i].wait()
-    return [b[rank * 1000:(rank + 1) * 1000].clone() if i % 2 == 0 else b.clone() for i, b in enumerate(bufs)]
+    return [b[rank * 1000 : (rank + 1) * 1000].clone() if i % 2 == 0 else b.clone() for i, b in enumerate(bufs)]
 
 
 @pytest.mark.parametrize("impl", ["p2p", "ring"])
@@ -353,8 +367,15 @@ def _bucket_sizes() -> dict[str, object]:
     stats_before = comm.comm_stats()
     chosen = bucket_sizes.resolve(ZeroConfig(allgather_bucket_size=789), 2, world)
     link = comm.measure_link()
-    return {"given": given, "stage0": stage0, "measured_before": measured_before, "chosen": chosen, "link": link,
-            "stats_unchanged": comm.comm_stats() == stats_before, "log": records}
+    return {
+        "given": given,
+        "stage0": stage0,
+        "measured_before": measured_before,
+        "chosen": chosen,
+        "link": link,
+        "stats_unchanged": comm.comm_stats() == stats_before,
+        "log": records,
+    }
 
 
 def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() -> None:
@@ -382,8 +403,11 @@ def test_bucket_sizes_come_from_the_measured_link_unless_the_config_sets_them() 
 def _collectives_config(value: str | None) -> tuple[str, int]:
     import engine
 
-    config: dict[str, object] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
-                                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    config: dict[str, object] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
     if value is not None:
         config["collectives"] = value
     eng, *_ = engine.initialize(model=torch.nn.Linear(4, 4), config=config)
@@ -395,9 +419,16 @@ def _collectives_config(value: str | None) -> tuple[str, int]:
     return impl, sent
 
 
-@pytest.mark.parametrize(("value", "world_size", "impl", "factor"), [
-    (None, 2, "p2p", 1), ("engine", 2, "p2p", 1), ("ring", 4, "ring", 1), ("ring", 2, "p2p", 1),
-    ("native", 2, "native", 2)])
+@pytest.mark.parametrize(
+    ("value", "world_size", "impl", "factor"),
+    [
+        (None, 2, "p2p", 1),
+        ("engine", 2, "p2p", 1),
+        ("ring", 4, "ring", 1),
+        ("ring", 2, "p2p", 1),
+        ("native", 2, "native", 2),
+    ],
+)
 def test_the_config_chooses_the_collectives(value: str | None, world_size: int, impl: str, factor: int) -> None:
     # 8 fp32 elements, (N-1)/N of them sent; gloo's native reduce-scatter: twice that. With two ranks a
     # ring is the pairwise exchange.
@@ -412,17 +443,21 @@ def test_an_unknown_collectives_value_is_refused_by_name() -> None:
         load_config({"train_batch_size": 1, "collectives": "tree"}, world_size=1, world_size_source="test")
 
 
-@pytest.mark.parametrize(("latency_us", "mib", "transfer_us", "rejected", "bucket_mib"), [
-    # The measurement that once gave 2097 GB/s: 2 MiB per rank "moved" in less than the latency.
-    (150, 2, 140, "not clearly longer than one collective's latency (150 us)", 16),
-    (150, 2, 290, "not clearly longer", 16),  # under 2 latencies: mostly noise
-    (20, 64, 60, "more than any interconnect", 16),  # 64 MiB in 40 us: 1.7 TB/s
-    (150, 2, 1650, None, 3.8),  # 2 MiB in 1.5 ms after latency: 1.4 GB/s; 19 x 150 us of it is 3.8 MiB
-    (5, 2, 1000, None, 1),  # raised to the 1 MiB minimum
-    (5000, 64, 20000, None, 256),  # cut to the 256 MiB maximum
-])
+@pytest.mark.parametrize(
+    ("latency_us", "mib", "transfer_us", "rejected", "bucket_mib"),
+    [
+        # The measurement that once gave 2097 GB/s: 2 MiB per rank "moved" in less than the latency.
+        (150, 2, 140, "not clearly longer than one collective's latency (150 us)", 16),
+        (150, 2, 290, "not clearly longer", 16),  # under 2 latencies: mostly noise
+        (20, 64, 60, "more than any interconnect", 16),  # 64 MiB in 40 us: 1.7 TB/s
+        (150, 2, 1650, None, 3.8),  # 2 MiB in 1.5 ms after latency: 1.4 GB/s; 19 x 150 us of it is 3.8 MiB
+        (5, 2, 1000, None, 1),  # raised to the 1 MiB minimum
+        (5000, 64, 20000, None, 256),  # cut to the 256 MiB maximum
+    ],
+)
 def test_implausible_link_measurements_are_rejected_with_their_reason(
-        latency_us: float, mib: float, transfer_us: float, rejected: str | None, bucket_mib: float) -> None:
+    latency_us: float, mib: float, transfer_us: float, rejected: str | None, bucket_mib: float
+) -> None:
     link = comm.LinkSpeed.from_probe(latency_us * 1e-6, mib * 2**20, transfer_us * 1e-6)
     assert bucket_sizes.bucket_bytes(link) == pytest.approx(bucket_mib * 2**20, rel=0.01)
     if rejected is None:
@@ -431,5 +466,6 @@ def test_implausible_link_measurements_are_rejected_with_their_reason(
         assert bound in bucket_sizes.reason(link)
     else:
         assert link.rejected is not None and rejected in link.rejected
-        assert bucket_sizes.reason(link) == (f"the link measurement was implausible ({link.rejected}), so the "
-                                             "fallback 16 MiB")
+        assert bucket_sizes.reason(link) == (
+            f"the link measurement was implausible ({link.rejected}), so the fallback 16 MiB"
+        )

@@ -260,14 +260,13 @@ def test_zero_optimization_true_is_stage_1() -> None:
 def test_cpu_offload_maps_to_offload_optimizer_cpu() -> None:
     reset_warned()
     with pytest.warns(ConfigWarning, match="zero_optimization.cpu_offload is deprecated"):
-        assert load({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}}).zero.offload_optimizer.device \
+        assert (
+            load({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}}).zero.offload_optimizer.device
             == "cpu"
+        )
     reset_warned()
     with pytest.warns(ConfigWarning, match="zero_optimization.cpu_offload is deprecated"):
-        assert (
-            load({**BASE, "zero_optimization": {"cpu_offload": False}}).zero.offload_optimizer.device
-            == "none"
-        )
+        assert load({**BASE, "zero_optimization": {"cpu_offload": False}}).zero.offload_optimizer.device == "none"
 
 
 def test_stage3_names_without_prefix_and_old_gather_name() -> None:
@@ -283,9 +282,7 @@ def test_stage3_names_without_prefix_and_old_gather_name() -> None:
             }
         )
     # Only the old fp16 name is deprecated; the prefix-less stage3 names are a documented spelling.
-    assert [str(w.message).split()[0] for w in caught] == [
-        "zero_optimization.stage3_gather_fp16_weights_on_model_save"
-    ]
+    assert [str(w.message).split()[0] for w in caught] == ["zero_optimization.stage3_gather_fp16_weights_on_model_save"]
     assert cfg.zero.stage3_prefetch_bucket_size == 1_000_000
     assert isinstance(cfg.zero.stage3_prefetch_bucket_size, int)
     assert cfg.zero.stage3_max_live_parameters == 7
@@ -365,16 +362,11 @@ def test_auto_refused_by_name_where_only_hf_can_fill_it() -> None:
         "fp16": {"enabled": "auto"},
     }
     found = problems_of(cfg)
-    assert (
-        'optimizer.params.lr: "auto" can only be filled in by the Hugging Face Trainer; write a number'
-        in found
-    )
+    assert 'optimizer.params.lr: "auto" can only be filled in by the Hugging Face Trainer; write a number' in found
     assert any(p.startswith('optimizer.params.betas: "auto"') for p in found)
     assert any(p.startswith('scheduler.params.warmup_num_steps: "auto"') for p in found)
     assert any(p.startswith('gradient_clipping: "auto"') for p in found)
-    assert (
-        'fp16.enabled: "auto" can only be filled in by the Hugging Face Trainer; write true or false' in found
-    )
+    assert 'fp16.enabled: "auto" can only be filled in by the Hugging Face Trainer; write true or false' in found
     assert len(found) == 5
 
 
@@ -396,9 +388,7 @@ def test_result_is_frozen_with_read_only_raw() -> None:
 def test_defaults_match_deepspeed() -> None:
     cfg = load(BASE)
     assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None
-    assert (
-        cfg.zero.stage == 0 and cfg.zero.reduce_bucket_size is None and cfg.zero.overlap_comm is False
-    )
+    assert cfg.zero.stage == 0 and cfg.zero.reduce_bucket_size is None and cfg.zero.overlap_comm is False
     assert cfg.zero.offload_optimizer.device == "none" and cfg.zero.offload_param.device == "none"
     assert cfg.communication_data_type is None and cfg.zero.stage3_prefetch_bucket_size == 50_000_000
 

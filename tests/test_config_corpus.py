@@ -107,32 +107,42 @@ EXPECTED: dict[str, str | Refused] = {
     # DeepSpeedExamples
     "DeepSpeedExamples/training/BingBertSquad/deepspeed_bsz24_config.json": TRAINS,
     "DeepSpeedExamples/training/BingBertSquad/1-bit_adam/nccl/deepspeed_onebitadam_bsz96_config.json": Refused(
-        "OnebitAdam", "1-bit Adam's compressed communication is not implemented"),
+        "OnebitAdam", "1-bit Adam's compressed communication is not implemented"
+    ),
     "DeepSpeedExamples/training/bing_bert/deepspeed_bsz64k_lamb_config_seq128.json": Refused(
-        "sparse_attention", "DeepSpeed's sparse attention kernels are not implemented"),
+        "sparse_attention", "DeepSpeed's sparse attention kernels are not implemented"
+    ),
     "DeepSpeedExamples/training/bing_bert/deepspeed_bsz4k_progressive_layer_drop_config_seq128.json": Refused(
-        "progressive_layer_drop", "progressive layer drop is not implemented"),
+        "progressive_layer_drop", "progressive layer drop is not implemented"
+    ),
     "DeepSpeedExamples/training/bing_bert/01_adam/nccl/deepspeed_bsz4k_01adam_config_seq128_nccl.json": Refused(
-        "ZeroOneAdam", "0/1 Adam's compressed communication is not implemented"),
+        "ZeroOneAdam", "0/1 Adam's compressed communication is not implemented"
+    ),
     "DeepSpeedExamples/training/gan/gan_deepspeed_config.json": TRAINS,
     "DeepSpeedExamples/training/imagenet/config/ds_config.json": TRAINS,  # unknown key cuda_visible_devices
     # fp16.auto_cast: refused before issue 30 item 6, now the engine casts the fp32 inputs.
     "DeepSpeedExamples/training/imagenet/config/ds_fp16_z1_config.json": TRAINS,
     "DeepSpeedExamples/training/pipeline_parallelism/ds_config.json": TRAINS,
     "DeepSpeedExamples/training/tensor_parallel/hf_integration/configs/ds_config.json": Refused(
-        r"size 4 .*does not divide the world size 2", "autotp_size 4 needs 4 ranks (DeepSpeed fails too)"),
+        r"size 4 .*does not divide the world size 2", "autotp_size 4 needs 4 ranks (DeepSpeed fails too)"
+    ),
     "DeepSpeedExamples/training/autotuning/hf/dsconfigs/ds_config_fp16_z3.json": TRAINS,
     "DeepSpeedExamples/training/bf16_master_weight/configs/bf16_full.json": Refused(
         "bf16_master_weights_and_grads|bf16_optimizer_states|torch_autocast",
-        "bf16 master weights/optimizer states and torch_autocast are not implemented"),
+        "bf16 master weights/optimizer states and torch_autocast are not implemented",
+    ),
     "DeepSpeedExamples/training/DeepSpeed-ZenFlow/finetuning/zf_config.json": Refused(
-        "zenflow", "ZenFlow's selective CPU-offloaded updates are not implemented"),
+        "zenflow", "ZenFlow's selective CPU-offloaded updates are not implemented"
+    ),
     "DeepSpeedExamples/training/MoQ/test.json": Refused(
-        "quantize_training", "MoQ quantization-aware training is not implemented"),
+        "quantize_training", "MoQ quantization-aware training is not implemented"
+    ),
     "DeepSpeedExamples/training/data_efficiency/gpt_finetuning/config/ds_config_gpt_base_random_ltd.json": Refused(
-        "data_efficiency", "data efficiency (random-LTD) is not implemented"),
+        "data_efficiency", "data efficiency (random-LTD) is not implemented"
+    ),
     "DeepSpeedExamples/compression/cifar/config/ds_config.json": Refused(
-        r"train_batch_size.*32", "train_batch_size 32 = micro 32 x 1 GPU: no 2-rank split (DeepSpeed fails too)"),
+        r"train_batch_size.*32", "train_batch_size 32 = micro 32 x 1 GPU: no 2-rank split (DeepSpeed fails too)"
+    ),
     # Megatron-DeepSpeed
     # Megatron passes its own optimizer, which overrides the config's "optimizer" section as in DeepSpeed (its
     # max_grad_norm is then never read; refused before, with "remove one of them").
@@ -140,7 +150,8 @@ EXPECTED: dict[str, str | Refused] = {
     "Megatron-DeepSpeed/examples_deepspeed/finetune_hf_llama/ds_config.json": TRAINS,
     "Megatron-DeepSpeed/examples_deepspeed/finetune_hf_llama/ds_config_empty.json": TRAINS,
     "Megatron-DeepSpeed/examples_deepspeed/universal_checkpointing/ds_config.json": Refused(
-        r"train_batch_size.*16", "train_batch_size 16 = micro 16 x 1 GPU: no 2-rank split (DeepSpeed fails too)"),
+        r"train_batch_size.*16", "train_batch_size 16 = micro 16 x 1 GPU: no 2-rank split (DeepSpeed fails too)"
+    ),
     "Megatron-DeepSpeed/examples_deepspeed/data_efficiency/gpt/eval/ds_config_eval_dummy.json": TRAINS,
 }
 
@@ -215,8 +226,13 @@ def _client(name: str, config: dict[str, Any], model: torch.nn.Module) -> tuple[
     config = _hf_fill(config)
     tp_size = config.get("tensor_parallel", {}).get("autotp_size", 1)
     if tp_size > 1:  # transformers' deepspeed_init shards the model before it builds the optimizer
-        dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else \
-            torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32
+        dtype = (
+            torch.bfloat16
+            if config.get("bf16", {}).get("enabled")
+            else torch.float16
+            if config.get("fp16", {}).get("enabled")
+            else torch.float32
+        )
         engine.tp_model_init(model, tp_size, dtype=dtype, config=config)
     if "optimizer" in config:  # Accelerate's DummyOptim: DeepSpeed builds the config's optimizer
         return config, {"model_parameters": model.parameters()}
@@ -225,10 +241,14 @@ def _client(name: str, config: dict[str, Any], model: torch.nn.Module) -> tuple[
     config["zero_allow_untested_optimizer"] = True
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     if offload != "none" and config.get("zero_force_ds_cpu_optimizer", True):
-        return config, {"optimizer": DeepSpeedCPUAdam(model.parameters(), lr=HF_LR, weight_decay=HF_WEIGHT_DECAY,
-                                                      adamw_mode=True)}
-    return config, {"optimizer": torch.optim.AdamW(model.parameters(), lr=HF_LR, betas=(HF_BETAS[0], HF_BETAS[1]),
-                                                   eps=HF_EPS, weight_decay=HF_WEIGHT_DECAY)}
+        return config, {
+            "optimizer": DeepSpeedCPUAdam(model.parameters(), lr=HF_LR, weight_decay=HF_WEIGHT_DECAY, adamw_mode=True)
+        }
+    return config, {
+        "optimizer": torch.optim.AdamW(
+            model.parameters(), lr=HF_LR, betas=(HF_BETAS[0], HF_BETAS[1]), eps=HF_EPS, weight_decay=HF_WEIGHT_DECAY
+        )
+    }
 
 
 def _train(name: str) -> str:
@@ -239,8 +259,13 @@ def _train(name: str) -> str:
     try:
         # fp16 without auto_cast: the user feeds the model's dtype (auto_cast casts fp32 inputs itself).
         auto_cast = eng.fp16_enabled() and config.get("fp16", {}).get("auto_cast", False)
-        dtype = torch.float16 if eng.fp16_enabled() and not auto_cast else \
-            torch.bfloat16 if eng.bfloat16_enabled() else torch.float32
+        dtype = (
+            torch.float16
+            if eng.fp16_enabled() and not auto_cast
+            else torch.bfloat16
+            if eng.bfloat16_enabled()
+            else torch.float32
+        )
         before = eng.consolidated_state_dict()
         # Every rank feeds the same batches: tensor-parallel ranks must see the same input.
         g = torch.Generator().manual_seed(7)
@@ -287,8 +312,10 @@ def _mismatch(name: str, expected: str | Refused | None, outcome: str) -> str | 
 def test_every_corpus_config_is_in_the_table_and_listed_in_sources() -> None:
     files = _corpus_files()
     assert len(files) >= 40, f"the corpus under {CORPUS} has only {len(files)} configs"
-    assert sorted(EXPECTED) == files, (f"not in EXPECTED: {sorted(set(files) - set(EXPECTED))}; "
-                                       f"in EXPECTED but not on disk: {sorted(set(EXPECTED) - set(files))}")
+    assert sorted(EXPECTED) == files, (
+        f"not in EXPECTED: {sorted(set(files) - set(EXPECTED))}; "
+        f"in EXPECTED but not on disk: {sorted(set(EXPECTED) - set(files))}"
+    )
     sources = (CORPUS / "SOURCES.md").read_text()
     unlisted = [f for f in files if f"`{f}`" not in sources]
     assert not unlisted, f"SOURCES.md does not list: {unlisted}"

@@ -61,10 +61,16 @@ NON_FINITE = [
     pytest.param({"gradient_clipping": INF}, "gradient_clipping: Infinity", id="clip-inf"),
     pytest.param({"gradient_clipping": NAN}, "gradient_clipping: NaN", id="clip-nan"),
     pytest.param({"fp16": {"enabled": True, "loss_scale": INF}}, "fp16.loss_scale: Infinity", id="loss-scale"),
-    pytest.param({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": NAN}}},
-                 "scheduler.params.warmup_max_lr: NaN", id="scheduler-param"),
-    pytest.param({"zero_optimization": {"stage": 2, "reduce_bucket_size": INF}},
-                 "zero_optimization.reduce_bucket_size: Infinity", id="zero-int-key"),
+    pytest.param(
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": NAN}}},
+        "scheduler.params.warmup_max_lr: NaN",
+        id="scheduler-param",
+    ),
+    pytest.param(
+        {"zero_optimization": {"stage": 2, "reduce_bucket_size": INF}},
+        "zero_optimization.reduce_bucket_size: Infinity",
+        id="zero-int-key",
+    ),
     pytest.param({"steps_per_print": -INF}, "steps_per_print: -Infinity", id="steps-per-print-neg-inf"),
     pytest.param({"steps_per_print": NAN}, "steps_per_print: NaN", id="steps-per-print-nan"),
 ]
@@ -100,8 +106,12 @@ def test_non_finite_tokens_in_hjson_syntax(tmp_path: Path) -> None:
     path.write_text(HJSON_TEXT)
     for source in (path, b64(HJSON_TEXT)):
         message = refused(source)
-        for expected in ("optimizer.params.lr: Infinity", "optimizer.params.eps: NaN",
-                         "gradient_clipping: -Infinity", "fp16.loss_scale: NaN"):
+        for expected in (
+            "optimizer.params.lr: Infinity",
+            "optimizer.params.eps: NaN",
+            "gradient_clipping: -Infinity",
+            "fp16.loss_scale: NaN",
+        ):
             assert f"{expected} is not a finite number" in message, message
         assert "Bad key name" not in message
 
@@ -109,14 +119,26 @@ def test_non_finite_tokens_in_hjson_syntax(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        pytest.param('{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e400}}}',
-                     "optimizer.params.lr: Infinity", id="json-1e400"),
-        pytest.param('{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": -2.5e999}',
-                     "gradient_clipping: -Infinity", id="json-neg-overflow"),
-        pytest.param("{\n  train_micro_batch_size_per_gpu: 2\n  optimizer: {type: 'AdamW', params: {lr: 1e400}}\n}",
-                     "optimizer.params.lr: Infinity", id="hjson-1e400"),
-        pytest.param("{\n  train_micro_batch_size_per_gpu: 2\n  gradient_clipping: 1.5e400\n}",
-                     "gradient_clipping: Infinity", id="hjson-eol"),
+        pytest.param(
+            '{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e400}}}',
+            "optimizer.params.lr: Infinity",
+            id="json-1e400",
+        ),
+        pytest.param(
+            '{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": -2.5e999}',
+            "gradient_clipping: -Infinity",
+            id="json-neg-overflow",
+        ),
+        pytest.param(
+            "{\n  train_micro_batch_size_per_gpu: 2\n  optimizer: {type: 'AdamW', params: {lr: 1e400}}\n}",
+            "optimizer.params.lr: Infinity",
+            id="hjson-1e400",
+        ),
+        pytest.param(
+            "{\n  train_micro_batch_size_per_gpu: 2\n  gradient_clipping: 1.5e400\n}",
+            "gradient_clipping: Infinity",
+            id="hjson-eol",
+        ),
     ],
 )
 def test_number_too_large_for_a_float_names_the_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -132,10 +154,11 @@ def test_integer_beyond_float_range_in_a_dict_reads_as_infinity_as_in_a_file(tmp
     # A file's 10**400 literal reads as Infinity; the same int in a dict crashed build's float() with
     # a raw OverflowError. Both now mean the same: refused by key, or a documented meaning.
     for value, spelled in ((10**400, "Infinity"), (-(10**400), "-Infinity")):
-        for extra, key in (({"gradient_clipping": value}, "gradient_clipping"),
-                           (adam(lr=value), "optimizer.params.lr"),
-                           ({"zero_optimization": {"stage": 2, "reduce_bucket_size": value}},
-                            "zero_optimization.reduce_bucket_size")):
+        for extra, key in (
+            ({"gradient_clipping": value}, "gradient_clipping"),
+            (adam(lr=value), "optimizer.params.lr"),
+            ({"zero_optimization": {"stage": 2, "reduce_bucket_size": value}}, "zero_optimization.reduce_bucket_size"),
+        ):
             config = {**BASE, **extra}
             path = tmp_path / "ds.json"
             path.write_text(json.dumps(config))
@@ -162,8 +185,12 @@ def test_steps_per_print_infinity_means_never_from_every_source(tmp_path: Path) 
 
 def test_steps_per_print_infinity_never_prints_in_training(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "ds.json"
-    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 0}, "steps_per_print": INF}
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": INF,
+    }
     path.write_text(json.dumps(config))
     for source in (config, path):
         eng, _, _, _ = engine.initialize(model=make_model(), config=source)
@@ -196,7 +223,7 @@ def _deep_dict(levels: int) -> dict[str, Any]:
 
 DEEP_TEXTS = [
     pytest.param('{"a": ' * 100_000 + "1" + "}" * 100_000, id="objects"),
-    pytest.param("{\"a\": " + "[" * 100_000 + "]" * 100_000 + "}", id="lists"),
+    pytest.param('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", id="lists"),
     pytest.param("[" * 100_000 + "]" * 100_000, id="root-list"),
     pytest.param("{\n  a: " + "{a: " * 100_000 + "1" + "}" * 100_000 + "\n}", id="hjson"),
 ]
@@ -246,8 +273,7 @@ def test_a_valid_config_loads_after_each_refused_one(tmp_path: Path) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps({**BASE, **adam()}))
     hostile = tmp_path / "bad.json"
-    for text in ('{"a": ' * 100_000 + "1" + "}" * 100_000, '{"gradient_clipping": 1e400}', "[1]", "",
-                 '{"lr": NaN}'):
+    for text in ('{"a": ' * 100_000 + "1" + "}" * 100_000, '{"gradient_clipping": 1e400}', "[1]", "", '{"lr": NaN}'):
         hostile.write_text(text)
         refused(hostile)
         assert load(good).optimizer is not None
@@ -293,8 +319,9 @@ HOSTILE_FILES = [
     pytest.param(b"  \n\t\n", "is empty", id="whitespace"),
     pytest.param(b"// only a comment\n/* and another */\n", "is empty", id="comments-only"),
     pytest.param(b'{"train_micro_batch_size_per_gpu": 2,\n "job": "caf\xe9"}', "not valid UTF-8", id="latin-1"),
-    pytest.param(b'{"train_batch_size": 8,\n "train_batch_size": 16}', "duplicate key 'train_batch_size'",
-                 id="duplicate"),
+    pytest.param(
+        b'{"train_batch_size": 8,\n "train_batch_size": 16}', "duplicate key 'train_batch_size'", id="duplicate"
+    ),
 ]
 
 

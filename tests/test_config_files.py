@@ -27,7 +27,9 @@ def test_shipped_config_loads(path: Path, world_size: int) -> None:
     divide it, or the load is refused naming both sizes)."""
     tp = max(1, read_source(path)[0].get("tensor_parallel", {}).get("autotp_size", 1))
     if world_size % tp:
-        with pytest.raises(ConfigError, match=f"tensor-parallel size {tp} .* does not divide the world size {world_size}"):
+        with pytest.raises(
+            ConfigError, match=f"tensor-parallel size {tp} .* does not divide the world size {world_size}"
+        ):
             load_config(path, world_size=world_size, world_size_source="test parameter")
         return
     cfg = load_config(path, world_size=world_size, world_size_source="test parameter")
@@ -36,7 +38,6 @@ def test_shipped_config_loads(path: Path, world_size: int) -> None:
     assert cfg.train_batch_size == (
         cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * world_size // tp
     )
-
 
 
 @pytest.mark.parametrize("path", HF_CONFIGS, ids=[p.name for p in HF_CONFIGS])
@@ -50,4 +51,4 @@ def test_hf_configs_are_plain_json_whose_autos_only_trainer_fills(path: Path) ->
     assert raw["train_micro_batch_size_per_gpu"] == "auto"
     with pytest.raises(ConfigError) as err:
         load_config(path, world_size=2, world_size_source="test parameter")
-    assert "train_micro_batch_size_per_gpu: \"auto\" can only be filled in by the Hugging Face Trainer" in str(err.value)
+    assert 'train_micro_batch_size_per_gpu: "auto" can only be filled in by the Hugging Face Trainer' in str(err.value)

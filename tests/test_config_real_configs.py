@@ -40,8 +40,15 @@ def _train_stage2_with_client_optimizers(names: list[str]) -> dict[str, dict[str
     out = {}
     for name in names:
         model = make_model(5)
-        eng, *_ = engine.initialize(model=model, optimizer=DEEPSPEED_CLASSES[name](model.parameters()), config={
-            "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}})
+        eng, *_ = engine.initialize(
+            model=model,
+            optimizer=DEEPSPEED_CLASSES[name](model.parameters()),
+            config={
+                "train_micro_batch_size_per_gpu": MICRO,
+                "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": 2},
+            },
+        )
         for batch in global_batches(STEPS, MICRO * ws):
             x, y = rank_micro_batch(batch, rank, ws, MICRO, 0)
             eng.backward(torch.nn.functional.mse_loss(eng(x), y))
@@ -86,16 +93,23 @@ def test_every_optimizer_class_the_engine_ships_is_accepted_on_shards_and_lamb_i
     from engine.config import load_config, run_checks
     from engine.optim import deepspeed_classes
 
-    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}, world_size=1,
-                      world_size_source="test")
-    shipped = [c.__name__ for _, c in inspect.getmembers(deepspeed_classes, inspect.isclass)
-               if issubclass(c, torch.optim.Optimizer) and c.__module__ == deepspeed_classes.__name__]
+    cfg = load_config(
+        {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}, world_size=1, world_size_source="test"
+    )
+    shipped = [
+        c.__name__
+        for _, c in inspect.getmembers(deepspeed_classes, inspect.isclass)
+        if issubclass(c, torch.optim.Optimizer) and c.__module__ == deepspeed_classes.__name__
+    ]
     assert sorted(shipped) == sorted(DEEPSPEED_CLASSES)  # the distributed test above trains each of them
     for name in [*shipped, engine.ops.adam.CPUAdam.__name__]:
         run_checks.check_optimizer_for_stage(cfg, name)
     for name in ("Lamb", "FusedLamb"):
-        with pytest.raises(engine.ConfigError, match=rf"^optimizer {name} at zero_optimization.stage 2: .* {name} is "
-                                                     r"not one of them.*zero_allow_untested_optimizer"):
+        with pytest.raises(
+            engine.ConfigError,
+            match=rf"^optimizer {name} at zero_optimization.stage 2: .* {name} is "
+            r"not one of them.*zero_allow_untested_optimizer",
+        ):
             run_checks.check_optimizer_for_stage(cfg, name)
 
 
@@ -109,9 +123,14 @@ def _zero3_with_and_without_offload_param() -> list[dict[str, torch.Tensor]]:
     states = []
     for zero in ({"stage": 3, "offload_param": OFFLOAD_PARAM}, {"stage": 3}):
         model = make_model(6)
-        eng, *_ = engine.initialize(model=model, config={
-            "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR}}})
+        eng, *_ = engine.initialize(
+            model=model,
+            config={
+                "train_micro_batch_size_per_gpu": MICRO,
+                "zero_optimization": zero,
+                "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            },
+        )
         for batch in global_batches(STEPS, MICRO * ws):
             x, y = rank_micro_batch(batch, rank, ws, MICRO, 0)
             eng.backward(torch.nn.functional.mse_loss(eng(x), y))
@@ -132,8 +151,11 @@ def test_offload_param_cpu_at_stage_3_trains_on_cpu_as_without_it() -> None:
 def _stage_config(stage: int) -> Any:
     from engine.config import load_config
 
-    return load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-        "stage": stage, "offload_param": OFFLOAD_PARAM}}, world_size=2, world_size_source="test")
+    return load_config(
+        {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, "offload_param": OFFLOAD_PARAM}},
+        world_size=2,
+        world_size_source="test",
+    )
 
 
 def test_offload_param_cpu_is_said_on_cpu_and_refused_on_cuda(caplog: pytest.LogCaptureFixture) -> None:
@@ -143,11 +165,16 @@ def test_offload_param_cpu_is_said_on_cpu_and_refused_on_cuda(caplog: pytest.Log
     assert cfg.zero.offload_param.device == "cpu" and cfg.zero.offload_param.pin_memory
     with caplog.at_level("INFO", logger="engine.config"):
         run_checks.check_offload(cfg, "cpu")
-    assert 'zero_optimization.offload_param.device "cpu" at stage 3 on CPU: the partitioned parameters already ' \
-           "live in host memory (each rank keeps its 1/2 of every parameter" in caplog.text
-    with pytest.raises(engine.ConfigError, match=r'^zero_optimization.offload_param.device "cpu" while training on '
-                                                 r"cuda: parameter offload to host memory on a CUDA device has not "
-                                                 r"been tested on a GPU yet; fix: remove offload_param, or train on CPU"):
+    assert (
+        'zero_optimization.offload_param.device "cpu" at stage 3 on CPU: the partitioned parameters already '
+        "live in host memory (each rank keeps its 1/2 of every parameter" in caplog.text
+    )
+    with pytest.raises(
+        engine.ConfigError,
+        match=r'^zero_optimization.offload_param.device "cpu" while training on '
+        r"cuda: parameter offload to host memory on a CUDA device has not "
+        r"been tested on a GPU yet; fix: remove offload_param, or train on CPU",
+    ):
         run_checks.check_offload(cfg, "cuda")
 
 
@@ -164,9 +191,13 @@ def test_offload_param_below_stage_3_is_ignored_by_name_on_rank_0(rank: str, mon
         for device in ("cpu", "cuda"):  # ignored, so not refused on CUDA either
             run_checks.check_offload(_stage_config(2), device)
     said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-    expected = [('zero_optimization.offload_param.device "cpu" is ignored at zero_optimization.stage 2, as '
-                 "DeepSpeed ignores it there: only stage 3 partitions parameters, so only stage 3 can offload them; "
-                 "remove offload_param, or use stage 3")]
+    expected = [
+        (
+            'zero_optimization.offload_param.device "cpu" is ignored at zero_optimization.stage 2, as '
+            "DeepSpeed ignores it there: only stage 3 partitions parameters, so only stage 3 can offload them; "
+            "remove offload_param, or use stage 3"
+        )
+    ]
     assert said == (expected if rank == "0" else []), said
 
 
@@ -193,9 +224,12 @@ def test_other_tools_top_level_keys_are_ignored_by_name_on_rank_0(rank: str, mon
     if rank != "0":
         assert said == []
         return
-    assert said == [f"{key}: unknown top-level key, ignored (DeepSpeed ignores unknown top-level keys too); if it "
-                    'was meant as a setting, see docs/config-keys.md for the keys read; start its name with "_" to '
-                    "mark it as a comment" for key in shipped]
+    assert said == [
+        f"{key}: unknown top-level key, ignored (DeepSpeed ignores unknown top-level keys too); if it "
+        'was meant as a setting, see docs/config-keys.md for the keys read; start its name with "_" to '
+        "mark it as a comment"
+        for key in shipped
+    ]
 
 
 def test_underscore_keys_are_comments() -> None:
@@ -207,9 +241,13 @@ def test_dotted_top_level_keys_are_ignored_naming_the_nested_form() -> None:
     """TRL writes these; DeepSpeed reads only the nested section, so the value has no effect there either."""
     cfg, said = _load_catching({"zero_optimization.reduce_bucket_size": 500000, "zero_optimization": {"stage": 2}})
     assert cfg.zero.reduce_bucket_size is None
-    assert said == [("zero_optimization.reduce_bucket_size: a dotted top-level key is ignored, as DeepSpeed ignores "
-                     "it (it reads nested sections only); to set it, write it nested: "
-                     '{"zero_optimization": {"reduce_bucket_size": 500000}}')]
+    assert said == [
+        (
+            "zero_optimization.reduce_bucket_size: a dotted top-level key is ignored, as DeepSpeed ignores "
+            "it (it reads nested sections only); to set it, write it nested: "
+            '{"zero_optimization": {"reduce_bucket_size": 500000}}'
+        )
+    ]
 
 
 def test_each_ignored_key_is_said_once_per_process() -> None:
@@ -222,10 +260,17 @@ def test_each_ignored_key_is_said_once_per_process() -> None:
     assert len(first) == 1 and again == []
 
 
-@pytest.mark.parametrize("typo, meant", [("zero_optimisation", "zero_optimization"), ("optimiser", "optimizer"),
-                                         ("gradient_clip", "gradient_clipping"), ("Zero_Optimization", "zero_optimization"),
-                                         ("train_micro_batch_size", "train_micro_batch_size_per_gpu"),
-                                         ("activation_checkpoint", "activation_checkpointing")])
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("zero_optimisation", "zero_optimization"),
+        ("optimiser", "optimizer"),
+        ("gradient_clip", "gradient_clipping"),
+        ("Zero_Optimization", "zero_optimization"),
+        ("train_micro_batch_size", "train_micro_batch_size_per_gpu"),
+        ("activation_checkpoint", "activation_checkpointing"),
+    ],
+)
 def test_likely_typos_of_top_level_keys_stay_refused(typo: str, meant: str) -> None:
     with pytest.raises(engine.ConfigError) as err:
         _load_catching({typo: {}})
@@ -236,7 +281,10 @@ def test_sections_stay_closed_as_deepspeed_pydantic_sections_are() -> None:
     with pytest.raises(engine.ConfigError) as err:
         _load_catching({"zero_optimization": {"stage": 2, "_comment": "x", "comms_config": {}}})
     hint = "unknown key; see docs/config-keys.md for the keys this engine reads"
-    assert sorted(err.value.problems) == [f"zero_optimization._comment: {hint}", f"zero_optimization.comms_config: {hint}"]
+    assert sorted(err.value.problems) == [
+        f"zero_optimization._comment: {hint}",
+        f"zero_optimization.comms_config: {hint}",
+    ]
 
 
 # ------------------------------------------------------------------ AutoTP batch arithmetic
@@ -247,27 +295,40 @@ def test_sections_stay_closed_as_deepspeed_pydantic_sections_are() -> None:
 def _load_tp(config: dict[str, Any], world_size: int, model_parallel_size: int | None = None) -> Any:
     from engine.config import load_config
 
-    return load_config(config, world_size=world_size, world_size_source="WORLD_SIZE=2 in the environment (launcher)"
-                       if world_size == 2 else "test", model_parallel_size=model_parallel_size)
+    return load_config(
+        config,
+        world_size=world_size,
+        world_size_source="WORLD_SIZE=2 in the environment (launcher)" if world_size == 2 else "test",
+        model_parallel_size=model_parallel_size,
+    )
 
 
 def test_autotp_train_batch_size_as_accelerate_writes_it_is_read_as_deepspeed_reads_it(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     autotp = {"tensor_parallel": {"autotp_size": 2}}
     with caplog.at_level("INFO", logger="engine.config"):
-        cfg = _load_tp({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                        **autotp}, 2)
+        cfg = _load_tp(
+            {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, **autotp}, 2
+        )
     # engine.train_batch_size() stays the samples of one step: one data-parallel rank x 2 x 2.
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-            cfg.world_size) == (4, 2, 2, 1)
-    assert ("train_batch_size 8 counts every rank (2 x 2 x world size 2), as DeepSpeed does; samples per optimizer "
-            "step (engine.train_batch_size()): 2 x 2 x data-parallel size 1 = 4") in caplog.text
+    assert (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+        cfg.world_size,
+    ) == (4, 2, 2, 1)
+    assert (
+        "train_batch_size 8 counts every rank (2 x 2 x world size 2), as DeepSpeed does; samples per optimizer "
+        "step (engine.train_batch_size()): 2 x 2 x data-parallel size 1 = 4"
+    ) in caplog.text
     # gas inferred as DeepSpeed infers it (8 // 2 // world 4 = 1; the data-parallel count would give 2).
     cfg = _load_tp({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, **autotp}, 4)
     assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (4, 1)
     # All three written in the data-parallel count (the engine's own rule before) still load.
-    cfg = _load_tp({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                    **autotp}, 4)
+    cfg = _load_tp(
+        {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, **autotp}, 4
+    )
     assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (4, 1)
     # With the groups given to initialize (mpu=), DeepSpeed counts data-parallel ranks: gas 8 // 2 // 2 = 2.
     cfg = _load_tp({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, 4, model_parallel_size=2)
@@ -276,23 +337,35 @@ def test_autotp_train_batch_size_as_accelerate_writes_it_is_read_as_deepspeed_re
 
 def test_autotp_batch_refusal_names_world_tensor_and_data_parallel_sizes() -> None:
     with pytest.raises(engine.ConfigError) as err:
-        _load_tp({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                  "tensor_parallel": {"autotp_size": 2}}, 2)
-    assert err.value.problems == [(
-        "train_batch_size (6) is neither train_micro_batch_size_per_gpu (2) x gradient_accumulation_steps (1) x world "
-        "size (2) = 4 nor x data-parallel size (1) = 2; world size 2 (WORLD_SIZE=2 in the environment (launcher)), "
-        "tensor-parallel size 2 (from tensor_parallel.autotp_size), data-parallel size 1 = 2 / 2; with the "
-        "tensor-parallel size from tensor_parallel.autotp_size, DeepSpeed counts every rank in train_batch_size (as "
-        "Accelerate writes it: micro x gas x number of processes); fix: set train_batch_size to 4 (every rank, as "
-        "DeepSpeed and Accelerate count it with AutoTP) or 2 (the samples of one step), or remove one of the three "
-        "keys so it is inferred from the other two")]
+        _load_tp(
+            {
+                "train_batch_size": 6,
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 1,
+                "tensor_parallel": {"autotp_size": 2},
+            },
+            2,
+        )
+    assert err.value.problems == [
+        (
+            "train_batch_size (6) is neither train_micro_batch_size_per_gpu (2) x gradient_accumulation_steps (1) x world "
+            "size (2) = 4 nor x data-parallel size (1) = 2; world size 2 (WORLD_SIZE=2 in the environment (launcher)), "
+            "tensor-parallel size 2 (from tensor_parallel.autotp_size), data-parallel size 1 = 2 / 2; with the "
+            "tensor-parallel size from tensor_parallel.autotp_size, DeepSpeed counts every rank in train_batch_size (as "
+            "Accelerate writes it: micro x gas x number of processes); fix: set train_batch_size to 4 (every rank, as "
+            "DeepSpeed and Accelerate count it with AutoTP) or 2 (the samples of one step), or remove one of the three "
+            "keys so it is inferred from the other two"
+        )
+    ]
     with pytest.raises(engine.ConfigError) as err:
         _load_tp({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}}, 4)
     (message,) = err.value.problems
-    assert message.startswith("train_batch_size (6) is not a positive multiple of train_micro_batch_size_per_gpu "
-                              "(2) x world size (4) = 8, so gradient_accumulation_steps cannot be inferred; world size "
-                              "4 (test), tensor-parallel size 2 (from tensor_parallel.autotp_size), data-parallel "
-                              "size 2 = 4 / 2; with the tensor-parallel size from")
+    assert message.startswith(
+        "train_batch_size (6) is not a positive multiple of train_micro_batch_size_per_gpu "
+        "(2) x world size (4) = 8, so gradient_accumulation_steps cannot be inferred; world size "
+        "4 (test), tensor-parallel size 2 (from tensor_parallel.autotp_size), data-parallel "
+        "size 2 = 4 / 2; with the tensor-parallel size from"
+    )
 
 
 def _autotp_gpt_losses(written_train: bool) -> dict[str, Any]:
@@ -307,9 +380,13 @@ def _autotp_gpt_losses(written_train: bool) -> dict[str, Any]:
 
     torch.manual_seed(3)
     model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2))
-    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                              "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2},
-                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "tensor_parallel": {"autotp_size": 2},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
     if written_train:
         config["train_batch_size"] = 2 * 2 * torch.distributed.get_world_size()  # Accelerate's arithmetic
     eng, *_ = engine.initialize(model=model, config=config)

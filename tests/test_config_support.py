@@ -34,8 +34,10 @@ def refusal(extra: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
-         "zero_optimization.offload_optimizer.device"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
             "zero_optimization.offload_optimizer.super_offload",
@@ -79,8 +81,12 @@ def test_offload_refusal_says_what_to_do() -> None:
     assert refusal({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}).endswith(
         'fix: use "cpu" or "none"'
     )
-    assert load({"train_batch_size": 1, "zero_optimization": {"stage": 1, "offload_optimizer": {
-        "device": "cpu"}}}).zero.offload_optimizer.device == "cpu"
+    assert (
+        load(
+            {"train_batch_size": 1, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+        ).zero.offload_optimizer.device
+        == "cpu"
+    )
 
 
 @pytest.mark.parametrize(
@@ -147,9 +153,7 @@ def test_implemented_values_reach_engine_config() -> None:
     )
     assert (cfg.gradient_clipping, cfg.prescale_gradients, cfg.gradient_predivide_factor) == (0.5, True, 2.0)
     assert cfg.steps_per_print == 5 and cfg.wall_clock_breakdown and cfg.dataloader_drop_last
-    assert (
-        cfg.csv_monitor.enabled and cfg.csv_monitor.output_path == "runs" and cfg.csv_monitor.job_name == "j"
-    )
+    assert cfg.csv_monitor.enabled and cfg.csv_monitor.output_path == "runs" and cfg.csv_monitor.job_name == "j"
     assert cfg.zero.reduce_bucket_size == 2_000_000  # contiguous_gradients: accepted, nothing reads it
     assert cfg.scheduler is not None and cfg.scheduler.params["warmup_num_steps"] == 10
 
@@ -162,9 +166,17 @@ def test_stages_precision_and_dtypes_reach_engine_config() -> None:
     assert cfg.zero.stage == 1 and cfg.bf16.enabled and not cfg.fp16.enabled
 
 
-@pytest.mark.parametrize("section, size", [(None, 1), ({"autotp_size": 0}, 1), ({"autotp_size": 1}, 1),
-                                           ({"autotp_size": 2}, 2), ({"autotp_size": 2, "tp": {"tp_size": 2}}, 2),
-                                           ({"autotp_size": 2, "tp": {"tp_size": 1}}, 2)])
+@pytest.mark.parametrize(
+    "section, size",
+    [
+        (None, 1),
+        ({"autotp_size": 0}, 1),
+        ({"autotp_size": 1}, 1),
+        ({"autotp_size": 2}, 2),
+        ({"autotp_size": 2, "tp": {"tp_size": 2}}, 2),
+        ({"autotp_size": 2, "tp": {"tp_size": 1}}, 2),
+    ],
+)
 def test_autotp_size_reaches_engine_config(section: dict[str, Any] | None, size: int) -> None:
     extra = {} if section is None else {"tensor_parallel": section}
     with warnings.catch_warnings():
@@ -174,14 +186,19 @@ def test_autotp_size_reaches_engine_config(section: dict[str, Any] | None, size:
 
 
 def test_tp_size_other_than_autotp_size_is_refused() -> None:
-    for section in ({"tp": {"tp_size": 2}}, {"autotp_size": 0, "tp": {"tp_size": 2}},
-                    {"autotp_size": 2, "tp": {"tp_size": 4}}):
+    for section in (
+        {"tp": {"tp_size": 2}},
+        {"autotp_size": 0, "tp": {"tp_size": 2}},
+        {"autotp_size": 2, "tp": {"tp_size": 4}},
+    ):
         with pytest.raises(ConfigError) as info:
             load_config({**BASE, "tensor_parallel": section}, world_size=4, world_size_source="test")
         (message,) = info.value.problems
-        assert message.startswith(f"tensor_parallel: {json.dumps(section)} is not supported: "
-                                  "tensor_parallel.tp.tp_size (the size DeepSpeed's inference engine reads) must "
-                                  "equal tensor_parallel.autotp_size when above 1"), message
+        assert message.startswith(
+            f"tensor_parallel: {json.dumps(section)} is not supported: "
+            "tensor_parallel.tp.tp_size (the size DeepSpeed's inference engine reads) must "
+            "equal tensor_parallel.autotp_size when above 1"
+        ), message
         assert message.endswith("fix: set tensor_parallel.tp.tp_size to the autotp_size value, or remove it")
 
 
@@ -237,9 +254,7 @@ def test_warned_key_is_warned_once_per_process() -> None:
         warnings.simplefilter("always")
         load({"trackio": {"enabled": True, "project": "p"}})
         load({"trackio": {"enabled": True, "project": "p"}})
-    mine = [
-        w for w in caught if issubclass(w.category, ConfigWarning) and "trackio.enabled" in str(w.message)
-    ]
+    mine = [w for w in caught if issubclass(w.category, ConfigWarning) and "trackio.enabled" in str(w.message)]
     assert len(mine) == 1
     assert "no writer for it in this engine yet" in str(mine[0].message)
 
@@ -266,7 +281,12 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ConfigError):
-            load({"trackio": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+            load(
+                {
+                    "trackio": {"enabled": True},
+                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+                }
+            )
         load({"trackio": {"enabled": True}})
     assert sum("trackio.enabled" in str(w.message) for w in caught) == 1
 

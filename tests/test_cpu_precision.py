@@ -32,8 +32,9 @@ def _initialize(config: dict) -> None:
     eng.destroy()
 
 
-def test_initialize_warns_for_bf16_on_an_avx2_cpu_and_not_for_fp32(monkeypatch: pytest.MonkeyPatch,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_initialize_warns_for_bf16_on_an_avx2_cpu_and_not_for_fp32(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: AVX2_ONLY)
     base = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     with caplog.at_level(logging.WARNING, logger="engine"):

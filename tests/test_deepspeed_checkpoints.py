@@ -71,8 +71,11 @@ def _check_state(eng: Any, reference: dict[str, dict[str, torch.Tensor]]) -> int
         for piece in record.pieces:
             window = slice(piece.tensor_offset, piece.tensor_offset + piece.numel)
             saved = slice(piece.param_offset, piece.param_offset + piece.numel)
-            for key, ours in (("master", flat), ("exp_avg", opt_state["exp_avg"].reshape(-1)),
-                              ("exp_avg_sq", opt_state["exp_avg_sq"].reshape(-1))):
+            for key, ours in (
+                ("master", flat),
+                ("exp_avg", opt_state["exp_avg"].reshape(-1)),
+                ("exp_avg_sq", opt_state["exp_avg_sq"].reshape(-1)),
+            ):
                 if not torch.equal(ours[window], reference[piece.name][key].reshape(-1)[saved]):
                     raise AssertionError(f"{piece.name} {key} [{saved.start}, {saved.stop}) differs from DeepSpeed's")
             compared += piece.numel if record.write else 0  # replicated (stage 0): one rank counts
@@ -95,9 +98,15 @@ def _resume_all(names: list[str]) -> dict[str, dict[str, Any]]:
         compared = _check_state(eng, reference)
         counted = torch.tensor([compared])
         dist.all_reduce(counted)
-        resumed = {"path": path, "client": {k: client[k] for k in ("epoch", "note")}, "steps": eng.global_steps,
-                   "samples": eng.global_samples, "lr": scheduler.get_last_lr()[0], "compared": int(counted),
-                   "scale": eng.precision.scaler.state_dict() if eng.precision.scaler is not None else None}
+        resumed = {
+            "path": path,
+            "client": {k: client[k] for k in ("epoch", "note")},
+            "steps": eng.global_steps,
+            "samples": eng.global_samples,
+            "lr": scheduler.get_last_lr()[0],
+            "compared": int(counted),
+            "scale": eng.precision.scaler.state_dict() if eng.precision.scaler is not None else None,
+        }
         dtype = fixtures.model_dtype(expected["precision"])
         losses = []
         for k in range(len(expected["resumed_losses"])):
@@ -124,11 +133,18 @@ def _check_resumed(name: str, got: dict[str, Any]) -> None:
     # WarmupLR at iteration 3 of 6 (log warmup): DeepSpeed's lr at the save (its param_groups say so)
     assert got["lr"] == pytest.approx(0.01 * torch.log(torch.tensor(4.0)).item() / torch.log(torch.tensor(6.0)).item())
     if expected["precision"] == "fp16":  # DeepSpeed's scaler had grown 256 -> 512 in 4 steps
-        assert got["scale"] == {"dynamic": True, "scale": 512.0, "iterations": 4, "skipped_steps": 0,
-                                "last_overflow_iter": -1, "hysteresis_left": 2}
+        assert got["scale"] == {
+            "dynamic": True,
+            "scale": 512.0,
+            "iterations": 4,
+            "skipped_steps": 0,
+            "last_overflow_iter": -1,
+            "hysteresis_left": 2,
+        }
         assert got["losses"][0] == pytest.approx(expected["resumed_losses"][0], rel=1e-6)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["resumed_losses"]),
-                               rtol=RTOL[expected["precision"]], atol=0)
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(expected["resumed_losses"]), rtol=RTOL[expected["precision"]], atol=0
+    )
 
 
 def test_every_fixture_resumes_at_2_ranks() -> None:
@@ -168,8 +184,11 @@ def test_a_truncated_file_is_named(tmp_path: Path) -> None:
 def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
     tag = _copy("stage3_bf16", tmp_path)
     (tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(CheckpointError, match="optimizer states of data-parallel rank 1 .*bf16_zero_pp_rank_1_mp_rank_00"
-                                              "_optim_states.pt.* are missing; DeepSpeed saved this checkpoint at 2"):
+    with pytest.raises(
+        CheckpointError,
+        match="optimizer states of data-parallel rank 1 .*bf16_zero_pp_rank_1_mp_rank_00"
+        "_optim_states.pt.* are missing; DeepSpeed saved this checkpoint at 2",
+    ):
         open_reader(str(tag), _tiny())
 
 
@@ -177,8 +196,11 @@ def test_another_models_checkpoint_names_the_parameter_and_both_shapes() -> None
     other = _tiny()
     other.mid = torch.nn.Linear(23, 20)  # type: ignore[assignment]
     for name in ("stage0_fp32", "stage2_fp32", "stage3_fp32"):
-        with pytest.raises(CheckpointError, match=r"another model: parameter 'mid.weight' has shape \[19, 23\] there and "
-                                                  r"\[20, 23\] here"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"another model: parameter 'mid.weight' has shape \[19, 23\] there and "
+            r"\[20, 23\] here",
+        ):
             open_reader(str(HERE / name / "ckpt" / "global_step4"), other)
 
 
@@ -204,8 +226,9 @@ def test_a_pickle_that_runs_code_is_refused_and_nothing_runs(tmp_path: Path) -> 
 
 def test_the_deepspeed_objects_become_plain_data() -> None:
     """DeepSpeed's LossScaler, ZeroStageEnum and fragment_address load as stand-ins, with weights_only."""
-    data = load_deepspeed_file(str(HERE / "stage2_fp16" / "ckpt" / "global_step4" /
-                                   "zero_pp_rank_1_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
+    data = load_deepspeed_file(
+        str(HERE / "stage2_fp16" / "ckpt" / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    )["optimizer_state_dict"]
     assert data["zero_stage"] == 2 and type(data["zero_stage"]) is int
     assert data["loss_scaler"].state["cur_scale"] == 512.0 and data["loss_scaler"].state["cur_iter"] == 4
     assert data["param_slice_mappings"][0]["out.bias"].state == {"numel": 5, "start": 433}

@@ -45,7 +45,9 @@ def test_readme_is_under_the_size_limit() -> None:
 @pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc: Path) -> None:
     broken = [t for t in relative_links(doc) if not (doc.parent / t).exists()]
-    assert not broken, f"{doc.relative_to(ROOT)} links to files that do not exist (relative to {doc.parent.name}/): {broken}"
+    assert not broken, (
+        f"{doc.relative_to(ROOT)} links to files that do not exist (relative to {doc.parent.name}/): {broken}"
+    )
 
 
 def test_every_feature_page_is_linked_from_the_readme() -> None:

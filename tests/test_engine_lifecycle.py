@@ -14,8 +14,12 @@ from models import make_model
 import engine
 from engine.engine import DestroyedEngineError
 
-CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 0}, "steps_per_print": 1000}
+CONFIG = {
+    "train_batch_size": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 1000,
+}
 
 
 def _one_step(eng: engine.Engine) -> None:
@@ -64,7 +68,11 @@ def test_accessors_and_module_fallthrough() -> None:
     eng, opt, loader, sched = engine.initialize(model=make_model(), config=CONFIG)
     try:
         assert loader is None and sched is None and opt is eng.optimizer
-        assert (eng.train_batch_size(), eng.train_micro_batch_size_per_gpu(), eng.gradient_accumulation_steps()) == (4, 4, 1)
+        assert (eng.train_batch_size(), eng.train_micro_batch_size_per_gpu(), eng.gradient_accumulation_steps()) == (
+            4,
+            4,
+            1,
+        )
         assert eng.zero_optimization_stage() == 0 and not eng.fp16_enabled() and not eng.bfloat16_enabled()
         assert eng.gradient_clipping() == 1.0  # DeepSpeed 0.19.8's default when the key is absent
         assert eng.world_size == 1 and eng.global_rank == 0 and eng.device.type in ("cpu", "cuda")
@@ -82,8 +90,10 @@ def test_accessors_and_module_fallthrough() -> None:
 
 def test_config_from_args_and_add_config_arguments(tmp_path) -> None:
     path = tmp_path / "ds.json"
-    path.write_text('{"train_batch_size": 4, // comments load, as in DeepSpeed\n'
-                    ' "optimizer": {"type": "SGD", "params": {"lr": 0.1}},}')
+    path.write_text(
+        '{"train_batch_size": 4, // comments load, as in DeepSpeed\n'
+        ' "optimizer": {"type": "SGD", "params": {"lr": 0.1}},}'
+    )
     parser = engine.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
     assert not hasattr(args, "local_rank")
@@ -99,14 +109,19 @@ def test_config_from_args_and_add_config_arguments(tmp_path) -> None:
 
 def test_client_optimizer_scheduler_and_param_groups() -> None:
     model = make_model()
-    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
-              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
-              {"params": []}]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
+        {"params": []},
+    ]
     config = {k: v for k, v in CONFIG.items() if k != "optimizer"}
     eng, opt, _, sched = engine.initialize(
-        model=model, model_parameters=groups, config=config,
+        model=model,
+        model_parameters=groups,
+        config=config,
         optimizer=lambda g: torch.optim.AdamW(g, lr=0.01),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    )
     try:
         assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # empty group dropped
         _one_step(eng)
@@ -140,8 +155,12 @@ def test_gradient_accumulation_boundaries_and_step_counters() -> None:
 
 
 def test_backward_divides_loss_by_accumulation_steps() -> None:
-    config = {**CONFIG, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    config = {
+        **CONFIG,
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+    }
     eng, _, _, _ = engine.initialize(model=make_model(), config=config)
     try:
         x = torch.randn(2, 16)
@@ -155,8 +174,12 @@ def test_backward_divides_loss_by_accumulation_steps() -> None:
 
 
 def test_step_log_wall_clock_breakdown_and_csv_monitor(tmp_path, capsys) -> None:
-    config = {**CONFIG, "steps_per_print": 2, "wall_clock_breakdown": True,
-              "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}}
+    config = {
+        **CONFIG,
+        "steps_per_print": 2,
+        "wall_clock_breakdown": True,
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"},
+    }
     eng, _, _, _ = engine.initialize(model=make_model(), config=config)
     try:
         for _ in range(4):
@@ -178,14 +201,17 @@ def test_objects_given_to_initialize_take_precedence_over_the_config_sections() 
     and the section's optimizer.params.max_grad_norm (refused when the engine builds the optimizer) with it."""
     from engine.config.warn import ConfigWarning
 
-    config = {"train_batch_size": 4,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+    }
     model = make_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(ConfigWarning) as caught:
-        eng, opt, _, sched = engine.initialize(model=model, optimizer=sgd, config=config,
-                                               lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+        eng, opt, _, sched = engine.initialize(
+            model=model, optimizer=sgd, config=config, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5)
+        )
     try:
         said = " ".join(str(w.message) for w in caught)
         assert "optimizer section (type 'Adam') is ignored" in said and "given optimizer=" in said, said

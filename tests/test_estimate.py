@@ -82,7 +82,11 @@ def test_grad_accum_dtype_overrides_and_single_stage_matches_list() -> None:
     assert everything[0].grad_accum_dtype == "fp32"
     # fp32 training with bf16 accumulation: the explicit dtype wins at every stage.
     assert [e.gradients for e in estimate_memory(PSI, world_size=N, grad_accum_dtype="bf16")] == [
-        2 * PSI, 2 * PSI, 2 * SHARD, 2 * SHARD]
+        2 * PSI,
+        2 * PSI,
+        2 * SHARD,
+        2 * SHARD,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -127,12 +131,22 @@ def _by_hand(model: torch.nn.Sequential, stage: int, world_size: int, b: int) ->
     """(P, S) from build_layout directly: one flat group at stages 0-2 (world size 1 at stage 0); at
     stage 3 a Sequential of three Linears is a repeated block list, so each layer is a gather unit."""
     if stage == 3:
-        layouts = [build_layout([p.shape for p in layer.parameters()], world_size=world_size,
-                                bucket_size=sum(p.numel() for p in layer.parameters()), element_size=b)
-                   for layer in model]
+        layouts = [
+            build_layout(
+                [p.shape for p in layer.parameters()],
+                world_size=world_size,
+                bucket_size=sum(p.numel() for p in layer.parameters()),
+                element_size=b,
+            )
+            for layer in model
+        ]
         return sum(lay.padded_numel for lay in layouts), sum(lay.shard_numel for lay in layouts)
-    layout = build_layout([p.shape for p in reversed(list(model.parameters()))],
-                          world_size=1 if stage == 0 else world_size, bucket_size=500_000_000, element_size=b)
+    layout = build_layout(
+        [p.shape for p in reversed(list(model.parameters()))],
+        world_size=1 if stage == 0 else world_size,
+        bucket_size=500_000_000,
+        element_size=b,
+    )
     return layout.padded_numel, layout.shard_numel
 
 
@@ -165,7 +179,9 @@ def test_module_bucket_size_adds_padding_per_bucket() -> None:
     two_buckets = estimate_memory(model, stage=2, world_size=2, bucket_size=70)  # 2 buckets of 128
     layout = build_layout([p.shape for p in model.parameters()], world_size=2, bucket_size=70, element_size=4)
     assert layout.num_buckets == 2
-    assert (two_buckets.padded_numel, two_buckets.shard_numel) == (layout.padded_numel, layout.shard_numel) == (256, 128)
+    assert (
+        (two_buckets.padded_numel, two_buckets.shard_numel) == (layout.padded_numel, layout.shard_numel) == (256, 128)
+    )
     assert estimate_memory(model, stage=3, world_size=2, bucket_size=70).padded_numel == 192  # a unit: one bucket
 
 
@@ -186,8 +202,9 @@ def test_stage3_sums_over_gather_units(world_size: int) -> None:
     assert [u.name for u in units] == ["<root>", "blocks.0", "blocks.1"]
     groups = [[p.shape for p in u.params if p.requires_grad] for u in units]
     assert [sum(math.prod(s) for s in g) for g in groups] == [33, 143, 130]
-    layouts = [build_layout(g, world_size=world_size, bucket_size=sum(math.prod(s) for s in g), element_size=2)
-               for g in groups]
+    layouts = [
+        build_layout(g, world_size=world_size, bucket_size=sum(math.prod(s) for s in g), element_size=2) for g in groups
+    ]
     P, S = sum(lay.padded_numel for lay in layouts), sum(lay.shard_numel for lay in layouts)
     assert all(lay.padded_numel > lay.numel for lay in layouts)  # each unit is padded on its own
     e = estimate_memory(model, stage=3, world_size=world_size, dtype="bf16")

@@ -144,22 +144,30 @@ def test_get_model_profile_input_shape_and_args_agree() -> None:
     by_shape = get_model_profile(block, input_shape=(B, T, D), print_profile=False, as_string=False)
     by_args = get_model_profile(block, args=(torch.randn(B, T, D),), print_profile=False, as_string=False)
     params = sum(p.numel() for p in block.parameters())
-    assert by_shape == by_args == (sum(block_flops(B, T, D).values()), sum(block_flops(B, T, D).values()) // 2,
-                                   params)
+    assert by_shape == by_args == (sum(block_flops(B, T, D).values()), sum(block_flops(B, T, D).values()) // 2, params)
     assert block.training  # restored after the eval-mode profile
     as_text = get_model_profile(block, kwargs={"x": torch.randn(B, T, D)}, print_profile=False)
     assert as_text == (number_to_string(by_args[0]), macs_to_string(by_args[1]), params_to_string(params))
 
 
-def test_printed_profile_has_depth_limited_tree_and_top_modules(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_printed_profile_has_depth_limited_tree_and_top_modules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "nested" / "profile.txt"
     get_model_profile(GPT(CFG), args=(tokens(),), module_depth=2, top_modules=2, output_file=str(out))
     assert capsys.readouterr().out == ""  # written to the file only
     text = out.read_text()
-    for needed in ("Flops Profiler", "Profile Summary at step 1:", "Aggregated Profile per GPU",
-                   "Top 2 modules in terms of params, MACs or fwd latency at different model depths:",
-                   "depth 0:", "depth 2:", "Detailed Profile per GPU", "(blocks): ModuleList(", "(1): Block("):
+    for needed in (
+        "Flops Profiler",
+        "Profile Summary at step 1:",
+        "Aggregated Profile per GPU",
+        "Top 2 modules in terms of params, MACs or fwd latency at different model depths:",
+        "depth 0:",
+        "depth 2:",
+        "Detailed Profile per GPU",
+        "(blocks): ModuleList(",
+        "(1): Block(",
+    ):
         assert needed in text, needed
     assert re.search(r"\nfwd flops per GPU: +" + re.escape(number_to_string(gpt_flops())), text)
     assert "depth 3:" not in text and "(qkv)" not in text  # below module_depth=2
@@ -192,8 +200,11 @@ def test_summary_uses_engine_sizes_and_timings() -> None:
     assert "\nbwd latency: " not in plain and "\nsamples/second: " not in plain
     fwd, bwd, step = 0.01, 0.025, 0.005
     prof.timings = {"fwd": fwd, "bwd": bwd, "step": step}
-    lines = {line.split(":")[0]: line.split(":", 1)[1].strip() for line in
-             prof.print_model_profile(detailed=False, output_file="").splitlines() if ": " in line}
+    lines = {
+        line.split(":")[0]: line.split(":", 1)[1].strip()
+        for line in prof.print_model_profile(detailed=False, output_file="").splitlines()
+        if ": " in line
+    }
     flops = gpt_flops()
     assert lines["world size"] == "4" and lines["data parallel size"] == "2" and lines["model parallel size"] == "2"
     assert lines["batch size per GPU"] == str(B)
@@ -201,7 +212,8 @@ def test_summary_uses_engine_sizes_and_timings() -> None:
     assert lines["fwd latency"] == duration_to_string(fwd)
     assert lines["bwd FLOPS per GPU = 3 * fwd flops per GPU / bwd latency"] == flops_to_string(3 * flops / bwd)
     assert lines["fwd+bwd FLOPS per GPU = 4 * fwd flops per GPU / (fwd+bwd latency)"] == flops_to_string(
-        4 * flops / (fwd + bwd))
+        4 * flops / (fwd + bwd)
+    )
     assert lines["iter latency"] == duration_to_string(fwd + bwd + step)
     assert lines["samples/second"] == str(round(B * 2 / (fwd + bwd + step), 2))
 
@@ -232,18 +244,27 @@ def test_measured_peak_flops_is_positive_and_cached(monkeypatch: pytest.MonkeyPa
     assert len(probes) == 2
 
 
-@pytest.mark.parametrize("call, error, names", [
-    (lambda m: get_model_profile(m), ValueError, "input_shape=.*args="),
-    (lambda m: get_model_profile(m, input_shape=(B, D), args=(torch.ones(B, D),)), ValueError, "not both"),
-    (lambda m: get_model_profile(m, input_shape=[B, D]), TypeError,  # type: ignore[arg-type]
-     "input_shape must be a tuple"),
-    (lambda m: get_model_profile(m, input_shape=(B, 0)), ValueError, "positive ints"),
-    (lambda m: get_model_profile(m, args=torch.ones(B, D)), TypeError, r"args=\(x,\)"),  # type: ignore[arg-type]
-    (lambda m: get_model_profile(m, input_shape=(B, D), mode="backward"), ValueError, "mode"),
-    (lambda m: get_model_profile(m, input_shape=(B, D), mode="generate"), ValueError, "model.generate"),
-    (lambda m: get_model_profile(lambda x: x, input_shape=(B, D)), TypeError,  # type: ignore[arg-type]
-     "torch.nn.Module"),
-])
+@pytest.mark.parametrize(
+    "call, error, names",
+    [
+        (lambda m: get_model_profile(m), ValueError, "input_shape=.*args="),
+        (lambda m: get_model_profile(m, input_shape=(B, D), args=(torch.ones(B, D),)), ValueError, "not both"),
+        (
+            lambda m: get_model_profile(m, input_shape=[B, D]),
+            TypeError,  # type: ignore[arg-type]
+            "input_shape must be a tuple",
+        ),
+        (lambda m: get_model_profile(m, input_shape=(B, 0)), ValueError, "positive ints"),
+        (lambda m: get_model_profile(m, args=torch.ones(B, D)), TypeError, r"args=\(x,\)"),  # type: ignore[arg-type]
+        (lambda m: get_model_profile(m, input_shape=(B, D), mode="backward"), ValueError, "mode"),
+        (lambda m: get_model_profile(m, input_shape=(B, D), mode="generate"), ValueError, "model.generate"),
+        (
+            lambda m: get_model_profile(lambda x: x, input_shape=(B, D)),
+            TypeError,  # type: ignore[arg-type]
+            "torch.nn.Module",
+        ),
+    ],
+)
 def test_bad_input_is_named(call: object, error: type[Exception], names: str) -> None:
     with pytest.raises(error, match=names):
         call(nn.Linear(D, D))  # type: ignore[operator]

@@ -21,17 +21,25 @@ class Recorder(torch.nn.Module):
         self.linear = torch.nn.Linear(8, 8)
         self.seen: list[tuple[str, ...]] = []
 
-    def forward(self, pair: tuple[torch.Tensor, torch.Tensor], extra: dict[str, torch.Tensor],
-                ids: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        pair: tuple[torch.Tensor, torch.Tensor],
+        extra: dict[str, torch.Tensor],
+        ids: torch.Tensor,
+        scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         self.seen.append((str(pair[0].dtype), str(extra["x"].dtype), str(ids.dtype), str(scale.dtype)))
         out = self.linear(pair[0] + extra["x"]) + pair[1]
         return out * scale.to(out.dtype) + ids.to(out.dtype).mean()
 
 
 def _train(auto_cast: bool, stage: int) -> dict[str, Any]:
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "fp16": {"enabled": True, "auto_cast": auto_cast, "initial_scale_power": 8}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "fp16": {"enabled": True, "auto_cast": auto_cast, "initial_scale_power": 8},
+    }
     model = Recorder()
     eng, _, _, _ = engine.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(torch.distributed.get_rank())

@@ -67,13 +67,15 @@ def _batches(steps: int, ws: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _micro(batch: tuple[torch.Tensor, torch.Tensor], rank: int, ws: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     start = (k * ws + rank) * MICRO
-    return batch[0][start:start + MICRO], batch[1][start:start + MICRO]
+    return batch[0][start : start + MICRO], batch[1][start : start + MICRO]
 
 
 def _config(stage: int, dtype: str, accum: str | None, gas: int = GAS) -> dict[str, Any]:
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200},
         dtype: {"enabled": True},
     }
@@ -160,13 +162,16 @@ def _rows_of(stage: int, summed: dict[str, torch.Tensor], layouts: list[Any], dt
     for names, layout, rank in layouts:
         flat = torch.zeros(layout.padded_numel, dtype=dtype)
         for name, span in zip(names, layout.params):
-            flat[span.offset:span.end] = summed[name].reshape(-1)
+            flat[span.offset : span.end] = summed[name].reshape(-1)
         if stage == 3:
             start, end = layout.slice_range(0, rank)
             rows.append(flat[start:end])
         else:
-            rows.append(flat.view(layout.num_buckets, layout.bucket_numel)[:, rank * layout.slice_numel:
-                                                                            (rank + 1) * layout.slice_numel])
+            rows.append(
+                flat.view(layout.num_buckets, layout.bucket_numel)[
+                    :, rank * layout.slice_numel : (rank + 1) * layout.slice_numel
+                ]
+            )
     return rows
 
 
@@ -188,8 +193,10 @@ def test_accumulation_over_micro_steps_happens_in_bf16_as_deepspeed_does() -> No
         # The two orders really differ (otherwise this test could not tell them apart).
         other = 3 - stage if stage < 3 else 1
         layouts = results[0]["layouts"]
-        assert not torch.equal(torch.cat([t.reshape(-1) for t in _expected_rows(stage, local, layouts)]),
-                               torch.cat([t.reshape(-1) for t in _expected_rows(other, local, layouts)])), stage
+        assert not torch.equal(
+            torch.cat([t.reshape(-1) for t in _expected_rows(stage, local, layouts)]),
+            torch.cat([t.reshape(-1) for t in _expected_rows(other, local, layouts)]),
+        ), stage
 
 
 # ------------------------------------------------------------------------ accumulation dtype
@@ -226,7 +233,7 @@ def _probe_gradients(dtype: torch.dtype) -> list[torch.Tensor]:
     digits = -int(math.log2(torch.finfo(dtype).eps))  # 7 (bf16), 10 (fp16): b = (1 + j 2^-digits) 2^e
     exponent = torch.arange(PROBE) % 4
     big = (1 + torch.randint(0, 2**digits, (PROBE,), generator=g) / 2**digits) * 2.0**exponent
-    tiny = 2.0**(exponent - digits - 2)
+    tiny = 2.0 ** (exponent - digits - 2)
     return [big.to(dtype)] + [tiny.to(dtype)] * (PROBE_GAS - 1)
 
 
@@ -247,8 +254,9 @@ def _expected_probe_gradient(stage: int, grads: list[torch.Tensor], accum: torch
 def _probe_rows(stage: int, dtype: str, accum: str | None) -> dict[str, Any]:
     """The gradient rows the first step reads after a window of _probe_gradients, and their buffers' dtypes."""
     model = Probe()
-    eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(),
-                                config=_config(stage, dtype, accum, gas=PROBE_GAS))
+    eng, *_ = engine.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(stage, dtype, accum, gas=PROBE_GAS)
+    )
     stage_of: Any = eng._stage
     seen: list[torch.Tensor] = []
     master_step = stage_of.master_step
@@ -270,7 +278,9 @@ def _probe_rows(stage: int, dtype: str, accum: str | None) -> dict[str, Any]:
 
 
 def _probe_every_run() -> dict[tuple[int, str, str | None], dict[str, Any]]:
-    return {(stage, dtype, accum): _probe_rows(stage, dtype, accum) for stage, dtype in RUNS for accum in (None, "fp32")}
+    return {
+        (stage, dtype, accum): _probe_rows(stage, dtype, accum) for stage, dtype in RUNS for accum in (None, "fp32")
+    }
 
 
 def test_gradients_accumulate_in_the_configured_dtype_at_every_stage() -> None:
@@ -288,8 +298,9 @@ def test_gradients_accumulate_in_the_configured_dtype_at_every_stage() -> None:
                 assert rows and all(t.dtype == want for t in rows), f"{where}: the step reads {want} rows"
                 assert all(d == want for d in result["buffers"]), f"{where}: accumulation buffer in {want}"
                 expected = _rows_of(stage, {"w": expected_of[want]}, result["layouts"], want)
-                assert torch.equal(torch.cat([t.reshape(-1) for t in rows]),
-                                   torch.cat([t.reshape(-1) for t in expected])), f"{where}, rank {rank}"
+                assert torch.equal(
+                    torch.cat([t.reshape(-1) for t in rows]), torch.cat([t.reshape(-1) for t in expected])
+                ), f"{where}, rank {rank}"
         # Every element tells the two dtypes apart, so a run accumulating in the wrong one fails above.
         assert (expected_of[low].float() != expected_of[torch.float32]).all(), (stage, dtype)
 

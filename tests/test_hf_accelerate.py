@@ -41,12 +41,31 @@ class Run:
         return torch.load(self.out / f"{name}.pt", weights_only=True)
 
 
-def loop(env: dict[str, str], out: Path, stage: int, world: int, config_optimizer: bool, *flags: str,
-         state_dir: Path | None = None) -> Run:
+def loop(
+    env: dict[str, str],
+    out: Path,
+    stage: int,
+    world: int,
+    config_optimizer: bool,
+    *flags: str,
+    state_dir: Path | None = None,
+) -> Run:
     out.mkdir(parents=True, exist_ok=True)
-    args = ["--stage", str(stage), "--steps", str(STEPS), "--save_at", str(SAVE_AT),
-            "--batch", str(GLOBAL_BATCH // world), "--state_dir", str(state_dir or out / "state"),
-            "--report_dir", str(out), *flags]
+    args = [
+        "--stage",
+        str(stage),
+        "--steps",
+        str(STEPS),
+        "--save_at",
+        str(SAVE_AT),
+        "--batch",
+        str(GLOBAL_BATCH // world),
+        "--state_dir",
+        str(state_dir or out / "state"),
+        "--report_dir",
+        str(out),
+        *flags,
+    ]
     if config_optimizer:
         args.append("--config_optimizer")
     run_script(SCRIPT, args, world, env, out)
@@ -88,8 +107,9 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 
 @pytest.mark.parametrize(("stage", "world", "config_optimizer"), SETUPS)
-def test_accelerate_loop_equals_plain_torch(runs: Callable[[int, int, bool], Run], stage: int, world: int,
-                                            config_optimizer: bool) -> None:
+def test_accelerate_loop_equals_plain_torch(
+    runs: Callable[[int, int, bool], Run], stage: int, world: int, config_optimizer: bool
+) -> None:
     """Losses, pre-clipping grad norms and the full weights from accelerator.get_state_dict (stages 1-2:
     the module's state dict through deepspeed.checkpoint.utils.clone_tensors_for_torch_save; stage 3:
     engine._zero3_consolidated_16bit_state_dict, gathered to rank 0) equal plain torch's."""
@@ -110,8 +130,9 @@ def test_accelerate_loop_equals_plain_torch(runs: Callable[[int, int, bool], Run
 
 
 @pytest.mark.parametrize(("stage", "world", "config_optimizer"), SETUPS)
-def test_free_memory_then_load_state_resumes_exactly(runs: Callable[[int, int, bool], Run], stage: int, world: int,
-                                                     config_optimizer: bool) -> None:
+def test_free_memory_then_load_state_resumes_exactly(
+    runs: Callable[[int, int, bool], Run], stage: int, world: int, config_optimizer: bool
+) -> None:
     """free_memory destroys the engine; a second Accelerator in the same process builds a second engine
     from a differently seeded model, load_state restores weights, Adam state and schedule, and the
     remaining steps repeat the uninterrupted run's losses, grad norms and final weights bit for bit."""
@@ -125,8 +146,9 @@ def test_free_memory_then_load_state_resumes_exactly(runs: Callable[[int, int, b
     assert_same_weights(run.weights("resumed_final"), run.weights("final"), rtol=0)
 
 
-def test_stage3_load_state_in_a_fresh_process(env: dict[str, str], runs: Callable[[int, int, bool], Run],
-                                              tmp_path: Path) -> None:
+def test_stage3_load_state_in_a_fresh_process(
+    env: dict[str, str], runs: Callable[[int, int, bool], Run], tmp_path: Path
+) -> None:
     """The stage-3 save_state folder (config AdamW and WarmupLR) loaded by a new process's first
     Accelerator: steps 4-6 and the final gathered weights equal the uninterrupted run's exactly."""
     whole = runs(3, 2, True)

@@ -63,8 +63,9 @@ def env(deepspeed_compat: Path) -> dict[str, str]:
 
 
 def test_installed_distribution_is_found_and_every_alias_is_the_engines(env: dict[str, str]) -> None:
-    done = subprocess.run([sys.executable, "-c", ALIASES], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", ALIASES], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
     checks = json.loads(done.stdout.strip().splitlines()[-1])
     assert checks.pop("version") == checks.pop("__version__") == "0.19.8+zeroengine"
     assert checks.pop("lr_schedules") == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
@@ -73,11 +74,14 @@ def test_installed_distribution_is_found_and_every_alias_is_the_engines(env: dic
 
 def test_sequence_parallel_entry_points_are_refused_by_name(env: dict[str, str]) -> None:
     """What Accelerate calls first when ParallelismConfig(sp_backend="deepspeed", sp_size=2) is set."""
-    code = ("from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF\n"
-            "UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None, sequence_parallel_size=2,"
-            " seq_length=128, seq_length_is_variable=True, core_attn_implementation='sdpa', micro_batch_size=1)\n")
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=False)
+    code = (
+        "from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF\n"
+        "UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None, sequence_parallel_size=2,"
+        " seq_length=128, seq_length_is_variable=True, core_attn_implementation='sdpa', micro_batch_size=1)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode != 0
     assert "UnsupportedFeatureError: sequence parallelism (Ulysses/ALST, sequence_parallel_size = 2)" in done.stderr
     assert "set sp_size to 1" in done.stderr
@@ -85,9 +89,27 @@ def test_sequence_parallel_entry_points_are_refused_by_name(env: dict[str, str])
 
 # -------------------------------------------------------------- Trainer options the engine refuses
 def _trainer_fails(env: dict[str, str], tmp_path: Path, world: int, config: Path, *args: str) -> str:
-    cmd = [sys.executable, str(EXAMPLE), "--max_steps", "2", "--report_to", "none", "--save_strategy", "no",
-           "--n_layer", "1", "--n_embd", "32", "--seq_len", "16", "--output_dir", str(tmp_path / "out"),
-           "--deepspeed", str(config), *args]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--max_steps",
+        "2",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--n_layer",
+        "1",
+        "--n_embd",
+        "32",
+        "--seq_len",
+        "16",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--deepspeed",
+        str(config),
+        *args,
+    ]
     if world > 1:
         cmd[1:1] = ["-m", "launcher.zrun", "--nproc_per_node", str(world), "--master_port", str(free_port())]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False)
@@ -123,10 +145,26 @@ def test_trainer_evaluate_then_train_at_stage3_names_the_destroyed_engine(env: d
     (DeepSpeed: AttributeError 'NoneType' object has no attribute 'backward'): the engine's error says
     what happened and what to do."""
     script = ROOT / "tests" / "hf_scripts" / "evaluate_then_train.py"
-    done = subprocess.run([sys.executable, "-m", "launcher.zrun", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), str(ROOT / "configs" / "hf" / "zero3.json"),
-                           str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher.zrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            str(ROOT / "configs" / "hf" / "zero3.json"),
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode != 0 and "trainer.train()" in done.stderr  # evaluate() went through
     assert "DestroyedEngineError: this engine was destroyed" in done.stderr, done.stderr[-3000:]
     assert "train first, or evaluate with a separate Trainer" in done.stderr
@@ -152,10 +190,18 @@ def test_deepspeed_cpu_adam_is_adam_or_adamw(adamw_mode: bool) -> None:
 
 
 def test_fused_adam_is_adamw_by_default_and_refuses_what_it_cannot_compute() -> None:
-    torch.testing.assert_close(_steps(FusedAdam, lr=1e-2, weight_decay=0.1),
-                               _steps(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(_steps(FusedAdam, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
-                               _steps(torch.optim.Adam, lr=1e-2, weight_decay=0.1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        _steps(FusedAdam, lr=1e-2, weight_decay=0.1),
+        _steps(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+        rtol=1e-6,
+        atol=1e-7,
+    )
+    torch.testing.assert_close(
+        _steps(FusedAdam, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+        _steps(torch.optim.Adam, lr=1e-2, weight_decay=0.1),
+        rtol=1e-6,
+        atol=1e-7,
+    )
     with pytest.raises(ValueError, match='"bias_correction": false'):
         FusedAdam([torch.nn.Parameter(torch.ones(1))], bias_correction=False)
     with pytest.raises(RuntimeError, match="AMSGrad"):
@@ -163,23 +209,33 @@ def test_fused_adam_is_adamw_by_default_and_refuses_what_it_cannot_compute() -> 
 
 
 def test_adagrad_and_lion_take_deepspeeds_arguments() -> None:
-    torch.testing.assert_close(_steps(DeepSpeedCPUAdagrad, lr=1e-2, eps=1e-10, weight_decay=0.1,
-                                      fp32_optimizer_states=False),
-                               _steps(torch.optim.Adagrad, lr=1e-2, eps=1e-10, weight_decay=0.1))
-    torch.testing.assert_close(_steps(DeepSpeedCPULion, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
-                               _steps(Lion, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1))
+    torch.testing.assert_close(
+        _steps(DeepSpeedCPUAdagrad, lr=1e-2, eps=1e-10, weight_decay=0.1, fp32_optimizer_states=False),
+        _steps(torch.optim.Adagrad, lr=1e-2, eps=1e-10, weight_decay=0.1),
+    )
+    torch.testing.assert_close(
+        _steps(DeepSpeedCPULion, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+        _steps(Lion, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+    )
     # DeepSpeedCPUAdam's positional order is DeepSpeed's: (params, lr, bias_correction, betas, eps, ...)
     positional = _steps(lambda params: DeepSpeedCPUAdam(params, 1e-2, True, (0.8, 0.9), 1e-6))
-    torch.testing.assert_close(positional, _steps(torch.optim.AdamW, lr=1e-2, betas=(0.8, 0.9), eps=1e-6,
-                                                  weight_decay=0.0), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        positional,
+        _steps(torch.optim.AdamW, lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0),
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 # ------------------------------------------------------------------------ engine behaviour HF relies on
 def test_scheduler_section_without_optimizer_is_not_built() -> None:
     """HF's ZeRO inference deletes "optimizer" from the training config and keeps "scheduler"; DeepSpeed
     builds a schedule only with an optimizer, and so does the engine (it used to refuse the config)."""
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+    }
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     eng, optimizer, _, scheduler = engine.initialize(model=model, config=config)
     try:
@@ -203,8 +259,15 @@ def test_an_applications_process_group_is_destroyed_at_exit(tmp_path: Path) -> N
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
         "import engine\n"
         "eng, *_ = engine.initialize(model=torch.nn.Linear(2, 2), config={'train_micro_batch_size_per_gpu': 1})\n"
-        "print('initialized before exit:', dist.is_initialized())\n")
-    done = subprocess.run([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120, check=True)
+        "print('initialized before exit:', dist.is_initialized())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert "initialized before exit: True" in done.stdout
     assert "initialized at exit: False" in done.stdout

@@ -36,7 +36,8 @@ def test_clone_tensors_for_torch_save_nesting_sharing_and_device() -> None:
     weight = torch.nn.Parameter(torch.randn(3, 2))
     Point = collections.namedtuple("Point", "x y")
     item = collections.OrderedDict(
-        a=weight, tied=weight, nested=[weight[0], (torch.ones(2), "text", 3)], point=Point(torch.zeros(1), 5))
+        a=weight, tied=weight, nested=[weight[0], (torch.ones(2), "text", 3)], point=Point(torch.zeros(1), 5)
+    )
     out = clone_tensors_for_torch_save(item, device="cpu")
     assert type(out) is collections.OrderedDict and list(out) == list(item)
     assert out["a"] is out["tied"]  # tied weights stay one tensor, as in module.state_dict()
@@ -135,6 +136,7 @@ def _hf_prevent_arange_dtype_change(pp: object) -> tuple[object, object]:
 
     def wrapper_without_arange(fn: object, *args: object, **kwargs: object) -> object:
         if fn is pp._orig_torch_arange:
+
             def wrapped_fn(*inner_args: object, **inner_kwargs: object) -> object:
                 if inner_kwargs.get("device") is None:
                     inner_kwargs["device"] = kwargs["target_device"]  # KeyError unless passed as a keyword
@@ -151,9 +153,14 @@ def _constructors_under_init() -> dict[str, object]:
 
     with engine.zero.Init(dtype=torch.bfloat16):
         model = _Rope()
-        inside = {"zeros": torch.zeros(2).dtype, "tensor": torch.tensor([1.5]).dtype, "full": torch.full((1,), 2.0).dtype,
-                  "ones_fp32": torch.ones(1, dtype=torch.float32).dtype, "long": torch.tensor([1]).dtype,
-                  "grad_leaf": torch.zeros(2, requires_grad=True).is_leaf}
+        inside = {
+            "zeros": torch.zeros(2).dtype,
+            "tensor": torch.tensor([1.5]).dtype,
+            "full": torch.full((1,), 2.0).dtype,
+            "ones_fp32": torch.ones(1, dtype=torch.float32).dtype,
+            "long": torch.tensor([1]).dtype,
+            "grad_leaf": torch.zeros(2, requires_grad=True).is_leaf,
+        }
     saved, patched = _hf_prevent_arange_dtype_change(pp)
     pp.zero_wrapper_for_fp_tensor_constructor = patched
     try:
@@ -175,8 +182,14 @@ def test_init_dtype_wraps_tensor_constructors_and_honours_a_patched_wrapper() ->
         assert result["weight_shard"] is torch.bfloat16
         # Made without a dtype: Init's; an explicit fp32 (a RoPE inv_freq) is kept; integers are left alone.
         assert result["buffers"] == {"inv_freq": torch.float32, "steps": torch.bfloat16, "index": torch.int64}
-        assert result["inside"] == {"zeros": torch.bfloat16, "tensor": torch.bfloat16, "full": torch.bfloat16,
-                                    "ones_fp32": torch.float32, "long": torch.int64, "grad_leaf": True}
+        assert result["inside"] == {
+            "zeros": torch.bfloat16,
+            "tensor": torch.bfloat16,
+            "full": torch.bfloat16,
+            "ones_fp32": torch.float32,
+            "long": torch.int64,
+            "grad_leaf": True,
+        }
         # transformers' patch of the module attribute reaches Init: arange unwrapped, the rest still bf16.
         assert result["hf"] == (torch.float32, torch.bfloat16)
         assert result["restored"]
@@ -191,9 +204,12 @@ def _overflow_flags(precision: str, stages: list[int]) -> dict[int, list[object]
     rank = torch.distributed.get_rank()
     out: dict[int, list[object]] = {}
     for stage in stages:
-        config = {"train_micro_batch_size_per_gpu": 2,
-                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                  "zero_optimization": {"stage": stage}, **({precision: {"enabled": True}} if precision != "fp32" else {})}
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage},
+            **({precision: {"enabled": True}} if precision != "fp32" else {}),
+        }
         eng, opt, _, _ = engine.initialize(model=make_model(), config=config)
         flags: list[object] = [opt is eng.optimizer, hasattr(opt, "overflow") and opt.overflow]
         for poison in (False, True, False):  # the middle step overflows on rank 1 only
@@ -257,8 +273,12 @@ def _consolidated_16bit(stage: int, gather_flag: bool | None) -> dict[str, objec
     zero: dict[str, object] = {"stage": stage}
     if gather_flag is not None:
         zero["stage3_gather_16bit_weights_on_model_save"] = gather_flag
-    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    }
     eng, *_ = engine.initialize(model=_tied_lm(seed=torch.distributed.get_rank()), config=config)
     out: dict[str, object] = {"flag": eng.zero_gather_16bit_weights_on_model_save()}
     if stage != 3:
@@ -275,14 +295,17 @@ def _consolidated_16bit(stage: int, gather_flag: bool | None) -> dict[str, objec
     if state is None:
         return {**out, "state": None, "trainable": trainable}
     reference = _tied_lm(seed=0).state_dict()  # rank 0's model is the one every rank trains
-    out.update({
-        "keys": list(state), "reference_keys": list(reference),
-        "dtypes": {k: v.dtype for k, v in state.items()},
-        "devices": {v.device.type for v in state.values()},
-        "equal": all(torch.equal(state[k].float(), reference[k].to(state[k].dtype).float()) for k in reference),
-        "tied": state["embed.weight"] is state["head.weight"],
-        "trainable_keys": list(trainable),
-    })
+    out.update(
+        {
+            "keys": list(state),
+            "reference_keys": list(reference),
+            "dtypes": {k: v.dtype for k, v in state.items()},
+            "devices": {v.device.type for v in state.values()},
+            "equal": all(torch.equal(state[k].float(), reference[k].to(state[k].dtype).float()) for k in reference),
+            "tied": state["embed.weight"] is state["head.weight"],
+            "trainable_keys": list(trainable),
+        }
+    )
     return out
 
 
@@ -346,9 +369,11 @@ def test_stage3_without_optimizer_evaluates_partitioned() -> None:
             assert result["returned"] == (None, None, None)
             assert result["equal"] and result["partitioned"] and result["equal_after"]
             backward, step = result["errors"]
-            assert backward.startswith("engine.backward() needs an optimizer, and this engine "
-                                       "(zero_optimization.stage 3) was built without one")
-            assert step.startswith("engine.step() needs an optimizer") and "add an \"optimizer\" section" in step
+            assert backward.startswith(
+                "engine.backward() needs an optimizer, and this engine "
+                "(zero_optimization.stage 3) was built without one"
+            )
+            assert step.startswith("engine.step() needs an optimizer") and 'add an "optimizer" section' in step
 
 
 def test_stages_0_to_2_without_optimizer_evaluate() -> None:

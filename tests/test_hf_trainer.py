@@ -28,9 +28,32 @@ import torch
 from hf_clients import EXAMPLE, ROOT, client_env, eval_loss, grad_norms, run_script, train_losses, write_config
 
 STEPS = 8
-COMMON = ["--max_steps", str(STEPS), "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
-          "--disable_tqdm", "true", "--seed", "7", "--learning_rate", "2e-3", "--warmup_steps", "2",
-          "--weight_decay", "0.01", "--n_layer", "2", "--n_embd", "64", "--seq_len", "32"]
+COMMON = [
+    "--max_steps",
+    str(STEPS),
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+    "--seed",
+    "7",
+    "--learning_rate",
+    "2e-3",
+    "--warmup_steps",
+    "2",
+    "--weight_decay",
+    "0.01",
+    "--n_layer",
+    "2",
+    "--n_embd",
+    "64",
+    "--seq_len",
+    "32",
+]
 
 
 @dataclass
@@ -45,8 +68,12 @@ class Run:
 
 
 def batch(world: int, accumulation: int = 1) -> list[str]:
-    return ["--per_device_train_batch_size", str(16 // world // accumulation),
-            "--gradient_accumulation_steps", str(accumulation)]
+    return [
+        "--per_device_train_batch_size",
+        str(16 // world // accumulation),
+        "--gradient_accumulation_steps",
+        str(accumulation),
+    ]
 
 
 def trainer(env: dict[str, str], out: Path, world: int, *args: str, common: list[str] = COMMON) -> Run:
@@ -85,8 +112,9 @@ def assert_matches(got: Run, want: Run, rtol: float) -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_trainer_at_each_stage_equals_plain_trainer(env: dict[str, str], initial: Path, reference: Run,
-                                                    tmp_path: Path, stage: int, world: int) -> None:
+def test_trainer_at_each_stage_equals_plain_trainer(
+    env: dict[str, str], initial: Path, reference: Run, tmp_path: Path, stage: int, world: int
+) -> None:
     """Trainer's own optimizer and schedule handed to initialize, at every stage, 1 and 2 ranks; the
     model saved at the end (at stage 3 without stage3_gather_16bit_weights_on_model_save, Trainer
     falls back to save_checkpoint in the output folder)."""
@@ -105,23 +133,26 @@ def test_trainer_at_each_stage_equals_plain_trainer(env: dict[str, str], initial
             torch.testing.assert_close(saved[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_trainer_gradient_accumulation_with_config_optimizer(env: dict[str, str], initial: Path, reference: Run,
-                                                             tmp_path: Path) -> None:
+def test_trainer_gradient_accumulation_with_config_optimizer(
+    env: dict[str, str], initial: Path, reference: Run, tmp_path: Path
+) -> None:
     """An optimizer section in the config ("auto" params: the engine builds AdamW) with Trainer's own
     schedule (no scheduler section: HF hands initialize a callable), 2 accumulation steps of 4 per rank."""
     config = write_config(tmp_path / "ds.json", 1, optimizer=True)
     spec = json.loads(config.read_text())
     del spec["scheduler"]
     config.write_text(json.dumps(spec))
-    got = trainer(env, tmp_path / "out", 2, *batch(2, accumulation=2), "--init_from", str(initial), "--deepspeed",
-                  str(config))
+    got = trainer(
+        env, tmp_path / "out", 2, *batch(2, accumulation=2), "--init_from", str(initial), "--deepspeed", str(config)
+    )
     assert_matches(got, reference, rtol=1e-4)
 
 
 def test_trainer_bf16(env: dict[str, str], initial: Path, reference: Run, tmp_path: Path) -> None:
     config = write_config(tmp_path / "ds.json", 2)
-    got = trainer(env, tmp_path / "out", 2, *batch(2), "--bf16", "true", "--init_from", str(initial), "--deepspeed",
-                  str(config))
+    got = trainer(
+        env, tmp_path / "out", 2, *batch(2), "--bf16", "true", "--init_from", str(initial), "--deepspeed", str(config)
+    )
     assert got.report["log_history"][0]["loss"] != train_losses(reference.report)[0]  # bf16 really computed
     assert_matches(got, reference, rtol=2e-2)
 
@@ -135,8 +166,16 @@ def test_trainer_resume_gives_the_uninterrupted_losses(env: dict[str, str], tmp_
     config = str(ROOT / "configs" / "hf" / "zero3.json")
     common = [c if c != "no" else "steps" for c in COMMON]  # --save_strategy steps
     whole = trainer(env, tmp_path / "whole", 2, *batch(2), "--deepspeed", config, "--save_steps", "4", common=common)
-    resumed = trainer(env, tmp_path / "resumed", 2, *batch(2), "--deepspeed", config, "--resume_from_checkpoint",
-                      str(whole.out / "checkpoint-4"))
+    resumed = trainer(
+        env,
+        tmp_path / "resumed",
+        2,
+        *batch(2),
+        "--deepspeed",
+        config,
+        "--resume_from_checkpoint",
+        str(whole.out / "checkpoint-4"),
+    )
     assert whole.report["partitioned_at_build"] == whole.report["params"] > 0
     history = [h for h in resumed.report["log_history"] if "loss" in h and h["step"] > 4]
     assert [h["step"] for h in history] == [5, 6, 7, 8]
@@ -144,8 +183,13 @@ def test_trainer_resume_gives_the_uninterrupted_losses(env: dict[str, str], tmp_
     assert grad_norms({"log_history": history}) == grad_norms(whole.report)[4:]
 
     consolidated = tmp_path / "consolidated.pt"
-    subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(whole.out / "checkpoint-8"),
-                    str(consolidated)], check=True, cwd=ROOT, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "engine.checkpoint.consolidate", str(whole.out / "checkpoint-8"), str(consolidated)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+    )
     want = torch.load(consolidated, weights_only=True)
     saved = whole.weights()
     assert set(saved) <= set(want) and saved  # safetensors drops the tied lm_head.weight alias
@@ -159,8 +203,18 @@ def test_stage3_zero_inference_before_training(env: dict[str, str], initial: Pat
     equals plain Trainer's evaluation of the same model."""
     config = str(ROOT / "configs" / "hf" / "zero3.json")
     plain = trainer(env, tmp_path / "plain", 1, "--init_from", str(initial), "--evaluate_only", "true")
-    zero = trainer(env, tmp_path / "zero", 2, *batch(2), "--init_from", str(initial), "--evaluate_only", "true",
-                   "--deepspeed", config)
+    zero = trainer(
+        env,
+        tmp_path / "zero",
+        2,
+        *batch(2),
+        "--init_from",
+        str(initial),
+        "--evaluate_only",
+        "true",
+        "--deepspeed",
+        config,
+    )
     assert zero.report["partitioned_at_build"] == zero.report["params"] > 0
     assert plain.report["partitioned_at_build"] == 0
     torch.testing.assert_close(eval_loss(zero.report), eval_loss(plain.report), rtol=1e-5, atol=0)

@@ -50,8 +50,11 @@ def _variant_model(variant: str, rank: int) -> torch.nn.Module:
 
 def _initialize_different(stage: int, variant: str) -> str:
     rank = torch.distributed.get_rank()
-    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+    }
     try:
         engine.initialize(model=_variant_model(variant, rank), config=cfg)
     except RankMismatchError as err:
@@ -60,8 +63,9 @@ def _initialize_different(stage: int, variant: str) -> str:
 
 
 # Shapes and extra layers at every stage; frozen and dtype differences (the same check) at two.
-CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("shape", "extra layer")] + \
-    [(stage, variant) for stage in (0, 3) for variant in ("frozen", "dtype")]
+CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("shape", "extra layer")] + [
+    (stage, variant) for stage in (0, 3) for variant in ("frozen", "dtype")
+]
 
 
 @pytest.mark.parametrize(("stage", "variant"), CASES)
@@ -69,13 +73,13 @@ def test_ranks_that_built_different_models_are_stopped(stage: int, variant: str)
     messages = run_distributed(_initialize_different, world_size=2, args=(stage, variant), timeout=60)
     expected = {
         "shape": "parameter 'blocks.0.weight' (shape [8, 8], float32, requires_grad) on rank 0 is parameter "
-                 "'blocks.0.weight' (shape [16, 16], float32, requires_grad) on rank 1",
+        "'blocks.0.weight' (shape [16, 16], float32, requires_grad) on rank 1",
         "extra layer": "parameter 'extra.weight' (shape [4, 4], float32, requires_grad) exists on rank 1 but not "
-                       "on rank 0",
+        "on rank 0",
         "frozen": "parameter 'head.weight' (shape [4, 8], float32, requires_grad) on rank 0 is parameter "
-                  "'head.weight' (shape [4, 8], float32, frozen) on rank 1",
+        "'head.weight' (shape [4, 8], float32, frozen) on rank 1",
         "dtype": "(shape [8, 8], float32, requires_grad) on rank 0 is parameter 'blocks.0.weight' (shape [8, 8], "
-                 "float64",
+        "float64",
     }[variant]
     for rank, message in enumerate(messages):
         assert message.startswith("the ranks built different models: "), f"rank {rank}: {message}"
@@ -86,8 +90,14 @@ def test_ranks_that_built_different_models_are_stopped(stage: int, variant: str)
 def _one_rank_differs_of_four() -> str:
     rank = torch.distributed.get_rank()
     try:
-        engine.initialize(model=Net(extra=rank == 2), config={"train_batch_size": 4, "zero_optimization": {"stage": 3},
-                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        engine.initialize(
+            model=Net(extra=rank == 2),
+            config={
+                "train_batch_size": 4,
+                "zero_optimization": {"stage": 3},
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            },
+        )
     except RankMismatchError as err:
         return str(err)
     return "initialize returned"
@@ -115,13 +125,14 @@ def _check_retry_results(lines: list[str]) -> None:
         rank, results = report["rank"], report["results"]
         assert len(results) == 9, results
         for i in range(3):
-            lamb, alone, ok = results[3 * i: 3 * i + 3]
+            lamb, alone, ok = results[3 * i : 3 * i + 3]
             assert lamb.startswith("ConfigError: optimizer Lamb at zero_optimization.stage 1"), lamb
             if rank == 1:
                 assert alone.startswith("ConfigError: ") and "train_batch_sizee" in alone, alone
             else:
-                assert alone.startswith("RankMismatchError: engine.initialize failed on rank(s) [1] (rank 1: "
-                                        "ConfigError: "), alone
+                assert alone.startswith(
+                    "RankMismatchError: engine.initialize failed on rank(s) [1] (rank 1: ConfigError: "
+                ), alone
                 assert "train_batch_sizee" in alone
             assert ok.startswith("trained "), ok
             trained.append(ok)
@@ -132,9 +143,24 @@ def _check_retry_results(lines: list[str]) -> None:
 def test_failed_initialize_is_retried_under_zrun() -> None:
     # zrun's agent hosts the store and keeps it across groups: a re-created group hung half the time.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ZERO_ENGINE_OPS": "fallback"}
-    r = subprocess.run([sys.executable, "-m", "launcher.zrun", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), str(RETRY_SCRIPT)], capture_output=True, text=True, timeout=180, env=env,
-                       cwd=ROOT, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher.zrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(RETRY_SCRIPT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [line.removeprefix("[rank1]:") for line in r.stdout.splitlines() if '"results"' in line]
     _check_retry_results(lines)
@@ -144,10 +170,25 @@ def test_failed_initialize_is_retried_without_a_launcher_agent() -> None:
     # No agent (mpirun-style environment variables only): rank 0's process hosts the store.
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
-    env.update(PYTHONPATH=str(ROOT), ZERO_ENGINE_OPS="fallback", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=port, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(RETRY_SCRIPT)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(2)]
+    env.update(
+        PYTHONPATH=str(ROOT),
+        ZERO_ENGINE_OPS="fallback",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        OMP_NUM_THREADS="1",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RETRY_SCRIPT)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for r in range(2)
+    ]
     outputs: list[tuple[Any, Any]] = []
     try:
         outputs = [p.communicate(timeout=180) for p in procs]

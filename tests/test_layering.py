@@ -60,13 +60,19 @@ def _resolve(name: str) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text())
-    exempt = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block)
-              for stmt in block.body for n in ast.walk(stmt)}
+    exempt = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and _is_type_checking(block)
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in exempt:
@@ -90,7 +96,7 @@ def _cycle() -> list[str] | None:
 
     def visit(name: str, path: list[str]) -> list[str] | None:
         if name in path:
-            return path[path.index(name):] + [name]
+            return path[path.index(name) :] + [name]
         if name in done:
             return None
         for imported in sorted(IMPORTS[name]):
@@ -109,8 +115,10 @@ def _cycle() -> list[str] | None:
 
 def test_no_import_cycle_between_modules() -> None:
     cycle = _cycle()
-    assert cycle is None, ("import cycle in engine/ (move the piece both sides need into the lower module, "
-                           "or pass it in as an argument): " + " -> ".join(cycle or []))
+    assert cycle is None, (
+        "import cycle in engine/ (move the piece both sides need into the lower module, "
+        "or pass it in as an argument): " + " -> ".join(cycle or [])
+    )
 
 
 # ------------------------------------------------------------------------------------ layer order
@@ -174,8 +182,9 @@ def test_no_module_imports_from_a_higher_layer() -> None:
                 continue  # named by test_every_package_and_top_level_module_has_a_layer
             if LAYER[theirs] < LAYER[mine] or (LAYER[theirs] == LAYER[mine] and _related(mine, theirs)):
                 continue
-            offenders.append(f"{module} ({mine}, layer {LAYER[mine]}) imports {target} "
-                             f"({theirs}, layer {LAYER[theirs]})")
+            offenders.append(
+                f"{module} ({mine}, layer {LAYER[mine]}) imports {target} ({theirs}, layer {LAYER[theirs]})"
+            )
     assert not offenders, "imports against tests/test_layering.py's LAYERS:\n" + "\n".join(offenders)
 
 
@@ -185,12 +194,18 @@ MAX_LINES = 500
 
 def test_no_file_in_engine_over_500_lines() -> None:
     # A file a reader can hold in one sitting (STYLE.md: picotron's largest is 298, FSDP2's under 1,000).
-    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted(ENGINE.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted(ENGINE.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
     assert not long, f"files in engine/ over {MAX_LINES} lines (split along a real seam):\n" + "\n".join(long)
 
 
 def test_every_package_docstring_says_what_it_owns() -> None:
-    silent = [str(p.relative_to(ROOT)) for p in sorted(ENGINE.rglob("__init__.py"))
-              if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()]
+    silent = [
+        str(p.relative_to(ROOT))
+        for p in sorted(ENGINE.rglob("__init__.py"))
+        if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()
+    ]
     assert not silent, "packages whose __init__.py has no docstring saying what the package owns: " + ", ".join(silent)

@@ -64,8 +64,8 @@ def test_rank_pieces_cover_every_element_once(case: tuple[GroupLayout, list, int
         occupied = np.zeros(layout.shard_numel, dtype=np.int64)
         for piece in pieces:
             _check_piece(layout, piece)
-            counts[piece.param][piece.param_offset:piece.param_offset + piece.numel] += 1
-            occupied[piece.shard_offset:piece.shard_offset + piece.numel] += 1
+            counts[piece.param][piece.param_offset : piece.param_offset + piece.numel] += 1
+            occupied[piece.shard_offset : piece.shard_offset + piece.numel] += 1
             # Both ends of the run hold the elements the piece says they do.
             last = piece.numel - 1
             assert layout.element_at(rank, piece.shard_offset) == (piece.param, piece.param_offset)
@@ -174,8 +174,11 @@ def test_structure(case: tuple[GroupLayout, list, int]) -> None:
         if span.numel == 0:
             assert len(buckets) == 0
             continue
-        expected = [b for b in range(layout.num_buckets)
-                    if span.offset < (b + 1) * layout.bucket_numel and b * layout.bucket_numel < span.end]
+        expected = [
+            b
+            for b in range(layout.num_buckets)
+            if span.offset < (b + 1) * layout.bucket_numel and b * layout.bucket_numel < span.end
+        ]
         assert list(buckets) == expected
         for b in range(layout.num_buckets):
             assert (span.index in layout.params_in(b)) == (b in buckets)
@@ -198,24 +201,25 @@ def test_strided_shard_views_hold_the_pieces(case: tuple[GroupLayout, list, int]
         params = [torch.randint(-128, 128, s, generator=gen, dtype=dtype) for s in shapes]
     flat = torch.full((layout.padded_numel,), 7, dtype=dtype)
     for span, p in zip(layout.params, params, strict=True):
-        flat[span.offset:span.end] = p.reshape(-1)
+        flat[span.offset : span.end] = p.reshape(-1)
     held = 0
     for rank in range(layout.world_size):
-        view = flat.as_strided((layout.num_buckets, layout.slice_numel), (layout.bucket_numel, 1),
-                               rank * layout.slice_numel)
+        view = flat.as_strided(
+            (layout.num_buckets, layout.slice_numel), (layout.bucket_numel, 1), rank * layout.slice_numel
+        )
         shard = view.reshape(-1)
         assert shard.numel() == layout.shard_numel
         for piece in layout.rank_pieces(rank):
-            expected = params[piece.param].reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
-            assert torch.equal(shard[piece.shard_offset:piece.shard_offset + piece.numel], expected)
+            expected = params[piece.param].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
+            assert torch.equal(shard[piece.shard_offset : piece.shard_offset + piece.numel], expected)
             held += piece.numel
         # Writing through the view reaches the flat buffer (the shard is the optimizer's master copy).
         view.add_(0)
     assert held == layout.numel
     for span, p in zip(layout.params, params, strict=True):
-        assert torch.equal(flat[span.offset:span.end], p.reshape(-1))
+        assert torch.equal(flat[span.offset : span.end], p.reshape(-1))
     # Everything past the last parameter is padding, untouched.
-    assert (flat[layout.numel:] == 7).all()
+    assert (flat[layout.numel :] == 7).all()
 
 
 # ----------------------------------------------------------------------------------------------- examples

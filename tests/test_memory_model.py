@@ -48,8 +48,12 @@ def _config(stage: int, dtype: str, accum: str | None) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
-                              "overlap_comm": True},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": BUCKET,
+            "allgather_bucket_size": BUCKET,
+            "overlap_comm": True,
+        },
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
@@ -67,19 +71,36 @@ def _measure_every_combination() -> list[dict[str, Any]]:
         for dtype, accum in PRECISIONS:
             torch.manual_seed(0)
             model = Blocks()
-            estimate = engine.estimate_memory(model, stage=stage, world_size=ws, dtype=dtype, grad_accum_dtype=accum,
-                                              optimizer="adamw", bucket_size=BUCKET)
-            eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(),
-                                        config=_config(stage, dtype, accum))
+            estimate = engine.estimate_memory(
+                model,
+                stage=stage,
+                world_size=ws,
+                dtype=dtype,
+                grad_accum_dtype=accum,
+                optimizer="adamw",
+                bucket_size=BUCKET,
+            )
+            eng, *_ = engine.initialize(
+                model=model, model_parameters=model.parameters(), config=_config(stage, dtype, accum)
+            )
             model_dtype = eng.module.inp.weight.dtype
             for _ in range(2):  # the second step runs with the optimizer state in place
                 x = torch.randn(4, 5).to(model_dtype)
                 eng.backward(eng(x).float().square().mean())
                 eng.step()
             assert eng.was_step_applied()
-            rows.append({"stage": stage, "dtype": dtype, "accum": accum, "report": eng.memory_report(),
-                         "estimate": {k: getattr(estimate, k) for k in MODEL_STATES},
-                         "numel": estimate.numel, "padded": estimate.padded_numel, "shard": estimate.shard_numel})
+            rows.append(
+                {
+                    "stage": stage,
+                    "dtype": dtype,
+                    "accum": accum,
+                    "report": eng.memory_report(),
+                    "estimate": {k: getattr(estimate, k) for k in MODEL_STATES},
+                    "numel": estimate.numel,
+                    "padded": estimate.padded_numel,
+                    "shard": estimate.shard_numel,
+                }
+            )
             eng.destroy()
     return rows
 

@@ -16,8 +16,11 @@ from engine.unsupported import UnsupportedFeatureError
 from tests.distributed import run_distributed
 from tests.models import make_model
 
-CONFIG = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
 
 
 def _second_engine(second_stage: int) -> dict[str, Any]:

@@ -27,24 +27,43 @@ from tests.distributed import run_distributed
 
 STEPS, MICRO, WORLD = 3, 2, 2
 SAMPLES = [MICRO * WORLD * (s + 1) for s in range(STEPS)]
-DEEPSPEED_EVENTS = ["Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scale",
-                    "Train/Samples/elapsed_time_ms_forward", "Train/Samples/elapsed_time_ms_backward",
-                    "Train/Samples/elapsed_time_ms_step"]
-OWN_EVENTS = ["Train/Samples/grad_norm", "Train/Samples/comm_bytes", "Train/Samples/memory/params",
-              "Train/Samples/memory/gradients", "Train/Samples/memory/optimizer_state"]
+DEEPSPEED_EVENTS = [
+    "Train/Samples/train_loss",
+    "Train/Samples/lr",
+    "Train/Samples/loss_scale",
+    "Train/Samples/elapsed_time_ms_forward",
+    "Train/Samples/elapsed_time_ms_backward",
+    "Train/Samples/elapsed_time_ms_step",
+]
+OWN_EVENTS = [
+    "Train/Samples/grad_norm",
+    "Train/Samples/comm_bytes",
+    "Train/Samples/memory/params",
+    "Train/Samples/memory/gradients",
+    "Train/Samples/memory/optimizer_state",
+]
 
 
 def _config(root: str) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "wall_clock_breakdown": True,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "fp16": {"enabled": True, "initial_scale_power": 8},
-            "zero_optimization": {"stage": 2},
-            "csv_monitor": {"enabled": True, "output_path": os.path.join(root, "csv"), "job_name": "job"},
-            "tensorboard": {"enabled": True, "output_path": os.path.join(root, "tb"), "job_name": "job"},
-            "wandb": {"enabled": True, "project": "zero-engine-test"},
-            "comet": {"enabled": True, "online": False, "project": "zero-engine-test", "samples_log_interval": 1,
-                      "experiment_name": "job"},
-            "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": os.path.join(root, "profile.txt")}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "wall_clock_breakdown": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "fp16": {"enabled": True, "initial_scale_power": 8},
+        "zero_optimization": {"stage": 2},
+        "csv_monitor": {"enabled": True, "output_path": os.path.join(root, "csv"), "job_name": "job"},
+        "tensorboard": {"enabled": True, "output_path": os.path.join(root, "tb"), "job_name": "job"},
+        "wandb": {"enabled": True, "project": "zero-engine-test"},
+        "comet": {
+            "enabled": True,
+            "online": False,
+            "project": "zero-engine-test",
+            "samples_log_interval": 1,
+            "experiment_name": "job",
+        },
+        "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": os.path.join(root, "profile.txt")},
+    }
 
 
 def _train(root: str) -> dict[str, Any]:
@@ -76,8 +95,8 @@ def _wandb_history(run_file: str) -> list[dict[str, Any]]:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        fragments += data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        fragments += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # full, or the last fragment
             records.append(fragments)
@@ -87,14 +106,19 @@ def _wandb_history(run_file: str) -> list[dict[str, Any]]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return history
 
 
 def test_every_writer_gets_the_events_once_from_rank_0(tmp_path: Path) -> None:
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
-           "COMET_OFFLINE_DIRECTORY": str(tmp_path / "comet")}
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+        "COMET_OFFLINE_DIRECTORY": str(tmp_path / "comet"),
+    }
     results = run_distributed(_train, WORLD, args=(str(tmp_path),), env=env, timeout=240)
     want = results[0]
     expected_tags = DEEPSPEED_EVENTS + OWN_EVENTS
@@ -157,19 +181,24 @@ def test_every_writer_gets_the_events_once_from_rank_0(tmp_path: Path) -> None:
     assert all(math.isfinite(loss) for loss in want["losses"])
 
 
-@pytest.mark.parametrize("section, module, extra", [("tensorboard", "tensorboard", "tensorboard"),
-                                                    ("wandb", "wandb", "wandb"), ("comet", "comet_ml", "comet")])
+@pytest.mark.parametrize(
+    "section, module, extra",
+    [("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"), ("comet", "comet_ml", "comet")],
+)
 def test_a_writer_without_its_package_is_a_config_error_naming_the_pip_command(
-        monkeypatch: pytest.MonkeyPatch, section: str, module: str, extra: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, section: str, module: str, extra: str
+) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
     model = torch.nn.Linear(4, 4)
-    config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              section: {"enabled": True}}
-    with pytest.raises(ConfigError, match=rf"{section}.enabled is true but the {module} package is not installed: "
-                                          rf"pip install 'zero-engine\[{extra}\]'"):
+    config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, section: {"enabled": True}}
+    with pytest.raises(
+        ConfigError,
+        match=rf"{section}.enabled is true but the {module} package is not installed: "
+        rf"pip install 'zero-engine\[{extra}\]'",
+    ):
         engine.initialize(model=model, model_parameters=model.parameters(), config=config)
     monkeypatch.undo()
     config[section] = {"enabled": False}  # the failed call left the process able to try again
@@ -177,13 +206,18 @@ def test_a_writer_without_its_package_is_a_config_error_naming_the_pip_command(
     eng.destroy()
 
 
-def test_progress_log_shows_tflops_and_mfu_after_the_profiled_step(caplog: pytest.LogCaptureFixture,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_log_shows_tflops_and_mfu_after_the_profiled_step(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "flops_profiler": {"enabled": True, "profile_step": 2, "module_depth": 1, "detailed": False}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "flops_profiler": {"enabled": True, "profile_step": 2, "module_depth": 1, "detailed": False},
+    }
     eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=config)
     with caplog.at_level(logging.INFO, logger="engine"):
         for _ in range(4 * 2):

@@ -16,8 +16,14 @@ from engine import NonFiniteGradientError
 
 # (precision, gradient_clipping, check_for_nan_in_loss_and_grad): each runs three steps at 2 ranks, rank 1's
 # loss NaN at step 2. Clipping off still finds it: the global norm is computed at every step.
-_CASES = [("fp32", 1.0, False), ("fp32", 0.0, False), ("bf16", 1.0, False), ("bf16", 0.0, False),
-          ("fp32", 0.0, True), ("bf16", 1.0, True)]
+_CASES = [
+    ("fp32", 1.0, False),
+    ("fp32", 0.0, False),
+    ("bf16", 1.0, False),
+    ("bf16", 0.0, False),
+    ("fp32", 0.0, True),
+    ("bf16", 1.0, True),
+]
 
 
 class _Records(logging.Handler):
@@ -35,8 +41,13 @@ def _snapshot(eng: Any) -> list[torch.Tensor]:
         weights = [p.detach().float().clone() for p in eng.module.parameters()]
     opt = eng.optimizer
     masters = [p.detach().clone() for group in opt.param_groups for p in group["params"]]
-    state = [v.detach().clone() for group in opt.param_groups for p in group["params"]
-             for v in opt.state.get(p, {}).values() if torch.is_tensor(v)]
+    state = [
+        v.detach().clone()
+        for group in opt.param_groups
+        for p in group["params"]
+        for v in opt.state.get(p, {}).values()
+        if torch.is_tensor(v)
+    ]
     return weights + masters + state
 
 
@@ -55,10 +66,15 @@ def _one_step(eng: Any, g: torch.Generator, dtype: torch.dtype, nan: bool) -> No
 def _run(stage: int, precision: str, clip: float, stop: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": clip, "bf16": {"enabled": precision == "bf16"},
-           "check_for_nan_in_loss_and_grad": stop, "zero_optimization": {"stage": stage},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": clip,
+        "bf16": {"enabled": precision == "bf16"},
+        "check_for_nan_in_loss_and_grad": stop,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+    }
     eng, *_ = engine.initialize(model=model, config=cfg)
     records = _Records()
     logging.getLogger("engine").addHandler(records)
@@ -74,13 +90,21 @@ def _run(stage: int, precision: str, clip: float, stop: bool) -> dict[str, Any]:
         except NonFiniteGradientError as err:
             error = str(err)
         after = _snapshot(eng)
-        out = {"error": error, "unchanged": _same(before, after), "lr_unchanged": eng.get_lr() == lr,
-               "steps": (eng.global_steps, eng.skipped_steps), "finite": all(t.isfinite().all() for t in after)}
+        out = {
+            "error": error,
+            "unchanged": _same(before, after),
+            "lr_unchanged": eng.get_lr() == lr,
+            "steps": (eng.global_steps, eng.skipped_steps),
+            "finite": all(t.isfinite().all() for t in after),
+        }
         _one_step(eng, g, dtype, nan=False)  # step 3 (step 2 again after the error): training goes on
         final = _snapshot(eng)
-        out.update(moved=not _same(after, final), finite_after=all(t.isfinite().all() for t in final),
-                   steps_after=(eng.global_steps, eng.skipped_steps),
-                   warnings=[m for m in records.messages if "gradient norm" in m])
+        out.update(
+            moved=not _same(after, final),
+            finite_after=all(t.isfinite().all() for t in final),
+            steps_after=(eng.global_steps, eng.skipped_steps),
+            warnings=[m for m in records.messages if "gradient norm" in m],
+        )
         return out
     finally:
         logging.getLogger("engine").removeHandler(records)
@@ -107,10 +131,12 @@ def test_nan_loss_on_one_rank_skips_or_stops_the_step_everywhere(stage: int) -> 
             else:
                 assert r["error"] == "", case
                 assert r["steps"] == (2, 1) and r["steps_after"] == (3, 1), case
-                warning = ("step 2: gradient norm is nan (non-finite loss or gradients); the step was skipped: "
-                           "weights and optimizer state are unchanged and the LR schedule did not advance, "
-                           "skipped_steps 1. Set \"check_for_nan_in_loss_and_grad\": true to stop training at "
-                           "such a step instead")
+                warning = (
+                    "step 2: gradient norm is nan (non-finite loss or gradients); the step was skipped: "
+                    "weights and optimizer state are unchanged and the LR schedule did not advance, "
+                    'skipped_steps 1. Set "check_for_nan_in_loss_and_grad": true to stop training at '
+                    "such a step instead"
+                )
                 want = [warning] if rank == 0 else []
                 assert r["warnings"] == want, case
 
@@ -121,9 +147,13 @@ def _stop_inside_a_window() -> dict[str, Any]:
     micro-step, the rerun's first backward was taken as a boundary, and the logged loss kept the NaN)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-           "check_for_nan_in_loss_and_grad": True, "zero_optimization": {"stage": 2},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "check_for_nan_in_loss_and_grad": True,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
     eng, *_ = engine.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     try:
@@ -137,8 +167,13 @@ def _stop_inside_a_window() -> dict[str, Any]:
         _one_step(eng, g, torch.float32, nan=False)
         _one_step(eng, g, torch.float32, nan=False)
         loss = eng.get_loss()
-        return {"raised": raised, "after_error": after_error, "applied": eng.was_step_applied(),
-                "after_rerun": (eng.global_steps, eng.micro_steps), "loss_finite": loss is not None and loss == loss}
+        return {
+            "raised": raised,
+            "after_error": after_error,
+            "applied": eng.was_step_applied(),
+            "after_rerun": (eng.global_steps, eng.micro_steps),
+            "loss_finite": loss is not None and loss == loss,
+        }
     finally:
         eng.destroy()
 

@@ -29,10 +29,17 @@ def _train(stage: int, offload: bool, bf16: bool, optimizer: str) -> dict[str, A
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 200}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    eng, *_ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.1,
-        "optimizer": {"type": optimizer, "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "bf16": {"enabled": bf16}, "zero_optimization": zero})
+    eng, *_ = engine.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": GAS,
+            "gradient_clipping": 0.1,
+            "optimizer": {"type": optimizer, "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "bf16": {"enabled": bf16},
+            "zero_optimization": zero,
+        },
+    )
     dtype = torch.bfloat16 if bf16 else torch.float32
     for batch in global_batches(STEPS, MICRO * GAS * ws):
         for k in range(GAS):
@@ -45,8 +52,9 @@ def _train(stage: int, offload: bool, bf16: bool, optimizer: str) -> dict[str, A
     return {"state": {k: v.float() for k, v in state.items()}, "fused": fused}
 
 
-@pytest.mark.parametrize("stage,ops", [(1, "require"), (2, "require"), (3, "require"), (2, "fallback"),
-                                       (3, "fallback")])
+@pytest.mark.parametrize(
+    "stage,ops", [(1, "require"), (2, "require"), (3, "require"), (2, "fallback"), (3, "fallback")]
+)
 def test_offload_equals_the_run_without_it_fp32(stage: int, ops: str) -> None:
     # Both paths of the extension (ZERO_ENGINE_OPS in the ranks): the compiled fused ops (Adam, the
     # norm, stage 3's gather cast) and their torch fallbacks give the same training.
@@ -81,12 +89,21 @@ def test_offload_with_another_optimizer_runs_its_own_step() -> None:
         torch.testing.assert_close(off["state"][name], want, atol=0, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("zero,message", [
-    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs zero_optimization.stage 1, 2 or 3"),
-    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "NVMe optimizer offload"),
-    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "partial optimizer offload"),
-])
+@pytest.mark.parametrize(
+    "zero,message",
+    [
+        ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs zero_optimization.stage 1, 2 or 3"),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "NVMe optimizer offload"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "partial optimizer offload"),
+    ],
+)
 def test_offload_configs_that_cannot_work_are_refused_by_name(zero: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        engine.initialize(model=make_model(0), config={
-            "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero})
+        engine.initialize(
+            model=make_model(0),
+            config={
+                "train_batch_size": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": zero,
+            },
+        )

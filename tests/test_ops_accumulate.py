@@ -48,32 +48,34 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def operands(n: int, dst_dtype: torch.dtype, src_dtype: torch.dtype, offsets: tuple[int, int],
-             seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def operands(
+    n: int, dst_dtype: torch.dtype, src_dtype: torch.dtype, offsets: tuple[int, int], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dst buffer, dst view, src view): the views start `offsets` elements into bigger buffers whose
     other elements are SENTINEL."""
     dst_off, src_off = offsets
     dst_buf = torch.full((dst_off + n + GUARD,), SENTINEL, dtype=dst_dtype)
-    dst_buf[dst_off:dst_off + n] = make(n, dst_dtype, seed)
+    dst_buf[dst_off : dst_off + n] = make(n, dst_dtype, seed)
     src_buf = torch.full((src_off + n + GUARD,), SENTINEL, dtype=src_dtype)
-    src_buf[src_off:src_off + n] = make(n, src_dtype, seed + 1000)
-    return dst_buf, dst_buf[dst_off:dst_off + n], src_buf[src_off:src_off + n]
+    src_buf[src_off : src_off + n] = make(n, src_dtype, seed + 1000)
+    return dst_buf, dst_buf[dst_off : dst_off + n], src_buf[src_off : src_off + n]
 
 
 @pytest.mark.parametrize("offsets", OFFSETS, ids=[f"offsets{o}" for o in OFFSETS])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scale", SCALES, ids=["1", "1/4", "1/3"])
 @pytest.mark.parametrize(("dst_dtype", "src_dtype"), PAIRS, ids=[f"{d}+={s}".replace("torch.", "") for d, s in PAIRS])
-def test_compiled_matches_torch_bitwise_and_float64(ext: ModuleType, dst_dtype: torch.dtype, src_dtype: torch.dtype,
-                                                    scale: float, n: int, offsets: tuple[int, int]) -> None:
+def test_compiled_matches_torch_bitwise_and_float64(
+    ext: ModuleType, dst_dtype: torch.dtype, src_dtype: torch.dtype, scale: float, n: int, offsets: tuple[int, int]
+) -> None:
     dst_buf, dst, src = operands(n, dst_dtype, src_dtype, offsets, seed=n)
     want_buf = dst_buf.clone()
-    want = want_buf[offsets[0]:offsets[0] + n]
+    want = want_buf[offsets[0] : offsets[0] + n]
     before = dst.double()
     accumulate(dst, src, scale)
     torch_accumulate(want, src, scale)
     assert torch.equal(bits(dst_buf), bits(want_buf)), "the compiled op and the torch path differ"
-    assert dst_buf[:offsets[0]].eq(SENTINEL).all() and dst_buf[offsets[0] + n:].eq(SENTINEL).all()
+    assert dst_buf[: offsets[0]].eq(SENTINEL).all() and dst_buf[offsets[0] + n :].eq(SENTINEL).all()
     # Against exact float64 math: the float32 product and sum round to within float32's unit roundoff
     # of their operands, the cast into a low-precision dst to within that dtype's.
     product = src.double() * scale
@@ -155,8 +157,9 @@ def test_builder_compiles_accumulate_and_its_cache_key_follows_the_source_list()
     assert source in files
     compiler = builder.compiler_version()
     without = [f for f in files if f != source]
-    assert builder.cache_key(files, compiler) != builder.cache_key(without, compiler), \
+    assert builder.cache_key(files, compiler) != builder.cache_key(without, compiler), (
         "a changed source list must change the cache key (and so rebuild)"
+    )
 
 
 def test_cuda_compile_check_covers_accumulate() -> None:
@@ -185,21 +188,39 @@ def bad_calls() -> list[tuple[str, tuple, str]]:
     """(case, args, message pattern), each with exactly one problem."""
     buf = torch.zeros(10)
     return [
-        ("bf16 dst, fp32 src", (torch.zeros(4, dtype=torch.bfloat16), torch.ones(4), 1.0),
-         r"dst bfloat16 with src float32 is not supported; supported: dst float32 with src float32, bfloat16"),
-        ("fp16 dst, bf16 src", (torch.zeros(4, dtype=torch.float16), torch.ones(4, dtype=torch.bfloat16), 1.0),
-         r"dst float16 with src bfloat16 is not supported"),
-        ("fp64 src", (torch.zeros(4), torch.ones(4, dtype=torch.float64), 1.0),
-         r"dst float32 with src float64 is not supported"),
-        ("numel mismatch", (torch.zeros(10), torch.ones(9, dtype=torch.bfloat16), 1.0),
-         r"dst\.numel\(\) = 10 != src\.numel\(\) = 9"),
-        ("non-contiguous src", (torch.zeros(5), torch.ones(10)[::2], 1.0),
-         r"src is not contiguous \(stride .*pass \.contiguous\(\)"),
+        (
+            "bf16 dst, fp32 src",
+            (torch.zeros(4, dtype=torch.bfloat16), torch.ones(4), 1.0),
+            r"dst bfloat16 with src float32 is not supported; supported: dst float32 with src float32, bfloat16",
+        ),
+        (
+            "fp16 dst, bf16 src",
+            (torch.zeros(4, dtype=torch.float16), torch.ones(4, dtype=torch.bfloat16), 1.0),
+            r"dst float16 with src bfloat16 is not supported",
+        ),
+        (
+            "fp64 src",
+            (torch.zeros(4), torch.ones(4, dtype=torch.float64), 1.0),
+            r"dst float32 with src float64 is not supported",
+        ),
+        (
+            "numel mismatch",
+            (torch.zeros(10), torch.ones(9, dtype=torch.bfloat16), 1.0),
+            r"dst\.numel\(\) = 10 != src\.numel\(\) = 9",
+        ),
+        (
+            "non-contiguous src",
+            (torch.zeros(5), torch.ones(10)[::2], 1.0),
+            r"src is not contiguous \(stride .*pass \.contiguous\(\)",
+        ),
         ("non-contiguous dst", (torch.zeros(10)[1::2], torch.ones(5), 1.0), r"dst is not contiguous"),
         ("2-D dst", (torch.zeros(2, 3), torch.ones(6), 1.0), r"dst must be 1-D, got shape"),
         ("partial overlap", (buf[0:6], buf[2:8], 1.0), r"dst and src partially overlap in memory"),
-        ("bf16 view of the fp32 dst", (buf[0:4], buf.view(torch.bfloat16)[0:4], 1.0),
-         r"dst and src partially overlap in memory"),
+        (
+            "bf16 view of the fp32 dst",
+            (buf[0:4], buf.view(torch.bfloat16)[0:4], 1.0),
+            r"dst and src partially overlap in memory",
+        ),
     ]
 
 

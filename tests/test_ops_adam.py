@@ -24,8 +24,17 @@ from engine.optim.adam import ReferenceAdam
 
 KCHUNK = 1 << 14  # zero_engine::kChunk (csrc/cpu/ops.h): sizes below straddle its boundaries
 SIZES = [1, 15, 17, 0, KCHUNK - 1, KCHUNK + 1, 2 * KCHUNK + 33, 5]
-HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True,
-         "step": 3, "bias_correction": True, "grad_scale": 1.0}
+HYPER = {
+    "lr": 1e-2,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "adamw_mode": True,
+    "step": 3,
+    "bias_correction": True,
+    "grad_scale": 1.0,
+}
 
 
 @pytest.fixture
@@ -82,8 +91,9 @@ HYPER_CASES = {
 @pytest.mark.parametrize("case", list(HYPER_CASES))
 @pytest.mark.parametrize("lp_dtype", [None, torch.bfloat16, torch.float16], ids=["no_lp", "lp_bf16", "lp_fp16"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "g16"])
-def test_compiled_matches_fallback(compiled: Any, grad_dtype: torch.dtype, lp_dtype: torch.dtype | None,
-                                   case: str) -> None:
+def test_compiled_matches_fallback(
+    compiled: Any, grad_dtype: torch.dtype, lp_dtype: torch.dtype | None, case: str
+) -> None:
     tensors = _tensors(SIZES, grad_dtype, lp_dtype)
     if HYPER_CASES[case].get("grad_scale", 1.0) < 0.01:  # as if unscaling a loss scale of 1024
         tensors["grads"] = [(g.float() * 1024).to(grad_dtype) for g in tensors["grads"]]
@@ -198,8 +208,14 @@ def test_bad_arguments_are_named(path: str, kind: str, request: pytest.FixtureRe
     tensors, hyper = _bad(kind)
     error, pattern = BAD[kind]
     with pytest.raises(error, match=pattern):  # not through _run: clone() would make tensors contiguous
-        adam_step(tensors["params"], tensors["grads"], tensors["exp_avgs"], tensors["exp_avg_sqs"],
-                  tensors["lp_params"], **{**HYPER, **hyper})
+        adam_step(
+            tensors["params"],
+            tensors["grads"],
+            tensors["exp_avgs"],
+            tensors["exp_avg_sqs"],
+            tensors["lp_params"],
+            **{**HYPER, **hyper},
+        )
 
 
 # ---- CPUAdam against torch's optimizers -------------------------------------------------------------
@@ -216,8 +232,9 @@ def _groups(model: torch.nn.Module) -> list[dict]:
     return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0, "lr": 3e-3}]
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, loss_scale: float = 1.0,
-           **step_kwargs: Any) -> None:
+def _train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, loss_scale: float = 1.0, **step_kwargs: Any
+) -> None:
     """`steps` steps with a StepLR that cuts the LR 3x half-way; the same batches for every call."""
     gen = torch.Generator().manual_seed(1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=max(steps // 2, 1), gamma=1 / 3)

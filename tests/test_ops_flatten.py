@@ -54,8 +54,9 @@ def sources(dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("dst_dtype", DTYPES)
 @pytest.mark.parametrize("src_dtype", DTYPES)
-def test_copy_into_matches_torch_bitwise(ext: ModuleType, src_dtype: torch.dtype, dst_dtype: torch.dtype,
-                                         scale: float) -> None:
+def test_copy_into_matches_torch_bitwise(
+    ext: ModuleType, src_dtype: torch.dtype, dst_dtype: torch.dtype, scale: float
+) -> None:
     srcs = sources(src_dtype)
     offsets, size = layout([s.numel() for s in srcs])
     got = torch.full((size,), SENTINEL, dtype=dst_dtype)
@@ -69,8 +70,9 @@ def test_copy_into_matches_torch_bitwise(ext: ModuleType, src_dtype: torch.dtype
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("dst_dtype", DTYPES)
 @pytest.mark.parametrize("src_dtype", DTYPES)
-def test_copy_out_matches_torch_bitwise(ext: ModuleType, src_dtype: torch.dtype, dst_dtype: torch.dtype,
-                                        scale: float) -> None:
+def test_copy_out_matches_torch_bitwise(
+    ext: ModuleType, src_dtype: torch.dtype, dst_dtype: torch.dtype, scale: float
+) -> None:
     shapes = [(n,) for n in SIZES] + [(3, 4)]
     offsets, size = layout([torch.Size(s).numel() for s in shapes])
     src = make(size, src_dtype, 7)
@@ -88,8 +90,9 @@ STREAM_BYTES = 16 << 20  # zero_engine::kStreamBytes (csrc/cpu/flatten.cpp): lar
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("dst_dtype", DTYPES)
 @pytest.mark.parametrize("src_dtype", DTYPES)
-def test_large_outputs_take_the_streaming_path_bitwise(ext: ModuleType, src_dtype: torch.dtype,
-                                                       dst_dtype: torch.dtype, scale: float) -> None:
+def test_large_outputs_take_the_streaming_path_bitwise(
+    ext: ModuleType, src_dtype: torch.dtype, dst_dtype: torch.dtype, scale: float
+) -> None:
     """Over kStreamBytes of output the copy writes with non-temporal stores from each range's first
     aligned address: odd offsets (unaligned heads), odd sizes (tails) and the gaps must come out exact."""
     sizes = [STREAM_BYTES // 2 // dst_dtype.itemsize + 3, 1, 2 * K + 7, STREAM_BYTES // 2 // dst_dtype.itemsize + 1]
@@ -177,16 +180,32 @@ def bad_calls() -> list[tuple[str, str, tuple, str]]:
     dst, ok = torch.zeros(10), torch.ones(3)
     strided = torch.ones(4, 6)[:, ::2]
     return [
-        ("copy_into", "non-contiguous source", (dst, [ok, strided], [0, 3], 1.0),
-         r"srcs\[1\] is not contiguous \(stride .*pass \.contiguous\(\)"),
-        ("copy_out", "non-contiguous destination", (dst, [torch.zeros(2, 3).t()], [0], 1.0),
-         r"dsts\[0\] is not contiguous \(stride .*pass \.contiguous\(\)"),
-        ("copy_into", "range past the end", (dst, [ok, ok], [0, 8], 1.0),
-         r"offsets\[1\] \+ srcs\[1\]\.numel\(\) = 8 \+ 3 is outside dst \(numel 10\)"),
+        (
+            "copy_into",
+            "non-contiguous source",
+            (dst, [ok, strided], [0, 3], 1.0),
+            r"srcs\[1\] is not contiguous \(stride .*pass \.contiguous\(\)",
+        ),
+        (
+            "copy_out",
+            "non-contiguous destination",
+            (dst, [torch.zeros(2, 3).t()], [0], 1.0),
+            r"dsts\[0\] is not contiguous \(stride .*pass \.contiguous\(\)",
+        ),
+        (
+            "copy_into",
+            "range past the end",
+            (dst, [ok, ok], [0, 8], 1.0),
+            r"offsets\[1\] \+ srcs\[1\]\.numel\(\) = 8 \+ 3 is outside dst \(numel 10\)",
+        ),
         ("copy_out", "negative offset", (dst, [ok], [-1], 1.0), r"offsets\[0\] \+ dsts\[0\]\.numel\(\) = -1 \+ 3"),
         ("copy_into", "offsets length", (dst, [ok, ok], [0], 1.0), r"len\(srcs\) = 2 != len\(offsets\) = 1"),
-        ("copy_into", "unsupported dtype", (dst, [ok.double()], [0], 1.0),
-         r"srcs\[0\] has dtype .*; supported: float32, bfloat16, float16"),
+        (
+            "copy_into",
+            "unsupported dtype",
+            (dst, [ok.double()], [0], 1.0),
+            r"srcs\[0\] has dtype .*; supported: float32, bfloat16, float16",
+        ),
         ("copy_out", "2-D flat buffer", (dst.view(2, 5), [ok], [0], 1.0), r"src must be 1-D"),
     ]
 

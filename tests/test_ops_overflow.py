@@ -44,7 +44,9 @@ def test_matches_torch(ext: ModuleType, dtype: torch.dtype, scale: float) -> Non
 def test_exact_on_a_small_case(ext: ModuleType) -> None:
     # float32(3 * 0.5) = 1.5, float32(-4 * 0.5) = -2: 2.25 + 4 = 6.25, exact in float64
     assert sum_squares_and_overflow([torch.tensor([3.0]), torch.tensor([[-4.0]], dtype=torch.bfloat16)], 0.5) == (
-        6.25, False)
+        6.25,
+        False,
+    )
 
 
 def test_mixed_dtypes_add_up(ext: ModuleType) -> None:
@@ -63,8 +65,13 @@ def test_empty_list_and_zero_size_tensors(ext: ModuleType) -> None:
 # (tensor, element) positions in tensors(): 8 is the 3x4 one (the last), 7 the 1000003-element one, 5 has K + 1
 @pytest.mark.parametrize(
     ("dtype", "tensor", "element", "value"),
-    [(torch.float32, 8, 11, INF), (torch.float16, 7, 1000002, -INF), (torch.bfloat16, 7, 123457, NAN),
-     (torch.bfloat16, 1, 0, INF), (torch.float16, 5, K, NAN)],
+    [
+        (torch.float32, 8, 11, INF),
+        (torch.float16, 7, 1000002, -INF),
+        (torch.bfloat16, 7, 123457, NAN),
+        (torch.bfloat16, 1, 0, INF),
+        (torch.float16, 5, K, NAN),
+    ],
     ids=["fp32-inf-very-last", "fp16-neg-inf-end-of-big", "bf16-nan-middle", "bf16-inf-first", "fp16-nan-2nd-chunk"],
 )
 def test_inf_and_nan_are_found(ext: ModuleType, dtype: torch.dtype, tensor: int, element: int, value: float) -> None:
@@ -110,8 +117,10 @@ def test_compiled_op_is_the_one_used_on_cpu(ext: ModuleType, monkeypatch: pytest
 
 @pytest.mark.parametrize(
     ("bad", "pattern"),
-    [(torch.ones(4, 6)[:, ::2], r"tensors\[1\] is not contiguous \(stride .*pass \.contiguous\(\)"),
-     (torch.ones(3, dtype=torch.float64), r"tensors\[1\] has dtype .*; supported: float32, bfloat16, float16")],
+    [
+        (torch.ones(4, 6)[:, ::2], r"tensors\[1\] is not contiguous \(stride .*pass \.contiguous\(\)"),
+        (torch.ones(3, dtype=torch.float64), r"tensors\[1\] has dtype .*; supported: float32, bfloat16, float16"),
+    ],
     ids=["non-contiguous", "float64"],
 )
 def test_refusals_name_the_tensor(ext: ModuleType, bad: torch.Tensor, pattern: str) -> None:

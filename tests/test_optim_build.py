@@ -69,9 +69,7 @@ def test_adam_defaults_are_deepspeeds() -> None:
 
 
 def test_params_reach_the_optimizer() -> None:
-    opt = _build(
-        "Adam", {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True}
-    )
+    opt = _build("Adam", {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True})
     d = opt.defaults
     assert (d["lr"], d["betas"], d["eps"], d["weight_decay"]) == (3e-4, (0.8, 0.95), 1e-6, 0.1)
     lamb = _build("Lamb", {"lr": 0.01, "max_coeff": 0.3, "min_coeff": 0.02, "bias_correction": False})
@@ -80,9 +78,7 @@ def test_params_reach_the_optimizer() -> None:
         0.02,
         False,
     )
-    sgd = _build(
-        "SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "nesterov": False}
-    )
+    sgd = _build("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "nesterov": False})
     assert (sgd.defaults["momentum"], sgd.defaults["dampening"], sgd.defaults["weight_decay"]) == (
         0.9,
         0.1,

@@ -86,9 +86,7 @@ def test_lamb_eps_inside_sqrt() -> None:
     p.grad = torch.tensor([2.0, 0.0], dtype=torch.float64)
     opt.step()
     # v_hat = [4, 0]; denom = sqrt(v_hat + 1) = [sqrt(5), 1]; update = [2/sqrt(5), 0]; ratio fixed at 1.
-    torch.testing.assert_close(
-        p.detach(), torch.tensor([3.0 - 0.1 * 2 / math.sqrt(5), 4.0], dtype=torch.float64)
-    )
+    torch.testing.assert_close(p.detach(), torch.tensor([3.0 - 0.1 * 2 / math.sqrt(5), 4.0], dtype=torch.float64))
 
 
 def test_lion_step_by_hand() -> None:
@@ -97,9 +95,5 @@ def test_lion_step_by_hand() -> None:
     p.grad = torch.tensor([0.3, -0.2, 0.0], dtype=torch.float64)
     opt.step()
     # m = 0 so the direction is sign(g); decay multiplies p by (1 - 0.1 * 0.5) first.
-    torch.testing.assert_close(
-        p.detach(), torch.tensor([0.95 - 0.1, -0.95 + 0.1, 0.475], dtype=torch.float64)
-    )
-    torch.testing.assert_close(
-        opt.state[p]["exp_avg"], torch.tensor([0.003, -0.002, 0.0], dtype=torch.float64)
-    )
+    torch.testing.assert_close(p.detach(), torch.tensor([0.95 - 0.1, -0.95 + 0.1, 0.475], dtype=torch.float64))
+    torch.testing.assert_close(opt.state[p]["exp_avg"], torch.tensor([0.003, -0.002, 0.0], dtype=torch.float64))

@@ -21,9 +21,13 @@ def test_layout_is_megatrons() -> None:
     assert mpu.layout(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
 
 
-@pytest.mark.parametrize("tp,message", [(3, ("tensor_model_parallel_size 3 does not divide the world size 4; use a "
-                                                "divisor of 4 (1, 2, 4)")),
-                                        (0, "must be an int >= 1")])
+@pytest.mark.parametrize(
+    "tp,message",
+    [
+        (3, ("tensor_model_parallel_size 3 does not divide the world size 4; use a divisor of 4 (1, 2, 4)")),
+        (0, "must be an int >= 1"),
+    ],
+)
 def test_sizes_that_cannot_work_are_named(tp: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         mpu.layout(4, tp)
@@ -37,15 +41,20 @@ def _groups_at_tp2() -> dict[str, Any]:
         "same_again": again is groups,
         "tp": (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(), groups.tp_ranks),
         "dp": (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), groups.dp_ranks),
-        "aliases": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
-                    mpu.get_model_parallel_group() is mpu.get_tensor_model_parallel_group()),
-        "ranks_of_groups": (comm.group_ranks(mpu.get_tensor_model_parallel_group()),
-                            comm.group_ranks(mpu.get_data_parallel_group())),
+        "aliases": (
+            mpu.get_model_parallel_rank(),
+            mpu.get_model_parallel_world_size(),
+            mpu.get_model_parallel_group() is mpu.get_tensor_model_parallel_group(),
+        ),
+        "ranks_of_groups": (
+            comm.group_ranks(mpu.get_tensor_model_parallel_group()),
+            comm.group_ranks(mpu.get_data_parallel_group()),
+        ),
     }
     before = comm.comm_stats()["bytes_sent"]
-    x = torch.tensor([float(10 ** rank)])
+    x = torch.tensor([float(10**rank)])
     comm.all_reduce(x, group=mpu.get_tensor_model_parallel_group())
-    y = torch.tensor([float(10 ** rank)])
+    y = torch.tensor([float(10**rank)])
     comm.all_reduce(y, group=mpu.get_data_parallel_group())
     after = comm.comm_stats()["bytes_sent"]
     out["sums"] = (x.item(), y.item())
@@ -74,7 +83,7 @@ def test_tp2_by_dp2_groups_and_their_collectives() -> None:
         assert got["aliases"] == (rank % 2, 2, True)
         assert got["ranks_of_groups"] == (tp_ranks, dp_ranks)
         # Sums of 10^rank over each group: only the group's members contribute.
-        assert got["sums"] == (sum(10.0 ** r for r in tp_ranks), sum(10.0 ** r for r in dp_ranks))
+        assert got["sums"] == (sum(10.0**r for r in tp_ranks), sum(10.0**r for r in dp_ranks))
         # Each group's traffic is counted under its own name: 2(N-1)/N of 4 bytes with N = 2.
         assert got["counted"] == {"tp.all_reduce": 4, "dp.all_reduce": 4}
         assert "already initialised with tensor_model_parallel_size 2" in got["resize"]
@@ -84,8 +93,13 @@ def test_tp2_by_dp2_groups_and_their_collectives() -> None:
 
 def _groups_at_tp1() -> tuple[Any, ...]:
     groups = mpu.initialize_model_parallel()
-    out = (groups.tp_group, groups.dp_group, mpu.get_data_parallel_world_size(), mpu.get_tensor_model_parallel_rank(),
-           groups.dp_ranks)
+    out = (
+        groups.tp_group,
+        groups.dp_group,
+        mpu.get_data_parallel_world_size(),
+        mpu.get_tensor_model_parallel_rank(),
+        groups.dp_ranks,
+    )
     mpu.destroy_model_parallel()
     return out
 
@@ -109,8 +123,13 @@ def _dp_group_collectives(impl: str) -> dict[str, Any]:
     gathered = torch.empty(4 * n)
     comm.all_gather(gathered, out, group=dp)
     after = comm.comm_stats()["bytes_sent"]
-    result = {"out": out, "acc": acc, "gathered": gathered, "dp_ranks": groups.dp_ranks,
-              "counted": sorted(k for k in after if after[k] != before.get(k, 0))}
+    result = {
+        "out": out,
+        "acc": acc,
+        "gathered": gathered,
+        "dp_ranks": groups.dp_ranks,
+        "counted": sorted(k for k in after if after[k] != before.get(k, 0)),
+    }
     mpu.destroy_model_parallel()
     comm.set_collectives("engine")
     return result
@@ -122,7 +141,7 @@ def test_reduce_scatter_and_all_gather_over_the_data_parallel_group(impl: str) -
         members = got["dp_ranks"]
         position = members.index(rank)
         full = sum(torch.arange(8, dtype=torch.float32) + 100 * r for r in members)
-        mine = full[position * 4:(position + 1) * 4]
+        mine = full[position * 4 : (position + 1) * 4]
         assert torch.equal(got["out"], mine), (impl, rank)
         assert torch.equal(got["acc"], 1 + mine), (impl, rank)
         assert torch.equal(got["gathered"], full), (impl, rank)
@@ -172,8 +191,11 @@ def _read_user_mpus() -> dict[str, Any]:
     for label, user in (("engine.parallel", mpu), ("megatron-style", _MegatronStyleMpu(groups))):
         got = groups_from_mpu(user)
         out[label] = (got.tp_size, got.dp_size, got.tp_rank, got.dp_rank, got.tp_ranks, got.dp_ranks)
-    for label, user in (("missing", _NoDataParallel()), ("lying", _MegatronStyleMpu(groups, True)),
-                        ("oversized", _ThreeWayData(groups))):
+    for label, user in (
+        ("missing", _NoDataParallel()),
+        ("lying", _MegatronStyleMpu(groups, True)),
+        ("oversized", _ThreeWayData(groups)),
+    ):
         try:
             groups_from_mpu(user)
         except ConfigError as e:
@@ -186,10 +208,13 @@ def test_user_mpu_objects_are_read_or_refused_by_name() -> None:
     for rank, got in enumerate(run_distributed(_read_user_mpus, 4)):
         want = (2, 2, rank % 2, rank // 2, (rank - rank % 2, rank - rank % 2 + 1), (rank % 2, rank % 2 + 2))
         assert got["engine.parallel"] == want and got["megatron-style"] == want, rank
-        assert got["missing"].startswith("mpu=_NoDataParallel lacks get_data_parallel_group, "
-                                         "get_data_parallel_world_size, get_data_parallel_rank, "
-                                         "get_model_parallel_group, get_model_parallel_world_size"), got["missing"]
+        assert got["missing"].startswith(
+            "mpu=_NoDataParallel lacks get_data_parallel_group, "
+            "get_data_parallel_world_size, get_data_parallel_rank, "
+            "get_model_parallel_group, get_model_parallel_world_size"
+        ), got["missing"]
         assert "get_data_parallel_world_size/rank() say 2/" in got["lying"], got["lying"]
         assert f"(global rank {rank}) at {rank // 2}" in got["lying"], got["lying"]
-        assert ("says tensor-parallel size 2 x data-parallel size 3 = 6 ranks, but the world has 4"
-                in got["oversized"]), got["oversized"]
+        assert (
+            "says tensor-parallel size 2 x data-parallel size 3 = 6 ranks, but the world has 4" in got["oversized"]
+        ), got["oversized"]

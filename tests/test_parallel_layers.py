@@ -103,8 +103,10 @@ def _generator_errors() -> dict[str, float]:
     tp = mpu.ColumnParallelLinear(HIDDEN, FFN, generator=torch.Generator().manual_seed(5))
     assert torch.equal(torch.get_rng_state(), default_state)
     assert tp.bias is not None
-    return {"generator.weight": _max_err(tp.weight, _rows(dense.weight, 0)),
-            "generator.bias": _max_err(tp.bias, _rows(dense.bias, 0))}
+    return {
+        "generator.weight": _max_err(tp.weight, _rows(dense.weight, 0)),
+        "generator.bias": _max_err(tp.bias, _rows(dense.bias, 0)),
+    }
 
 
 def _rng_draws() -> dict[str, Any]:
@@ -122,15 +124,23 @@ def _rng_draws() -> dict[str, Any]:
         replay = F.dropout(ones, 0.5)
     with tracker.fork():
         after_replay = F.dropout(ones, 0.5)
-    return {"outside": outside_before, "inside": inside, "replayed": torch.equal(inside, replay),
-            "advanced": not torch.equal(inside, after_replay), "fork_left_default_alone": fork_left_default_alone}
+    return {
+        "outside": outside_before,
+        "inside": inside,
+        "replayed": torch.equal(inside, replay),
+        "advanced": not torch.equal(inside, after_replay),
+        "fork_left_default_alone": fork_left_default_alone,
+    }
 
 
 def _errors_raised() -> list[str]:
     tp = mpu.get_tensor_model_parallel_world_size()
     messages = []
-    for make in (lambda: mpu.ColumnParallelLinear(4, 2 * tp + 1), lambda: mpu.RowParallelLinear(2 * tp + 1, 4),
-                 lambda: mpu.VocabParallelEmbedding(2 * tp + 1, 4)):
+    for make in (
+        lambda: mpu.ColumnParallelLinear(4, 2 * tp + 1),
+        lambda: mpu.RowParallelLinear(2 * tp + 1, 4),
+        lambda: mpu.VocabParallelEmbedding(2 * tp + 1, 4),
+    ):
         try:
             make()
         except ConfigError as e:
@@ -143,12 +153,18 @@ def _check_tp(world: int) -> dict[str, Any]:
     col = mpu.ColumnParallelLinear(HIDDEN, FFN)
     row = mpu.RowParallelLinear(FFN, HIDDEN)
     out: dict[str, Any] = {
-        "errors": {**_mlp_errors(True, seed=7),
-                   **{f"gathered.{k}": v for k, v in _mlp_errors(False, seed=8).items()},
-                   **_lm_errors(seed=9), **_generator_errors()},
-        "tp_rank": mpu.get_tensor_model_parallel_rank(), "dp_rank": mpu.get_data_parallel_rank(),
-        "attributes": [(p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # type: ignore[attr-defined]
-                       for p in (col.weight, col.bias, row.weight, row.bias)],
+        "errors": {
+            **_mlp_errors(True, seed=7),
+            **{f"gathered.{k}": v for k, v in _mlp_errors(False, seed=8).items()},
+            **_lm_errors(seed=9),
+            **_generator_errors(),
+        },
+        "tp_rank": mpu.get_tensor_model_parallel_rank(),
+        "dp_rank": mpu.get_data_parallel_rank(),
+        "attributes": [
+            (p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # type: ignore[attr-defined]
+            for p in (col.weight, col.bias, row.weight, row.bias)
+        ],
         "counted_once": [mpu.param_is_not_tensor_parallel_duplicate(p) for p in (row.weight, row.bias)],
         "rng": _rng_draws(),
         "config_errors": _errors_raised(),
@@ -159,8 +175,9 @@ def _check_tp(world: int) -> dict[str, Any]:
         mpu.initialize_model_parallel(1)
         before = dict(comm.comm_stats()["calls"])
         out["tp1_errors"] = {**_mlp_errors(True, seed=7), **_lm_errors(seed=9)}
-        out["tp1_collectives"] = {k: v - before.get(k, 0) for k, v in comm.comm_stats()["calls"].items()
-                                  if v != before.get(k, 0)}
+        out["tp1_collectives"] = {
+            k: v - before.get(k, 0) for k, v in comm.comm_stats()["calls"].items() if v != before.get(k, 0)
+        }
     mpu.destroy_model_parallel()
     return out
 
@@ -175,9 +192,11 @@ def test_tensor_parallel_layers_equal_dense(world: int) -> None:
         assert r["attributes"] == [(True, 0, 1), (True, 0, 1), (True, 1, 1), (False, -1, 1)]
         assert r["counted_once"] == [True, r["tp_rank"] == 0]
         assert r["tp_calls"] > 0
-        assert r["config_errors"] == [f"{name} 5 is not divisible by the tensor-parallel size 2; make it a multiple "
-                                      "of 2 or use a tensor_model_parallel_size that divides it"
-                                      for name in ("output_size", "input_size", "num_embeddings")]
+        assert r["config_errors"] == [
+            f"{name} 5 is not divisible by the tensor-parallel size 2; make it a multiple "
+            "of 2 or use a tensor_model_parallel_size that divides it"
+            for name in ("output_size", "input_size", "num_embeddings")
+        ]
         if world == 2:
             bad = {k: v for k, v in r["tp1_errors"].items() if not v <= TOL}
             assert not bad, f"rank {rank} at TP 1: {bad}"

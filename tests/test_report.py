@@ -9,8 +9,9 @@ import sys
 
 def _report(mode: str) -> str:
     env = {**os.environ, "ZERO_ENGINE_OPS": mode}
-    out = subprocess.run([sys.executable, "-m", "engine.report"], capture_output=True, text=True, env=env,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.report"], capture_output=True, text=True, env=env, check=True, timeout=300
+    )
     return out.stdout
 
 

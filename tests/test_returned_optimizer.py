@@ -26,10 +26,13 @@ ADAMW = {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}}
 
 
 def _config(stage: int, precision: str, gas: int) -> dict[str, Any]:
-    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-                              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
-                              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3,
-                                                                            "warmup_max_lr": 0.05}}}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.05}},
+    }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif precision == "fp16":
@@ -64,8 +67,13 @@ def _train(stage: int, precision: str, shape: str, gas: int) -> dict[str, Any]:
             if shape == "optimizer_step":  # Lightning Fabric: optimizer.step() instead of engine.step()
                 opt.zero_grad()
                 opt.step()
-        return {"weights": _weights(eng), "lr": eng.get_lr(), "global_steps": eng.global_steps,
-                "skipped": eng.skipped_steps, "micro_steps": eng.micro_steps}
+        return {
+            "weights": _weights(eng),
+            "lr": eng.get_lr(),
+            "global_steps": eng.global_steps,
+            "skipped": eng.skipped_steps,
+            "micro_steps": eng.micro_steps,
+        }
     finally:
         eng.destroy()
 
@@ -95,8 +103,9 @@ def test_every_loop_shape_trains_like_the_readme_loop(stage: int) -> None:
         assert got["global_steps"] == STEPS and got["skipped"] == want["skipped"], what
         assert got["lr"] == want["lr"], f"{what}: the LR schedule advanced differently"
         for k in want["weights"]:
-            assert torch.equal(got["weights"][k], want["weights"][k]), \
+            assert torch.equal(got["weights"][k], want["weights"][k]), (
                 f"{what}: {k} differs from the README loop's by {(got['weights'][k] - want['weights'][k]).abs().max()}"
+            )
     _check_against_reference(results, stage)
 
 
@@ -116,8 +125,13 @@ def _check_against_reference(results: dict[tuple[str, str, int], dict[str, Any]]
             sched.step()
         got = results[("fp32", "readme", gas)]["weights"]
         for k, v in model.state_dict().items():
-            torch.testing.assert_close(got[k], v.float(), rtol=2e-5, atol=2e-6,
-                                       msg=lambda m, k=k, gas=gas: f"stage {stage}, gas {gas}, {k}: {m}")
+            torch.testing.assert_close(
+                got[k],
+                v.float(),
+                rtol=2e-5,
+                atol=2e-6,
+                msg=lambda m, k=k, gas=gas: f"stage {stage}, gas {gas}, {k}: {m}",
+            )
 
 
 def _direct_step_on_user_optimizer(stage: int) -> dict[str, Any]:
@@ -138,10 +152,15 @@ def _direct_step_on_user_optimizer(stage: int) -> dict[str, Any]:
         eng.step()  # the process goes on: the engine's own step still works
         moved = any(not torch.equal(v, before[k]) for k, v in _weights(eng).items())
         container = torch.nn.ModuleList([eng])  # Lightning Fabric scans module.modules() for the engine
-        return {"raised": raised, "unchanged": unchanged, "moved": moved,
-                "is_module": isinstance(eng, torch.nn.Module),
-                "found": any(m is eng for m in container.modules()),
-                "is_optimizer": isinstance(opt, torch.optim.Optimizer), "same_groups": opt.param_groups is user_opt.param_groups}
+        return {
+            "raised": raised,
+            "unchanged": unchanged,
+            "moved": moved,
+            "is_module": isinstance(eng, torch.nn.Module),
+            "found": any(m is eng for m in container.modules()),
+            "is_optimizer": isinstance(opt, torch.optim.Optimizer),
+            "same_groups": opt.param_groups is user_opt.param_groups,
+        }
     finally:
         eng.destroy()
 
@@ -163,9 +182,12 @@ def test_torch_schedules_see_the_engines_steps(precision: str) -> None:
     model = make_model()
     config = {**_config(2, precision, 1), "train_micro_batch_size_per_gpu": MICRO}
     config.pop("scheduler")
-    eng, opt, _, _ = engine.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                           config=config,
-                                           lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    eng, opt, _, _ = engine.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        config=config,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+    )
     on_returned = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
     dtype = next(eng.module.parameters()).dtype
     try:

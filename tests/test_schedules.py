@@ -101,9 +101,7 @@ def test_warmup_lr_defaults() -> None:
 
 def test_warmup_lr_per_group_lists() -> None:
     opt = _sgd((0.1, 0.2))
-    sched = WarmupLR(
-        opt, warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.3], warmup_num_steps=10, warmup_type="linear"
-    )
+    sched = WarmupLR(opt, warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.3], warmup_num_steps=10, warmup_type="linear")
     for _ in range(6):
         sched.step()
     assert sched.get_last_lr() == pytest.approx([0.5, 0.2])
@@ -279,9 +277,7 @@ def test_one_cycle_without_decay_holds_min_lr() -> None:
     sched = OneCycle(_sgd(momentum=0.9), cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=4)
     lrs = _curve(sched, 20)
     assert lrs[-1] == pytest.approx(0.01) and lrs[4] == pytest.approx(0.1)
-    assert sched.optimizer.param_groups[0]["momentum"] == pytest.approx(
-        0.9
-    )  # SGD momentum cycled; ends at max
+    assert sched.optimizer.param_groups[0]["momentum"] == pytest.approx(0.9)  # SGD momentum cycled; ends at max
 
 
 def test_one_cycle_stairs() -> None:

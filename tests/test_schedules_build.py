@@ -13,9 +13,7 @@ from engine.optim import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, W
 
 
 def _opt(groups: int = 1) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(groups)], lr=0.1
-    )
+    return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(groups)], lr=0.1)
 
 
 def _build(name: str, params: dict[str, Any] | None = None, groups: int = 1):

@@ -25,9 +25,15 @@ ATOL = 1e-5
 def _config(gas: int, clip: float, **extra: Any) -> dict[str, Any]:
     zero = {"stage": 0, "reduce_bucket_size": 100}  # ~3 buckets for the MLP: exercises bucketing
     zero.update(extra.pop("zero", {}))
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-            "optimizer": OPTIMIZER, "gradient_clipping": clip, "steps_per_print": 1000,
-            "zero_optimization": zero, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": OPTIMIZER,
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        "zero_optimization": zero,
+        **extra,
+    }
 
 
 def _train_engine(gas: int, clip: float, extra: dict[str, Any]) -> dict[str, Any]:
@@ -43,11 +49,15 @@ def _train_engine(gas: int, clip: float, extra: dict[str, Any]) -> dict[str, Any
             eng.backward(loss)
             eng.step()
         norms.append(eng.get_global_grad_norm())
-    out = {"state": {k: v.detach().clone() for k, v in eng.module.state_dict().items()},
-           "global_steps": eng.global_steps, "global_samples": eng.global_samples,
-           "micro_steps": eng.micro_steps, "norms": norms,
-           "launched_from_hooks": eng._stage.launched_from_hooks,
-           "buckets": len(eng._stage.buckets)}
+    out = {
+        "state": {k: v.detach().clone() for k, v in eng.module.state_dict().items()},
+        "global_steps": eng.global_steps,
+        "global_samples": eng.global_samples,
+        "micro_steps": eng.micro_steps,
+        "norms": norms,
+        "launched_from_hooks": eng._stage.launched_from_hooks,
+        "buckets": len(eng._stage.buckets),
+    }
     eng.destroy()
     return out
 
@@ -60,8 +70,9 @@ def _assert_matches_reference(results: list[dict[str, Any]], gas: int, clip: flo
         assert result["global_samples"] == STEPS * MICRO * gas * ws
         assert result["micro_steps"] == STEPS * gas
         for name, expected in reference.items():
-            torch.testing.assert_close(result["state"][name], expected, atol=ATOL, rtol=0,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                result["state"][name], expected, atol=ATOL, rtol=0, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -79,8 +90,10 @@ def test_stage0_world_size_1_matches_reference() -> None:
     _assert_matches_reference(results, 2, 0.05, 1)
 
 
-@pytest.mark.parametrize("extra", [{"prescale_gradients": True}, {"gradient_predivide_factor": 2.0},
-                                   {"zero": {"reduce_bucket_size": 10_000}}])
+@pytest.mark.parametrize(
+    "extra",
+    [{"prescale_gradients": True}, {"gradient_predivide_factor": 2.0}, {"zero": {"reduce_bucket_size": 10_000}}],
+)
 def test_stage0_scaling_options_and_one_bucket_match_reference(extra: dict[str, Any]) -> None:
     results = run_distributed(_train_engine, 2, args=(2, 0.0, extra))
     _assert_matches_reference(results, 2, 0.0, 2)
@@ -119,8 +132,9 @@ def _no_sync_accumulation() -> dict[str, torch.Tensor]:
     # gradient_accumulation_steps 1, accumulation managed with no_sync (the Accelerate pattern):
     # two micro-batches inside no_sync, the last one outside; equals gas=3 on the same batches.
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    eng, _, _, _ = engine.initialize(model=make_model(seed=100), config={
-        **_config(1, 0.0), "train_micro_batch_size_per_gpu": MICRO})
+    eng, _, _, _ = engine.initialize(
+        model=make_model(seed=100), config={**_config(1, 0.0), "train_micro_batch_size_per_gpu": MICRO}
+    )
     for batch in global_batches(5, MICRO * 3 * ws):
         for k in range(3):
             x, y = rank_micro_batch(batch, rank, ws, MICRO, k)
@@ -162,9 +176,15 @@ class _PartlyUsed(torch.nn.Module):
 def _unused_on_one_rank() -> list[torch.Tensor]:
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
-    eng, _, _, _ = engine.initialize(model=_PartlyUsed(), config={
-        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 64}, "steps_per_print": 1000})
+    eng, _, _, _ = engine.initialize(
+        model=_PartlyUsed(),
+        config={
+            "train_batch_size": 8,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 0, "reduce_bucket_size": 64},
+            "steps_per_print": 1000,
+        },
+    )
     frozen_before = eng.module.frozen.weight.detach().clone()
     for step in range(3):
         x = torch.full((4, 8), float(rank + step))

@@ -42,9 +42,13 @@ def _model() -> torch.nn.Module:
 
 def _config(precision: str) -> dict[str, Any]:
     # DeepSpeed's bing_bert config shape: Lamb, fp16, no zero_optimization section (stage 0).
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-                           "optimizer": {"type": "Lamb", "params": LAMB}, "steps_per_print": 1000,
-                           "bf16": {"enabled": precision == "bf16"}}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Lamb", "params": LAMB},
+        "steps_per_print": 1000,
+        "bf16": {"enabled": precision == "bf16"},
+    }
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": FP16_SCALE}
     return cfg
@@ -109,5 +113,6 @@ def test_lamb_at_stage0_matches_single_process(precision: str) -> None:
     assert max(float((wrong[n] - reference[n]).abs().max()) for n in reference) > 10 * atol  # the test can fail
     for rank, masters in enumerate(results):
         for name, expected in reference.items():
-            torch.testing.assert_close(masters[name], expected, atol=atol, rtol=0,
-                                       msg=lambda m: f"{precision} rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                masters[name], expected, atol=atol, rtol=0, msg=lambda m: f"{precision} rank {rank} {name}: {m}"
+            )

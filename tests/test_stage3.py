@@ -42,8 +42,9 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(WIDTH, WIDTH, bias=False)
         self.out.weight = self.inp.weight  # tied across the model: lives in the root unit
 
-    def forward(self, x: torch.Tensor, twice: bool = False, raw_input: bool = False,
-                skip_block: int | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, twice: bool = False, raw_input: bool = False, skip_block: int | None = None
+    ) -> torch.Tensor:
         # raw_input: the first unit sees an input that does not require grad; skip_block: a unit
         # (and its parameters) unused in this step.
         h = x if raw_input else torch.tanh(self.inp(x))
@@ -69,14 +70,19 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 def batches(steps: int, global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(99)
-    return [(torch.randn(global_batch, WIDTH, generator=g), torch.randn(global_batch, WIDTH, generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randn(global_batch, WIDTH, generator=g), torch.randn(global_batch, WIDTH, generator=g))
+        for _ in range(steps)
+    ]
 
 
 def variant(step: int, options: dict[str, Any]) -> dict[str, Any]:
     """Forward keyword arguments of a step for the test's options."""
-    return {"twice": bool(options.get("twice")), "raw_input": bool(options.get("raw_input")),
-            "skip_block": 1 if options.get("skip") and step % 2 else None}
+    return {
+        "twice": bool(options.get("twice")),
+        "raw_input": bool(options.get("raw_input")),
+        "skip_block": 1 if options.get("skip") and step % 2 else None,
+    }
 
 
 def reference(gas: int, ws: int, clip: float, options: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -100,9 +106,14 @@ def _train(gas: int, clip: float, options: dict[str, Any], top: dict[str, Any]) 
     model = make_net(7 + rank)
     if options.get("leaf_api"):
         engine.zero.set_z3_leaf_modules(model, [torch.nn.Linear])  # DeepSpeed's way to name units
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "gradient_clipping": clip,
-              "zero_optimization": {"stage": 3}, **top}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 3},
+        **top,
+    }
     eng, _, _, _ = engine.initialize(model=model, model_parameters=param_groups(model), config=config)
     dtype = eng._stage.units[0].groups[0].dtype
     empty_between_steps = []
@@ -110,7 +121,7 @@ def _train(gas: int, clip: float, options: dict[str, Any], top: dict[str, Any]) 
     for step, batch in enumerate(batches(STEPS, MICRO * gas * ws)):
         for k in range(gas):
             start = (k * ws + rank) * MICRO
-            x, y = batch[0][start:start + MICRO], batch[1][start:start + MICRO]
+            x, y = batch[0][start : start + MICRO], batch[1][start : start + MICRO]
             loss = torch.nn.functional.mse_loss(eng(x.to(dtype), **variant(step, options)).float(), y)
             eng.backward(loss)
             eng.step()
@@ -127,15 +138,24 @@ def _train(gas: int, clip: float, options: dict[str, Any], top: dict[str, Any]) 
     state = {k: v.detach().float().clone() for k, v in eng.module.state_dict().items()}
     with torch.no_grad():
         whole = eng.module(probe.to(dtype), **variant(0, options)).float()
-    return {"state": state, "empty": empty_between_steps, "memory": report, "units": units, "losses": losses,
-            "evaluated": evaluated, "whole": whole, "gathered_after_eval": gathered_after_eval}
+    return {
+        "state": state,
+        "empty": empty_between_steps,
+        "memory": report,
+        "units": units,
+        "losses": losses,
+        "evaluated": evaluated,
+        "whole": whole,
+        "gathered_after_eval": gathered_after_eval,
+    }
 
 
 DEFAULT_UNITS = ["<root>", "blocks.0", "blocks.1", "blocks.2"]
 
 
-def _check(results: list[dict[str, Any]], expected: dict[str, torch.Tensor], atol: float,
-           units: list[str] = DEFAULT_UNITS) -> None:
+def _check(
+    results: list[dict[str, Any]], expected: dict[str, torch.Tensor], atol: float, units: list[str] = DEFAULT_UNITS
+) -> None:
     for rank, result in enumerate(results):
         assert all(result["empty"]), "outside forward/backward every parameter is released"
         assert [name for name, _ in result["units"]] == units
@@ -146,8 +166,10 @@ def _check(results: list[dict[str, Any]], expected: dict[str, torch.Tensor], ato
         torch.testing.assert_close(result["evaluated"], result["whole"], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("world_size,gas,collectives", [(2, 1, "engine"), (2, 4, "engine"), (4, 1, "engine"),
-                                                        (4, 1, "native"), (4, 1, "ring")])
+@pytest.mark.parametrize(
+    "world_size,gas,collectives",
+    [(2, 1, "engine"), (2, 4, "engine"), (4, 1, "engine"), (4, 1, "native"), (4, 1, "ring")],
+)
 @pytest.mark.parametrize("twice", [False, True])
 def test_stage3_matches_single_process(world_size: int, gas: int, collectives: str, twice: bool) -> None:
     clip = 0.05
@@ -171,8 +193,12 @@ def test_stage3_units_named_by_the_user(how: str) -> None:
     options = {"leaf_api": how == "api", "twice": True}
     top = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Linear"]}}} if how == "config" else {}
     results = run_distributed(_train, 2, args=(2, 0.05, options, top))
-    _check(results, reference(2, 2, 0.05, options), ATOL,
-           units=["<root>", "inp", "blocks.0.lin", "blocks.1.lin", "blocks.2.lin"])
+    _check(
+        results,
+        reference(2, 2, 0.05, options),
+        ATOL,
+        units=["<root>", "inp", "blocks.0.lin", "blocks.1.lin", "blocks.2.lin"],
+    )
 
 
 def test_stage3_small_consecutive_blocks_merged_into_one_unit() -> None:
@@ -195,9 +221,13 @@ def test_stage3_bf16_tracks_the_fp32_reference() -> None:
 
 
 def test_stage3_memory_and_traffic() -> None:
-    result = run_distributed(_train_measured, 2, args=({"stage3_prefetch_bucket_size": 0,
-                                                        "stage3_param_persistence_threshold": 0,
-                                                        "stage3_max_reuse_distance": 0},))[0]
+    result = run_distributed(
+        _train_measured,
+        2,
+        args=(
+            {"stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0},
+        ),
+    )[0]
     psi, padded, shard = result["psi"], result["padded"], result["shard"]
     assert result["memory"]["params"] == 4 * shard + result["frozen_shard_bytes"]
     assert result["memory"]["gradients"] == 4 * shard
@@ -225,35 +255,49 @@ def test_stage3_units_reused_within_max_reuse_distance_stay_gathered() -> None:
     assert kept["order_changes"] == 0 and kept["prefetched"] > 0
     # A distance of one block: block i's next use (its backward) comes after the blocks above it, so
     # only the last two blocks are kept; the first is gathered again for its backward.
-    one = run_distributed(_train_measured, 2, args=({"stage3_param_persistence_threshold": 0,
-                                                     "stage3_max_reuse_distance": kept["block_numel"]},))[0]
+    one = run_distributed(
+        _train_measured,
+        2,
+        args=({"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": kept["block_numel"]},),
+    )[0]
     assert one["comm"]["all_gather"] == pytest.approx(0.5 * (one["all_padded"] + one["first_padded"]) * 4, abs=16)
     assert one["order_changes"] == 0
 
 
 def _train_measured(zero: dict[str, Any], skip: bool = False) -> dict[str, Any]:
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, **zero}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3, **zero},
+        },
+    )
     for step, (x, y) in enumerate(batches(4, MICRO)):
         eng.backward(torch.nn.functional.mse_loss(eng(x, skip_block=1 if skip and step == 2 else None), y))
         eng.step()
     units = eng._stage.units
     trainable = [g for u in units for g in u.trainable]
     frozen = [g for u in units for g in u.groups if g.opt_group is None]
-    out = {"memory": eng.memory_report(), "comm": eng.comm_stats()["last_step"]["bytes_sent"],
-           "psi": sum(g.layout.numel for g in trainable), "padded": sum(g.layout.padded_numel for g in trainable),
-           "shard": sum(g.layout.slice_numel for g in trainable),
-           "frozen_shard_bytes": sum(4 * g.layout.slice_numel for g in frozen),
-           "all_padded": sum(g.layout.padded_numel for u in units for g in u.groups),
-           "root_padded": sum(g.layout.padded_numel for g in units[0].groups),
-           "root_bytes": 4 * sum(g.layout.padded_numel for g in units[0].groups),
-           "max_block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
-           "last_padded": sum(g.layout.padded_numel for g in units[-1].groups),
-           "first_padded": sum(g.layout.padded_numel for g in units[1].groups),
-           "block_numel": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
-           "prefetched": eng._stage.prefetched_gathers, "order_changes": eng._stage.order_changes}
+    out = {
+        "memory": eng.memory_report(),
+        "comm": eng.comm_stats()["last_step"]["bytes_sent"],
+        "psi": sum(g.layout.numel for g in trainable),
+        "padded": sum(g.layout.padded_numel for g in trainable),
+        "shard": sum(g.layout.slice_numel for g in trainable),
+        "frozen_shard_bytes": sum(4 * g.layout.slice_numel for g in frozen),
+        "all_padded": sum(g.layout.padded_numel for u in units for g in u.groups),
+        "root_padded": sum(g.layout.padded_numel for g in units[0].groups),
+        "root_bytes": 4 * sum(g.layout.padded_numel for g in units[0].groups),
+        "max_block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+        "last_padded": sum(g.layout.padded_numel for g in units[-1].groups),
+        "first_padded": sum(g.layout.padded_numel for g in units[1].groups),
+        "block_numel": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+        "prefetched": eng._stage.prefetched_gathers,
+        "order_changes": eng._stage.order_changes,
+    }
     eng.destroy()
     return out
 
@@ -261,9 +305,15 @@ def _train_measured(zero: dict[str, Any], skip: bool = False) -> dict[str, Any]:
 def _gathered_parameters(stage: int) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": stage},
+        },
+    )
     for x, y in batches(2, MICRO):
         eng.backward(torch.nn.functional.mse_loss(eng(x), y))
         eng.step()
@@ -310,8 +360,9 @@ def test_stage3_prefetch_within_max_live_parameters_and_order_changes() -> None:
     probe = run_distributed(_train_measured, 1, args=({},))[0]
     root, block = probe["root_padded"], probe["block_numel"]
     max_live = root + 2 * block  # room for the root and two blocks, not all three
-    result = run_distributed(_train_measured, 2, args=({"stage3_max_live_parameters": max_live,
-                                                        "stage3_param_persistence_threshold": 0},))[0]
+    result = run_distributed(
+        _train_measured, 2, args=({"stage3_max_live_parameters": max_live, "stage3_param_persistence_threshold": 0},)
+    )[0]
     assert result["prefetched"] > 0, "later steps prefetch along the recorded order"
     assert result["order_changes"] == 0
     assert result["memory"]["peak_gathered"] <= 4 * (max_live + block)  # + one on-demand gather
@@ -351,13 +402,20 @@ def _train_gpt(built_partitioned: bool) -> dict[str, Any]:
     with engine.zero.Init(enabled=built_partitioned):
         model = _gpt(11 + rank)
     assert all(p.numel() == 0 for p in model.parameters()) == built_partitioned
-    eng, *_ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": GPT_EPS}}, "zero_optimization": {"stage": 3}})
+    eng, *_ = engine.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": GPT_EPS}},
+            "zero_optimization": {"stage": 3},
+        },
+    )
     units = [u.name for u in eng._stage.units]
     for batch in _gpt_batches(2 * 2 * ws):
         for k in range(2):
-            rows = batch[(k * ws + rank) * 2:(k * ws + rank + 1) * 2]
+            rows = batch[(k * ws + rank) * 2 : (k * ws + rank + 1) * 2]
             eng.backward(eng(rows[:, :-1], rows[:, 1:]))
             eng.step()
     eng.destroy()
@@ -389,9 +447,15 @@ def test_stage3_units_below_the_persistence_threshold_are_gathered_once_per_step
 def _diverging_ranks() -> None:
     rank = torch.distributed.get_rank()
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        },
+    )
     for step, (x, y) in enumerate(batches(3, MICRO)):
         skip = 1 if step == 1 and rank == 1 else None  # rank-divergent control flow
         eng.backward(torch.nn.functional.mse_loss(eng(x, skip_block=skip), y))
@@ -412,17 +476,25 @@ def test_diverging_ranks_fail_fast_naming_the_collective_instead_of_hanging(nati
     if native:
         assert "did not complete within 3 s" in message, message
     else:
-        assert re.search(r"rank \d issued (reduce_scatter|all_gather)\(numel=\d+, float32, key=\d+\) as its collective "
-                         r"#\d+ but rank \d issued (reduce_scatter|all_gather)", message), message
+        assert re.search(
+            r"rank \d issued (reduce_scatter|all_gather)\(numel=\d+, float32, key=\d+\) as its collective "
+            r"#\d+ but rank \d issued (reduce_scatter|all_gather)",
+            message,
+        ), message
 
 
 def test_a_leaf_module_config_that_matches_nothing_is_refused() -> None:
     from engine.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"zero_optimization.leaf_module .*Conv2d.* matches no submodule of Net"):
-        engine.initialize(model=make_net(0), config={
-            "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Conv2d"]}}})
+        engine.initialize(
+            model=make_net(0),
+            config={
+                "train_batch_size": 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Conv2d"]}},
+            },
+        )
 
 
 def _read_released_parameters() -> dict[str, Any]:
@@ -431,9 +503,15 @@ def _read_released_parameters() -> dict[str, Any]:
     from engine.zero.released import ReleasedParameterWarning
 
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3},
+        },
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in batches(2, MICRO):  # training, evaluation and metadata reads never warn
@@ -447,7 +525,7 @@ def _read_released_parameters() -> dict[str, Any]:
         model.blocks[2].lin.weight.mean()  # a second read: the warning was once per process
         with engine.zero.GatheredParameters(model.blocks[1].lin.weight):
             whole = model.blocks[1].lin.weight.sum()
-        warned = [(w.category is ReleasedParameterWarning, str(w.message)) for w in caught[len(quiet):]]
+        warned = [(w.category is ReleasedParameterWarning, str(w.message)) for w in caught[len(quiet) :]]
     eng.destroy()
     return {"quiet": quiet, "warned": warned, "shapes": shapes, "empty_sum": float(total), "whole": float(whole)}
 
@@ -464,10 +542,16 @@ def test_reading_a_released_parameter_warns_once_naming_it() -> None:
 
 def _save_16bit(stage: int, gather_on_save: bool, directory: str) -> dict[str, Any]:
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": gather_on_save}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": gather_on_save},
+        },
+    )
     x, y = batches(1, MICRO)[0]
     eng.backward(torch.nn.functional.mse_loss(eng(x.bfloat16()).float(), y))
     eng.step()
@@ -495,19 +579,29 @@ def _deep_bucket_memory() -> dict[str, int]:
     torch.manual_seed(0)
     # 16 block units, and a root unit (the two wide layers) larger than any block, so pooled buffers
     # of a block's size must not be handed out for the root's gradients.
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8 * WIDTH), torch.nn.Linear(8 * WIDTH, WIDTH),
-                                torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(16))))
-    eng, *_ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, 8 * WIDTH),
+        torch.nn.Linear(8 * WIDTH, WIDTH),
+        torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(16))),
+    )
+    eng, *_ = engine.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        },
+    )
     for x, y in batches(3, MICRO):
         eng.backward(torch.nn.functional.mse_loss(eng(x), y))
         eng.step()
     units = eng._stage.units
-    out = {"buckets": eng.memory_report()["buckets"],
-           "root_bytes": 4 * sum(g.layout.padded_numel for g in units[0].groups),
-           "block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
-           "all_bytes": sum(4 * g.layout.padded_numel for u in eng._stage.units for g in u.groups)}
+    out = {
+        "buckets": eng.memory_report()["buckets"],
+        "root_bytes": 4 * sum(g.layout.padded_numel for g in units[0].groups),
+        "block_bytes": max(4 * sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+        "all_bytes": sum(4 * g.layout.padded_numel for u in eng._stage.units for g in u.groups),
+    }
     eng.destroy()
     return out
 

@@ -41,10 +41,17 @@ def make_net(seed: int) -> Deep:
 
 def _train(zero: dict[str, Any], dtype: str) -> dict[str, Any]:
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "bf16": {"enabled": dtype == "bf16"},
-        "zero_optimization": {"stage": 3, **zero}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "bf16": {"enabled": dtype == "bf16"},
+            "zero_optimization": {"stage": 3, **zero},
+        },
+    )
     arena = eng._stage._memory.arena
     losses, after_steps = [], []
     for step, (x, y) in enumerate(batches(2 * STEPS, MICRO)):
@@ -58,8 +65,13 @@ def _train(zero: dict[str, Any], dtype: str) -> dict[str, Any]:
     report = eng.memory_report()
     state = eng._stage.consolidated_state_dict()
     eng.destroy()
-    return {"losses": losses, "state": state, "memory": report, "after_steps": after_steps,
-            "compiled": None if arena is None else arena.compiled}
+    return {
+        "losses": losses,
+        "state": state,
+        "memory": report,
+        "after_steps": after_steps,
+        "compiled": None if arena is None else arena.compiled,
+    }
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -79,21 +91,28 @@ def test_arena_trains_bitwise_like_the_default_allocator(dtype: str) -> None:
 
 def _block_sizes() -> dict[str, int]:
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3},
+        },
+    )
     units = eng._stage.units
-    out = {"root": sum(g.layout.padded_numel for g in units[0].groups),
-           "block": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
-           "all_bytes": 2 * 4 * sum(g.layout.padded_numel for u in units for g in u.groups)}  # gathered + buckets
+    out = {
+        "root": sum(g.layout.padded_numel for g in units[0].groups),
+        "block": max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+        "all_bytes": 2 * 4 * sum(g.layout.padded_numel for u in units for g in u.groups),
+    }  # gathered + buckets
     eng.destroy()
     return out
 
 
 def test_auto_size_is_bounded_by_max_live_parameters_and_suffices() -> None:
     sizes = run_distributed(_block_sizes, 1)[0]
-    limits = {"stage3_max_live_parameters": sizes["root"] + 2 * sizes["block"],
-              "stage3_param_persistence_threshold": 0}
+    limits = {"stage3_max_live_parameters": sizes["root"] + 2 * sizes["block"], "stage3_param_persistence_threshold": 0}
     bounded = run_distributed(_train, 2, args=({**limits, "stage3_arena_bytes": "auto"}, "fp32"))
     reference = run_distributed(_train, 2, args=({**limits, "stage3_arena_bytes": 0}, "fp32"))
     # Below every unit gathered plus every gradient bucket (what an unbounded model would get), and it
@@ -113,9 +132,15 @@ def test_torch_fallback_arena_trains_the_same() -> None:
 
 def _too_small() -> str:
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "stage3_arena_bytes": 1024}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3, "stage3_arena_bytes": 1024},
+        },
+    )
     x, _y = batches(1, MICRO)[0]
     try:
         eng(x)
@@ -135,15 +160,28 @@ def test_too_small_an_arena_is_a_named_error() -> None:
 
 def _in_use_after_forward(linear: bool) -> dict[str, Any]:
     model = make_net(7)
-    eng, *_ = engine.initialize(model=model, model_parameters=param_groups(model), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "memory_efficient_linear": linear, "stage3_arena_bytes": "auto",
-                              "stage3_max_reuse_distance": 0,
-                              "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}})
+    eng, *_ = engine.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {
+                "stage": 3,
+                "memory_efficient_linear": linear,
+                "stage3_arena_bytes": "auto",
+                "stage3_max_reuse_distance": 0,
+                "stage3_prefetch_bucket_size": 0,
+                "stage3_param_persistence_threshold": 0,
+            },
+        },
+    )
     units = eng._stage.units
-    out: dict[str, Any] = {"root": 4 * sum(g.layout.padded_numel for g in units[0].groups),
-                           "block": 4 * max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
-                           "losses": []}
+    out: dict[str, Any] = {
+        "root": 4 * sum(g.layout.padded_numel for g in units[0].groups),
+        "block": 4 * max(sum(g.layout.padded_numel for g in u.groups) for u in units[1:]),
+        "losses": [],
+    }
     for step, (x, y) in enumerate(batches(3, MICRO)):
         loss = torch.nn.functional.mse_loss(eng(x), y)
         if step == 2:

@@ -14,10 +14,12 @@ NUMELS = [50, 100, 100, 100]
 STEP = [0, 1, 2, 3, 3, 2, 1]
 
 
-def make_plan(numels: list[int] = NUMELS, *, prefetch: int = BIG, max_live: int = BIG, reuse: int = BIG,
-              persist_below: int = 0) -> PrefetchPlan:
-    return PrefetchPlan(numels, prefetch_numel=prefetch, max_live_numel=max_live, max_reuse_numel=reuse,
-                        persist_below=persist_below)
+def make_plan(
+    numels: list[int] = NUMELS, *, prefetch: int = BIG, max_live: int = BIG, reuse: int = BIG, persist_below: int = 0
+) -> PrefetchPlan:
+    return PrefetchPlan(
+        numels, prefetch_numel=prefetch, max_live_numel=max_live, max_reuse_numel=reuse, persist_below=persist_below
+    )
 
 
 def recorded(plan: PrefetchPlan, uses: list[int] = STEP) -> PrefetchPlan:
@@ -101,8 +103,13 @@ def test_a_changed_order_is_counted_once_then_gathered_on_demand_and_adopted() -
     plan = recorded(make_plan())
     changed = [0, 1, 3, 3, 1]  # block 2 skipped this micro-step
     outcomes = [plan.record(i, in_training=True) for i in changed]
-    assert outcomes == [TraceMatch.FOLLOWED, TraceMatch.FOLLOWED, TraceMatch.DIVERGED,
-                        TraceMatch.UNTRACKED, TraceMatch.UNTRACKED]
+    assert outcomes == [
+        TraceMatch.FOLLOWED,
+        TraceMatch.FOLLOWED,
+        TraceMatch.DIVERGED,
+        TraceMatch.UNTRACKED,
+        TraceMatch.UNTRACKED,
+    ]
     assert plan.order_changes == 1 and not plan.following
     assert not plan.reused_soon(3, live={0, 3})  # nothing is kept for reuse off the recorded order
     plan.end_micro_step()

@@ -76,10 +76,14 @@ class Net(nn.Module):
 
 
 def _config(stage: int, gas: int) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "gradient_clipping": CLIP, "steps_per_print": 1000,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000},
+    }
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,13 +105,15 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def _train(stage: int, dense: bool, mpu_arg: Any, dp_size: int) -> tuple[dict[str, torch.Tensor], list[float],
-                                                                          dict[str, int]]:
+def _train(
+    stage: int, dense: bool, mpu_arg: Any, dp_size: int
+) -> tuple[dict[str, torch.Tensor], list[float], dict[str, int]]:
     model = Net(dense=dense, group=getattr(mpu_arg, "tp_group", None))
     gas = GLOBAL // MICRO // dp_size
     before = comm.comm_stats()["bytes_sent"]
-    eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(), config=_config(stage, gas),
-                                     mpu=mpu_arg)
+    eng, _, _, _ = engine.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(stage, gas), mpu=mpu_arg
+    )
     assert eng.dp_world_size == dp_size and eng.train_batch_size() == GLOBAL
     dp_rank = eng.parallel.dp_rank
     norms = []
@@ -124,12 +130,15 @@ def _train(stage: int, dense: bool, mpu_arg: Any, dp_size: int) -> tuple[dict[st
     return state, norms, sent
 
 
-def _errors(state: dict[str, torch.Tensor], norms: list[float], ref: tuple[dict[str, torch.Tensor], list[float]]
-            ) -> dict[str, float]:
+def _errors(
+    state: dict[str, torch.Tensor], norms: list[float], ref: tuple[dict[str, torch.Tensor], list[float]]
+) -> dict[str, float]:
     ref_state, ref_norms = ref
     assert set(state) == set(ref_state), (sorted(state), sorted(ref_state))
-    return {"weights": max((state[k] - ref_state[k]).abs().max().item() for k in ref_state),
-            "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}
+    return {
+        "weights": max((state[k] - ref_state[k]).abs().max().item() for k in ref_state),
+        "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+    }
 
 
 class MegatronStyleMPU:
@@ -183,8 +192,9 @@ def _world4() -> dict[str, Any]:
     state, norms, _ = _train(2, dense=True, mpu_arg=None, dp_size=4)
     if comm.get_rank() == 0:
         out["dp4 stage 2"] = _errors(state, norms, ref)
-        out["tp2xdp2 against dp4, stage 2"] = {"weights": max((tp_state[k] - state[k]).abs().max().item()
-                                                               for k in state)}
+        out["tp2xdp2 against dp4, stage 2"] = {
+            "weights": max((tp_state[k] - state[k]).abs().max().item() for k in state)
+        }
     return out
 
 
@@ -252,20 +262,23 @@ def test_tensor_x_data_parallel_equals_the_reference_and_sends_less_dp_traffic()
     tp_sent, dp_sent = four["tp2xdp2 sent"], two["dp2 sent"]
     assert "reduce_scatter" not in tp_sent and "all_gather" not in tp_sent, tp_sent
     assert tp_sent["tp.all_reduce"] > 0, tp_sent
-    ratio = (tp_sent["dp.reduce_scatter"] + tp_sent["dp.all_gather"]) / (dp_sent["reduce_scatter"] +
-                                                                         dp_sent["all_gather"])
+    ratio = (tp_sent["dp.reduce_scatter"] + tp_sent["dp.all_gather"]) / (
+        dp_sent["reduce_scatter"] + dp_sent["all_gather"]
+    )
     expected = _numel(dense=False) / _numel(dense=True)
     print(f"DP bytes at TP 2 / DP-only: {ratio:.3f}, parameters held {expected:.3f}")
     assert abs(ratio - expected) < 0.05, (ratio, expected, tp_sent, dp_sent)
-    errors = {k: v for k, v in {**four, **two}.items() if not k.endswith("sent") and k not in ("refusals", "other batches")}
+    errors = {
+        k: v for k, v in {**four, **two}.items() if not k.endswith("sent") and k not in ("refusals", "other batches")
+    }
     print(errors)
     for case, err in errors.items():
         assert err["weights"] < TOL, (case, err)
         assert err.get("norm", 0.0) < 1e-4, (case, err)
     assert len(errors) == 7, sorted(errors)
-    assert "ranks [1] got other inputs than rank 0 of their tensor-parallel group [0, 1]" in two["other batches"], \
-        two["other batches"]
+    assert "ranks [1] got other inputs than rank 0 of their tensor-parallel group [0, 1]" in two["other batches"], two[
+        "other batches"
+    ]
     not_dividing, no_methods = two["refusals"]
     assert "tensor-parallel size 3" in not_dividing and "world size 2" in not_dividing, not_dividing
-    assert "lacks get_data_parallel_group" in no_methods and "get_tensor_model_parallel_rank" in no_methods, \
-        no_methods
+    assert "lacks get_data_parallel_group" in no_methods and "get_tensor_model_parallel_rank" in no_methods, no_methods

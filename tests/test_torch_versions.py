@@ -39,8 +39,10 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_stages_train_without_torch_2_13_collective_names() -> None:
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [line.split(" trained")[0] for line in result.stdout.splitlines() if "trained" in line] == [
-        "stage 1", "stage 2", "stage 3"]
+        "stage 1",
+        "stage 2",
+        "stage 3",
+    ]

@@ -96,8 +96,12 @@ def check_stage(run: Launch, plain: Launch, stage: int) -> None:
     assert_same_training(sft, plain.report["sft"], 4, f"SFT stage {stage}")
     assert_same_training(dpo, plain.report["dpo"], 4, f"DPO stage {stage}")
     if stage < 3:  # at stage 3 refused by name (test below)
-        assert_same_training(run.report["dpo_precompute"], plain.report["dpo_precompute"], 4,
-                             f"DPO precompute_ref_log_probs stage {stage}")
+        assert_same_training(
+            run.report["dpo_precompute"],
+            plain.report["dpo_precompute"],
+            4,
+            f"DPO precompute_ref_log_probs stage {stage}",
+        )
     # GRPO: the same completions sampled (same rewards), the same gradients (its loss is 0 on-policy).
     assert_same_training(grpo, plain.report["grpo_nogather"], 2, f"GRPO stage {stage}")
     assert losses(grpo, "reward") == losses(plain.report["grpo_nogather"], "reward")
@@ -116,8 +120,9 @@ def check_stage(run: Launch, plain: Launch, stage: int) -> None:
         assert (set(statuses) <= {"AVAILABLE", "NOT_AVAILABLE"} and statuses) if stage == 3 else not statuses
 
 
-def test_sft_dpo_grpo_at_zero_stage_2_equal_plain_ddp(env: dict[str, str], model: Path, plain: Launch,
-                                                       tmp_path: Path) -> None:
+def test_sft_dpo_grpo_at_zero_stage_2_equal_plain_ddp(
+    env: dict[str, str], model: Path, plain: Launch, tmp_path: Path
+) -> None:
     assert plain.report["sft"]["model"]["class"] == "DistributedDataParallel"  # really 2 ranks, not 2 copies
     check_stage(zero_launch(2, env, model, tmp_path), plain, 2)
 
@@ -130,8 +135,10 @@ def test_trl_dotted_zero_keys_are_warned_by_name(stage3: Launch) -> None:
     """prepare_deepspeed (trl/models/utils.py) adds top-level dotted keys for the stage-3 reference model;
     DeepSpeed never reads them (it reads nested sections), and the engine says so, naming each."""
     for key in ("reduce_bucket_size", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
-        assert (f"zero_optimization.{key}: a dotted top-level key is ignored, as DeepSpeed ignores it" in stage3.stderr
-                and f'write it nested: {{"zero_optimization": {{"{key}": ' in stage3.stderr), key
+        assert (
+            f"zero_optimization.{key}: a dotted top-level key is ignored, as DeepSpeed ignores it" in stage3.stderr
+            and f'write it nested: {{"zero_optimization": {{"{key}": ' in stage3.stderr
+        ), key
 
 
 def test_dpo_precompute_ref_log_probs_at_zero3_is_refused_by_name(stage3: Launch) -> None:

@@ -56,13 +56,15 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 def batches(steps: int, global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1234)
-    return [(torch.randn(global_batch, WIDTH, generator=g), torch.randn(global_batch, WIDTH, generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randn(global_batch, WIDTH, generator=g), torch.randn(global_batch, WIDTH, generator=g))
+        for _ in range(steps)
+    ]
 
 
 def micro_batch(batch: tuple[torch.Tensor, torch.Tensor], rank: int, ws: int, k: int) -> tuple[torch.Tensor, ...]:
     start = (k * ws + rank) * MICRO
-    return batch[0][start:start + MICRO], batch[1][start:start + MICRO]
+    return batch[0][start : start + MICRO], batch[1][start : start + MICRO]
 
 
 def reference(steps: int, gas: int, ws: int, clip: float) -> dict[str, torch.Tensor]:
@@ -79,16 +81,21 @@ def reference(steps: int, gas: int, ws: int, clip: float) -> dict[str, torch.Ten
 
 
 def config(stage: int, gas: int, clip: float, **zero: Any) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero},
+    }
 
 
 def _train(stage: int, gas: int, clip: float, zero: dict[str, Any]) -> dict[str, Any]:
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = make_net(100 + rank)  # initialize must broadcast rank 0's
-    eng, opt, _, _ = engine.initialize(model=model, model_parameters=param_groups(model),
-                                       config=config(stage, gas, clip, **zero))
+    eng, opt, _, _ = engine.initialize(
+        model=model, model_parameters=param_groups(model), config=config(stage, gas, clip, **zero)
+    )
     norms = []
     for batch in batches(STEPS, MICRO * gas * ws):
         for k in range(gas):
@@ -96,18 +103,30 @@ def _train(stage: int, gas: int, clip: float, zero: dict[str, Any]) -> dict[str,
             eng.backward(torch.nn.functional.mse_loss(eng(x), y))
             eng.step()
         norms.append(eng.get_global_grad_norm())
-    out = {"state": {k: v.detach().clone() for k, v in eng.module.state_dict().items()}, "norms": norms,
-           "tied": eng.module.out.weight.data_ptr() == eng.module.inp.weight.data_ptr(),
-           "groups": [len(g["params"]) for g in opt.param_groups],
-           "decay": [g["weight_decay"] for g in opt.param_groups]}
+    out = {
+        "state": {k: v.detach().clone() for k, v in eng.module.state_dict().items()},
+        "norms": norms,
+        "tied": eng.module.out.weight.data_ptr() == eng.module.inp.weight.data_ptr(),
+        "groups": [len(g["params"]) for g in opt.param_groups],
+        "decay": [g["weight_decay"] for g in opt.param_groups],
+    }
     eng.destroy()
     return out
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world_size,gas,collectives", [(1, 4, "engine"), (2, 1, "engine"), (2, 4, "engine"),
-                                                        (4, 1, "engine"), (4, 4, "engine"), (4, 4, "native"),
-                                                        (4, 4, "ring")])
+@pytest.mark.parametrize(
+    "world_size,gas,collectives",
+    [
+        (1, 4, "engine"),
+        (2, 1, "engine"),
+        (2, 4, "engine"),
+        (4, 1, "engine"),
+        (4, 4, "engine"),
+        (4, 4, "native"),
+        (4, 4, "ring"),
+    ],
+)
 def test_matches_single_process(stage: int, world_size: int, gas: int, collectives: str) -> None:
     clip = 0.05  # below the real norms: clipping happens on every step
     # engine: the point-to-point direct exchanges on gloo; ring: the rings; native: torch's collectives.
@@ -119,5 +138,6 @@ def test_matches_single_process(stage: int, world_size: int, gas: int, collectiv
         assert result["decay"] == [DECAY, 0.0], "each group keeps its own hyper-parameters"
         assert max(result["norms"]) > clip
         for name, want in expected.items():
-            torch.testing.assert_close(result["state"][name], want, atol=ATOL, rtol=0,
-                                       msg=f"stage {stage} rank {rank} {name}")
+            torch.testing.assert_close(
+                result["state"][name], want, atol=ATOL, rtol=0, msg=f"stage {stage} rank {rank} {name}"
+            )

@@ -72,10 +72,12 @@ def reference(scenario: dict[str, Any], ws: int) -> dict[str, torch.Tensor]:
 
 def _config(scenario: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": scenario.get("gas", 1),
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": scenario.get("gas", 1),
         "gradient_clipping": scenario.get("clip", 0.05),
         "zero_optimization": {"stage": scenario["stage"], "reduce_bucket_size": 200, **scenario.get("zero", {})},
-        **scenario.get("top", {})}
+        **scenario.get("top", {}),
+    }
     if scenario.get("optimizer") not in CLIENT_OPTIMIZERS:
         cfg["optimizer"] = {"type": scenario.get("optimizer", "AdamW"), "params": {"lr": LR}}
     return cfg
@@ -89,9 +91,12 @@ def _train(scenario: dict[str, Any]) -> dict[str, Any]:
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = make_flex(100 + rank)
     client = _client_optimizer(scenario, model)
-    eng, opt, _, _ = engine.initialize(model=model, optimizer=client,
-                                       model_parameters=None if client else param_groups(model),
-                                       config=_config(scenario))
+    eng, opt, _, _ = engine.initialize(
+        model=model,
+        optimizer=client,
+        model_parameters=None if client else param_groups(model),
+        config=_config(scenario),
+    )
     gas, splits = scenario.get("gas", 1), scenario.get("no_sync", 1)
     dtype = eng.module.inp.weight.dtype
     losses, scales, comm_per_step = [], [], []
@@ -120,12 +125,29 @@ def _train(scenario: dict[str, Any]) -> dict[str, Any]:
         if scenario.get("snapshot") and step < 2:
             snapshots["after_first" if step == 0 else "after_second"] = _state(eng.module)
     stage = eng._stage
-    layout = [(g.layout.padded_numel, g.layout.shard_numel, g.layout.num_buckets, g.layout.bucket_numel,
-               g.layout.numel, str(g.dtype)) for g in getattr(stage, "groups", [])]
-    out = {"state": {k: v.detach().float().clone() for k, v in eng.module.state_dict().items()},
-           "losses": losses, "scales": scales, "skipped": eng.skipped_steps, "comm": comm_per_step,
-           "memory": eng.memory_report(), "layout": layout, "same_optimizer": (opt.optimizer is client and opt.param_groups is client.param_groups) if client else True,
-           "opt_params": [tuple(p.shape) for g in opt.param_groups for p in g["params"]], **snapshots}
+    layout = [
+        (
+            g.layout.padded_numel,
+            g.layout.shard_numel,
+            g.layout.num_buckets,
+            g.layout.bucket_numel,
+            g.layout.numel,
+            str(g.dtype),
+        )
+        for g in getattr(stage, "groups", [])
+    ]
+    out = {
+        "state": {k: v.detach().float().clone() for k, v in eng.module.state_dict().items()},
+        "losses": losses,
+        "scales": scales,
+        "skipped": eng.skipped_steps,
+        "comm": comm_per_step,
+        "memory": eng.memory_report(),
+        "layout": layout,
+        "same_optimizer": (opt.optimizer is client and opt.param_groups is client.param_groups) if client else True,
+        "opt_params": [tuple(p.shape) for g in opt.param_groups for p in g["params"]],
+        **snapshots,
+    }
     eng.destroy()
     return out
 
@@ -135,8 +157,9 @@ def _check_reference(scenario: dict[str, Any], ws: int, atol: float = ATOL) -> l
     expected = reference(scenario, ws)
     for rank, result in enumerate(results):
         for name, want in expected.items():
-            torch.testing.assert_close(result["state"][name], want, atol=atol, rtol=0,
-                                       msg=f"{scenario} rank {rank} {name}")
+            torch.testing.assert_close(
+                result["state"][name], want, atol=atol, rtol=0, msg=f"{scenario} rank {rank} {name}"
+            )
     return results
 
 
@@ -173,20 +196,25 @@ def test_fused_client_optimizer_on_strided_shards(stage: int) -> None:
     assert results[0]["layout"][0][2] > 1, "several buckets, so the shard view is strided"
 
 
-@pytest.mark.parametrize("zero", [
-    {"overlap_comm": False},
-    {"overlap_comm": True, "reduce_bucket_size": 50},  # many buckets: the pool of two cycles
-    {"reduce_scatter": False},
-    {"allgather_partitions": False},
-    {"allgather_bucket_size": 1},
-])
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {"overlap_comm": False},
+        {"overlap_comm": True, "reduce_bucket_size": 50},  # many buckets: the pool of two cycles
+        {"reduce_scatter": False},
+        {"allgather_partitions": False},
+        {"allgather_bucket_size": 1},
+    ],
+)
 def test_zero_knobs_keep_results(zero: dict[str, Any]) -> None:
     _check_reference({"stage": 2, "zero": zero, "gas": 2}, 2)
 
 
 def test_stage1_world_size_4_with_grad_accum_dtype_and_comm_dtype_fp32() -> None:
-    _check_reference({"stage": 1, "gas": 2, "top": {"communication_data_type": "fp32",
-                                                     "data_types": {"grad_accum_dtype": "fp32"}}}, 4)
+    _check_reference(
+        {"stage": 1, "gas": 2, "top": {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}},
+        4,
+    )
 
 
 def test_lamb_is_refused_on_flat_shards() -> None:
@@ -231,8 +259,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage: int) -> None
 
 def test_fp16_skipped_step_leaves_parameters_unchanged() -> None:
     fp16 = {"enabled": True, "initial_scale_power": 10, "hysteresis": 1}
-    results = run_distributed(_train, 2, args=({"stage": 2, "top": {"fp16": fp16}, "inject_inf": (0, 0),
-                                                "snapshot": True},))
+    results = run_distributed(
+        _train, 2, args=({"stage": 2, "top": {"fp16": fp16}, "inject_inf": (0, 0), "snapshot": True},)
+    )
     for result in results:
         assert result["skipped"] == 1 and result["scales"][0] == 512.0
         # The overflowed first step changed nothing: parameters (and the fp32 masters they come
@@ -293,9 +322,12 @@ def _train_mixed_dtypes(stage: int) -> dict[str, Any]:
         eng.backward(loss)
         eng.step()
         losses.append(loss.item())
-    out = {"dtypes": sorted({str(g.dtype) for g in eng._stage.groups}), "losses": losses,
-           "state": {k: v.detach().float().clone() for k, v in eng.module.state_dict().items()},
-           "param_dtypes": {n: str(p.dtype) for n, p in eng.module.named_parameters()}}
+    out = {
+        "dtypes": sorted({str(g.dtype) for g in eng._stage.groups}),
+        "losses": losses,
+        "state": {k: v.detach().float().clone() for k, v in eng.module.state_dict().items()},
+        "param_dtypes": {n: str(p.dtype) for n, p in eng.module.named_parameters()},
+    }
     eng.destroy()
     return out
 

@@ -16,8 +16,11 @@ from tests.models import make_model
 
 def _statuses() -> dict[str, Any]:
     status = partitioned_init.ZeroParamStatus  # deepspeed.runtime.zero.partition_parameters.ZeroParamStatus
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     eng, _, _, _ = engine.initialize(model=make_model(), config=config)
     last = eng.module.layers[-1].weight
     during_first_layer: list[Any] = []
@@ -29,8 +32,14 @@ def _statuses() -> dict[str, Any]:
     outside = {p.ds_status for p in params}
     with engine.zero.GatheredParameters(params):
         inside = {p.ds_status for p in params}
-    out = {"outside": outside, "inside": inside, "during": during_first_layer, "status": status,
-           "partition": [p.partition_numel() for p in params], "numel": [p.ds_numel for p in params]}
+    out = {
+        "outside": outside,
+        "inside": inside,
+        "during": during_first_layer,
+        "status": status,
+        "partition": [p.partition_numel() for p in params],
+        "numel": [p.ds_numel for p in params],
+    }
     eng.destroy()
     return out
 

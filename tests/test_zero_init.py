@@ -21,9 +21,12 @@ class Tower(torch.nn.Module):
 
     def __init__(self, layers: int, width: int, hidden: int) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, hidden if i % 2 == 0 else width, bias=i == 0)
-                                          if i % 2 == 0 else torch.nn.Linear(hidden, width, bias=False)
-                                          for i in range(layers))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(width, hidden if i % 2 == 0 else width, bias=i == 0)
+            if i % 2 == 0
+            else torch.nn.Linear(hidden, width, bias=False)
+            for i in range(layers)
+        )
         self.scale = torch.nn.Parameter(torch.ones(width))  # a parameter of the outer module itself
         self.apply(self._init)
 
@@ -90,9 +93,14 @@ def _init_then_stage(stage: int) -> dict[str, Any]:
         model = Tower(4, 6, 10)
     existing = Tower(2, 6, 10)
     engine.zero.Init(module=existing)  # partitions a model that is already built
-    eng, *_ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": stage}})
+    eng, *_ = engine.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage},
+        },
+    )
     with engine.zero.GatheredParameters(list(model.parameters())):
         equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     whole = [p.numel() for p in model.parameters()] == [p.numel() for p in reference.parameters()]

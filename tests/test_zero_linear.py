@@ -14,8 +14,15 @@ from engine.zero.released import ZeroParamStatus
 
 def _own(w: torch.Tensor) -> None:
     """What a stage-3 engine does for the weights it owns (a unit that is never gathered here)."""
-    owners.set_unit(w, owners.UnitHandle(gather=lambda: False, release=lambda: None, scatter_from=lambda src: None,
-                                         status=lambda: ZeroParamStatus.AVAILABLE))
+    owners.set_unit(
+        w,
+        owners.UnitHandle(
+            gather=lambda: False,
+            release=lambda: None,
+            scatter_from=lambda src: None,
+            status=lambda: ZeroParamStatus.AVAILABLE,
+        ),
+    )
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7), (0, 7)])

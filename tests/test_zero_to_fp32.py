@@ -49,8 +49,11 @@ def build(seed: int) -> nn.Module:
 def make_engine(stage: int, seed: int) -> tuple[Any, Any]:
     model = build(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     eng, opt, _, _ = engine.initialize(model=model, optimizer=optimizer, config=config)
     return eng, opt
 
@@ -83,8 +86,13 @@ def _save_and_reload(root: str) -> dict[int, dict[str, Any]]:
         fresh.load_checkpoint(save_dir, tag="trainable", load_module_strict=False)
         loaded = fresh.consolidated_state_dict()
         fresh.destroy()
-        results[stage] = {"reference": _cpu(reference), "own": _cpu(own), "loaded": _cpu(loaded), "strict": strict,
-                          "is_deepspeed_optimizer": isinstance(opt, DeepSpeedOptimizer)}
+        results[stage] = {
+            "reference": _cpu(reference),
+            "own": _cpu(own),
+            "loaded": _cpu(loaded),
+            "strict": strict,
+            "is_deepspeed_optimizer": isinstance(opt, DeepSpeedOptimizer),
+        }
     return results
 
 
@@ -109,8 +117,9 @@ def test_exclude_frozen_parameters(saved: tuple[Path, dict[int, dict[str, Any]]]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_state_dict_and_the_files_deepspeed_tools_read(saved: tuple[Path, dict[int, dict[str, Any]]],
-                                                       stage: int) -> None:
+def test_state_dict_and_the_files_deepspeed_tools_read(
+    saved: tuple[Path, dict[int, dict[str, Any]]], stage: int
+) -> None:
     root, results = saved
     reference = {k: torch.tensor(v) for k, v in results[stage]["reference"].items()}
     ckpt = str(root / f"stage{stage}")
@@ -119,8 +128,10 @@ def test_state_dict_and_the_files_deepspeed_tools_read(saved: tuple[Path, dict[i
     for name, value in state.items():
         assert value.dtype == torch.float32
         torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
-    assert set(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="all", exclude_frozen_parameters=True)) == \
-        set(reference) - FROZEN
+    assert (
+        set(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="all", exclude_frozen_parameters=True))
+        == set(reference) - FROZEN
+    )
 
     tag_dir = str(root / f"stage{stage}" / "all")
     optim_files = get_optim_files(tag_dir)
@@ -145,8 +156,9 @@ def test_convert_to_files(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_pat
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["pytorch_model.bin"]
     torch.testing.assert_close(torch.load(tmp_path / "one" / "pytorch_model.bin", weights_only=True), reference)
 
-    convert_zero_checkpoint_to_fp32_state_dict(ckpt, str(tmp_path / "shards"), max_shard_size=200,
-                                               safe_serialization=True, tag="all")
+    convert_zero_checkpoint_to_fp32_state_dict(
+        ckpt, str(tmp_path / "shards"), max_shard_size=200, safe_serialization=True, tag="all"
+    )
     index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and sorted(index["weight_map"]) == sorted(reference)

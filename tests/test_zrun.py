@@ -298,8 +298,21 @@ def test_rank0_output_reaches_the_console_raw_and_other_ranks_prefixed() -> None
     # torchrun's tee would print each "\r" redraw as its own prefixed line; zrun mirrors rank 0's
     # bytes unchanged, so a progress bar redraws in place.
     r = subprocess.run(  # bytes, not text: universal newlines would turn "\r" into "\n"
-        [sys.executable, "-m", "launcher.zrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(SCRIPTS / "progress_bar.py")], cwd=ROOT, capture_output=True, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "launcher.zrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(SCRIPTS / "progress_bar.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert b"\rBAR 0/3\rBAR 1/3\rBAR 2/3\n" in r.stderr
     assert b"DONE rank=0" in r.stdout and b"[rank0]:DONE" not in r.stdout
@@ -309,8 +322,9 @@ def test_rank0_output_reaches_the_console_raw_and_other_ranks_prefixed() -> None
 def test_stage3_training_exits_cleanly() -> None:
     # DeepSpeed's stage 3 has been seen to abort at exit on CPU ("terminate called without an
     # active exception"); ours must exit 0 and print nothing of the kind.
-    result = zrun("--nproc_per_node", "2", "--master_port", str(free_port()),
-                  "tests/zrun_scripts/train_stage3.py", timeout=120)
+    result = zrun(
+        "--nproc_per_node", "2", "--master_port", str(free_port()), "tests/zrun_scripts/train_stage3.py", timeout=120
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "rank 0 trained 3 steps" in output, output

@@ -30,14 +30,25 @@ def zrun(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> sub
     return _zrun(*args, timeout=180, env=env, cwd=cwd)
 
 
-def _start_forever(hosts: Hosts, tmp_path: Path, port: int, **popen: object) -> tuple[subprocess.Popen[str], dict[int, int]]:
+def _start_forever(
+    hosts: Hosts, tmp_path: Path, port: int, **popen: object
+) -> tuple[subprocess.Popen[str], dict[int, int]]:
     """zrun over both hosts running allreduce_forever.py; returns it and {rank: pid} once all run."""
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    argv = ["--hostfile", _hostfile(tmp_path, hosts), "--master_port", str(port), "--launcher_args", " ".join(hosts.ssh_args)]
+    argv = [
+        "--hostfile",
+        _hostfile(tmp_path, hosts),
+        "--master_port",
+        str(port),
+        "--launcher_args",
+        " ".join(hosts.ssh_args),
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.zrun", *argv, str(SCRIPTS / "allreduce_forever.py"), str(pids_dir)],
-        cwd=ROOT, text=True, **popen,  # type: ignore[call-overload]
+        cwd=ROOT,
+        text=True,
+        **popen,  # type: ignore[call-overload]
     )
     try:
         files = _wait_for_files(pids_dir, "rank*.pid", 4, proc)
@@ -107,7 +118,16 @@ def test_two_hosts_train_like_one_node(hosts: Hosts, tmp_path: Path) -> None:
     hf = _hostfile(tmp_path, hosts)
     t0 = time.time()
     logs = tmp_path / "logs"
-    r = zrun("--hostfile", hf, "--log_dir", str(logs), "--launcher_args", " ".join(hosts.ssh_args), str(SCRIPTS / "train_losses.py"), str(tmp_path / "two.json"))
+    r = zrun(
+        "--hostfile",
+        hf,
+        "--log_dir",
+        str(logs),
+        "--launcher_args",
+        " ".join(hosts.ssh_args),
+        str(SCRIPTS / "train_losses.py"),
+        str(tmp_path / "two.json"),
+    )
     wall = time.time() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     print(f"2 hosts x 2 ranks, stage-2 training over ssh: {wall:.1f} s wall")
@@ -119,7 +139,9 @@ def test_two_hosts_train_like_one_node(hosts: Hosts, tmp_path: Path) -> None:
         for local, rank in enumerate(ranks):
             (log,) = logs.glob(f"{node}/zrun-*/attempt_0/{local}/stdout.log")
             assert f"rank {rank} of 4" in log.read_text()
-    one = zrun("--nproc_per_node", "4", "--master_port", "29531", str(SCRIPTS / "train_losses.py"), str(tmp_path / "one.json"))
+    one = zrun(
+        "--nproc_per_node", "4", "--master_port", "29531", str(SCRIPTS / "train_losses.py"), str(tmp_path / "one.json")
+    )
     assert one.returncode == 0, one.stderr
     two_nodes = json.loads((tmp_path / "two.json").read_text())
     one_node = json.loads((tmp_path / "one.json").read_text())
@@ -133,7 +155,17 @@ def test_pdsh_backend_trains_across_hosts(hosts: Hosts, tmp_path: Path) -> None:
     """pdsh runs one command on every host; each node finds its rank from pdsh's %h in --world."""
     hf = _hostfile(tmp_path, hosts)
     env = {"PDSH_SSH_ARGS_APPEND": " ".join(hosts.ssh_args)}  # the user's own ssh options are kept
-    r = zrun("--hostfile", hf, "--launcher", "pdsh", "--master_port", "29538", str(SCRIPTS / "train_losses.py"), str(tmp_path / "pdsh.json"), env=env)
+    r = zrun(
+        "--hostfile",
+        hf,
+        "--launcher",
+        "pdsh",
+        "--master_port",
+        "29538",
+        str(SCRIPTS / "train_losses.py"),
+        str(tmp_path / "pdsh.json"),
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for k, addr in enumerate(hosts.addrs):
         assert f"{addr}: zrun[{addr}]: 2 rank(s) on this node (node {k} of 2, world size 4" in r.stderr
@@ -149,9 +181,17 @@ def test_ranks_get_the_arguments_and_environment_exactly(hosts: Hosts, tmp_path:
     (tmp_path / ".zrun_env").write_text("ZRUN_TEST_VALUE=$(touch /tmp/zrun_pwned); 'q' \"d\" `id`\n")
     hf = _hostfile(tmp_path, hosts, slots=1)
     r = zrun(
-        "--hostfile", hf, "--launcher_args", " ".join(hosts.ssh_args), "--master_port", "29532",
-        str(SCRIPTS / "report_env.py"), str(out), *NASTY,
-        cwd=tmp_path, env={"NCCL_TEST_VALUE": "it's; rm -rf /tmp/nothing"},
+        "--hostfile",
+        hf,
+        "--launcher_args",
+        " ".join(hosts.ssh_args),
+        "--master_port",
+        "29532",
+        str(SCRIPTS / "report_env.py"),
+        str(out),
+        *NASTY,
+        cwd=tmp_path,
+        env={"NCCL_TEST_VALUE": "it's; rm -rf /tmp/nothing"},
     )
     assert r.returncode == 0, r.stdout + r.stderr
     for rank, addr in enumerate(hosts.addrs):
@@ -161,13 +201,29 @@ def test_ranks_get_the_arguments_and_environment_exactly(hosts: Hosts, tmp_path:
         assert got["env"]["NCCL_TEST_VALUE"] == "it's; rm -rf /tmp/nothing"
         assert got["env"]["MASTER_ADDR"] == hosts.addrs[0] and got["env"]["WORLD_SIZE"] == "2"
         assert got["env"]["GLOO_SOCKET_IFNAME"]  # chosen per node: the interface towards the master
-        assert hosts.exec(rank, ["ip", "-o", "-4", "addr", "show", "dev", got["env"]["GLOO_SOCKET_IFNAME"]]).stdout.count(addr) == 1
+        assert (
+            hosts.exec(rank, ["ip", "-o", "-4", "addr", "show", "dev", got["env"]["GLOO_SOCKET_IFNAME"]]).stdout.count(
+                addr
+            )
+            == 1
+        )
     assert not os.path.exists("/tmp/zrun_pwned")
 
 
 def test_dry_run_prints_every_node_command(hosts: Hosts, tmp_path: Path) -> None:
     hf = _hostfile(tmp_path, hosts)
-    r = zrun("--hostfile", hf, "--ssh_port", "22", "--launcher_args", " ".join(hosts.ssh_args), "--dry_run", "train.py", "--x", "a b")
+    r = zrun(
+        "--hostfile",
+        hf,
+        "--ssh_port",
+        "22",
+        "--launcher_args",
+        " ".join(hosts.ssh_args),
+        "--dry_run",
+        "train.py",
+        "--x",
+        "a b",
+    )
     assert r.returncode == 0, r.stderr
     print(r.stdout)
     lines = r.stdout.splitlines()
@@ -231,7 +287,9 @@ def test_killed_ssh_link_stops_the_remote_ranks(hosts: Hosts, tmp_path: Path) ->
 
 
 def _cfg(hf: str, hosts: Hosts, port: int = 29536) -> object:
-    return config_from_args(["--hostfile", hf, "--master_port", str(port), "--launcher_args", " ".join(hosts.ssh_args), "t.py"])
+    return config_from_args(
+        ["--hostfile", hf, "--master_port", str(port), "--launcher_args", " ".join(hosts.ssh_args), "t.py"]
+    )
 
 
 def test_preflight_names_the_host_and_the_cause(hosts: Hosts, tmp_path: Path) -> None:
@@ -246,13 +304,26 @@ def test_preflight_names_the_host_and_the_cause(hosts: Hosts, tmp_path: Path) ->
         preflight_hosts(cfg, str(ROOT), "/no/python")  # type: ignore[arg-type]
     bare = shutil.which("python3", path="/usr/bin:/bin")  # a python without torch
     if bare:
-        with pytest.raises(LaunchError, match=rf"\[{hosts.addrs[0]}\] the project is not importable there: cannot import torch"):
+        with pytest.raises(
+            LaunchError, match=rf"\[{hosts.addrs[0]}\] the project is not importable there: cannot import torch"
+        ):
             preflight_hosts(cfg, str(ROOT), bare)  # type: ignore[arg-type]
     # The master port taken on host 1 (node 0) by another program:
-    listener = hosts.popen(0, [sys.executable, "-c", f"import socket,time; s=socket.socket(); s.bind(('{hosts.addrs[0]}', 29536)); s.listen(); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    listener = hosts.popen(
+        0,
+        [
+            sys.executable,
+            "-c",
+            f"import socket,time; s=socket.socket(); s.bind(('{hosts.addrs[0]}', 29536)); s.listen(); print('up', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert listener.stdout is not None and listener.stdout.readline().strip() == "up"
     try:
-        with pytest.raises(LaunchError, match=rf"\[{hosts.addrs[0]}\] --master_port 29536 is already in use on the master"):
+        with pytest.raises(
+            LaunchError, match=rf"\[{hosts.addrs[0]}\] --master_port 29536 is already in use on the master"
+        ):
             preflight_hosts(cfg, str(ROOT), sys.executable)  # type: ignore[arg-type]
     finally:
         listener.kill()
@@ -266,7 +337,14 @@ def test_unreachable_host_fails_before_any_rank_starts(hosts: Hosts, tmp_path: P
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     t0 = time.time()
-    r = zrun("--hostfile", str(hf), "--launcher_args", " ".join(hosts.ssh_args), str(SCRIPTS / "sleep_pids.py"), str(pids_dir))
+    r = zrun(
+        "--hostfile",
+        str(hf),
+        "--launcher_args",
+        " ".join(hosts.ssh_args),
+        str(SCRIPTS / "sleep_pids.py"),
+        str(pids_dir),
+    )
     print(r.stderr, f"{time.time() - t0:.1f} s")
     assert r.returncode == 1
     assert "zrun: error: preflight found problems, no rank was started:" in r.stderr
@@ -284,7 +362,17 @@ def test_openmpi_backend_trains_on_localhost(tmp_path: Path) -> None:
     hf = tmp_path / "hostfile"
     hf.write_text("localhost slots=2\n")
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
-    r = zrun("--hostfile", str(hf), "--launcher", "openmpi", "--master_port", "29537", str(SCRIPTS / "train_losses.py"), str(tmp_path / "mpi.json"), env=env)
+    r = zrun(
+        "--hostfile",
+        str(hf),
+        "--launcher",
+        "openmpi",
+        "--master_port",
+        "29537",
+        str(SCRIPTS / "train_losses.py"),
+        str(tmp_path / "mpi.json"),
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "zrun: 1 node(s), world size 2, via openmpi" in r.stderr
     assert "rank 1 of 2" in r.stdout + r.stderr

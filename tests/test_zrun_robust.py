@@ -54,7 +54,9 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 @contextmanager
-def sleeping_job(tmp_path: Path, port: int, extra: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen[bytes], list[int]]]:
+def sleeping_job(
+    tmp_path: Path, port: int, extra: tuple[str, ...] = ()
+) -> Iterator[tuple[subprocess.Popen[bytes], list[int]]]:
     """zrun at 2 ranks of sleep_pids.py in its own process group (as a terminal's foreground job),
     stdout/stderr to files; yields once both ranks wrote their pid."""
     pid_dir = tmp_path / "pids"
@@ -63,8 +65,18 @@ def sleeping_job(tmp_path: Path, port: int, extra: tuple[str, ...] = ()) -> Iter
     tmp.mkdir()
     with open(tmp_path / "stdout", "wb") as out, open(tmp_path / "stderr", "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher.zrun", "--nproc_per_node", "2", "--master_port", str(port), *extra,
-             str(SCRIPTS / "sleep_pids.py"), str(pid_dir)],
+            [
+                sys.executable,
+                "-m",
+                "launcher.zrun",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                str(port),
+                *extra,
+                str(SCRIPTS / "sleep_pids.py"),
+                str(pid_dir),
+            ],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -100,20 +112,57 @@ def test_kill_9_of_zrun_stops_the_agent_and_every_rank(tmp_path: Path) -> None:
         proc.wait()
         # Generous: the agent SIGTERMs its ranks and SIGKILLs them after 5 s; the machine may be loaded.
         left = _wait_gone(tree, 15)
-        assert left == [], f"still running after zrun was killed: {_describe(left)}\n{(tmp_path / 'stderr').read_text()}"
+        assert left == [], (
+            f"still running after zrun was killed: {_describe(left)}\n{(tmp_path / 'stderr').read_text()}"
+        )
         assert port_is_free(port)
         assert list((tmp_path / "tmp").glob("zrun_logs_*")) == []  # zrun's temporary log folder went with it
 
 
 # ---------------------------------------------------------------- item: script arguments verbatim
 
-LOOKALIKES = ["--log", "1", "--start", "x", "--local", "2", "--max", "3", "--node", "n", "--master", "m", "--num", "4", "--monitor", "5", "--rdzv", "r", "--nproc_per_node", "9", "--master_port", "99999", "--help", "-h", "--", "y", "--"]
+LOOKALIKES = [
+    "--log",
+    "1",
+    "--start",
+    "x",
+    "--local",
+    "2",
+    "--max",
+    "3",
+    "--node",
+    "n",
+    "--master",
+    "m",
+    "--num",
+    "4",
+    "--monitor",
+    "5",
+    "--rdzv",
+    "r",
+    "--nproc_per_node",
+    "9",
+    "--master_port",
+    "99999",
+    "--help",
+    "-h",
+    "--",
+    "y",
+    "--",
+]
 
 
 @pytest.mark.parametrize("tail", [LOOKALIKES, ["--", "--log", "1"], []], ids=["lookalikes", "leading-dashes", "none"])
 def test_script_args_reach_the_script_verbatim(tmp_path: Path, tail: list[str]) -> None:
-    r = zrun("--nproc_per_node", "1", "--master_port", str(free_port()), str(SCRIPTS / "print_argv.py"), *tail,
-             env={"TMPDIR": str(tmp_path)})
+    r = zrun(
+        "--nproc_per_node",
+        "1",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / "print_argv.py"),
+        *tail,
+        env={"TMPDIR": str(tmp_path)},
+    )
     assert r.returncode == 0, r.stderr
     m = re.search(r"^ARGV rank=0 .* argv=(\[.*\])$", r.stdout, re.MULTILINE)
     assert m, r.stdout + r.stderr
@@ -126,7 +175,11 @@ def test_script_args_reach_the_script_verbatim(tmp_path: Path, tail: list[str]) 
     [
         (["s.py", "--", "a"], "s.py", ("--", "a")),
         (["--", "s.py", "--", "a"], "s.py", ("--", "a")),
-        (["--nproc_per_node=2", "s.py", "--nproc_per_node", "3", "--dry_run"], "s.py", ("--nproc_per_node", "3", "--dry_run")),
+        (
+            ["--nproc_per_node=2", "s.py", "--nproc_per_node", "3", "--dry_run"],
+            "s.py",
+            ("--nproc_per_node", "3", "--dry_run"),
+        ),
         (["--launcher_args", "-i key", "-H", "hf", "s.py", "-H", "x"], "s.py", ("-H", "x")),
     ],
 )
@@ -206,8 +259,14 @@ def test_stop_signal_prints_one_line_and_no_traceback(
 
 
 def test_rank_failure_is_one_summary_without_the_agents_traceback(tmp_path: Path) -> None:
-    r = zrun("--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPTS / "fail_rank1.py"),
-             env={"TMPDIR": str(tmp_path)})
+    r = zrun(
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / "fail_rank1.py"),
+        env={"TMPDIR": str(tmp_path)},
+    )
     assert r.returncode == 1, r.stderr
     assert "ChildFailedError" not in r.stderr and "torch/distributed/run.py" not in r.stderr, r.stderr
     assert "Root Cause" not in r.stderr  # torch's summary is replaced by zrun's

@@ -59,9 +59,11 @@ def prepare_client_state(client_state: Mapping[str, Any] | None) -> dict[str, An
     try:
         restore_client_state(torch.load(buffer, map_location="cpu", weights_only=True), "client_state")
     except (pickle.UnpicklingError, CheckpointError) as err:
-        raise CheckpointError(f"save_checkpoint: client_state would not load back with torch.load(weights_only=True) "
-                              f"({unpickling_reason(err)}); keep to numbers, strings, tensors, numpy arrays and "
-                              "dicts/lists/tuples of them. Nothing was written") from None
+        raise CheckpointError(
+            f"save_checkpoint: client_state would not load back with torch.load(weights_only=True) "
+            f"({unpickling_reason(err)}); keep to numbers, strings, tensors, numpy arrays and "
+            "dicts/lists/tuples of them. Nothing was written"
+        ) from None
     return prepared
 
 
@@ -83,18 +85,26 @@ def _encode(value: Any, path: str) -> Any:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, argparse.Namespace):
-        return {ENCODED: "argparse.Namespace",
-                "attrs": {k: _encode(v, f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]")
-                          for k, v in vars(value).items()}}
+        return {
+            ENCODED: "argparse.Namespace",
+            "attrs": {
+                k: _encode(v, f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]")
+                for k, v in vars(value).items()
+            },
+        }
     if isinstance(value, Mapping):
         out = {}
         for key, item in value.items():
             if not isinstance(key, _SCALARS):
-                raise CheckpointError(f"save_checkpoint: {path} has a key of type {type(key).__name__} ({key!r}); "
-                                      "client_state keys must be strings or numbers. Nothing was written")
+                raise CheckpointError(
+                    f"save_checkpoint: {path} has a key of type {type(key).__name__} ({key!r}); "
+                    "client_state keys must be strings or numbers. Nothing was written"
+                )
             if key == ENCODED:
-                raise CheckpointError(f"save_checkpoint: {path} has the key {ENCODED!r}, which checkpoints reserve "
-                                      "to mark numpy values and Namespaces; rename it. Nothing was written")
+                raise CheckpointError(
+                    f"save_checkpoint: {path} has the key {ENCODED!r}, which checkpoints reserve "
+                    "to mark numpy values and Namespaces; rename it. Nothing was written"
+                )
             out[key] = _encode(item, f"{path}[{key!r}]")
         mapping_type: type = type(value)
         return mapping_type(out) if mapping_type in _KEPT_MAPPINGS else out
@@ -110,8 +120,13 @@ def _encode_numpy(value: np.generic | np.ndarray, path: str) -> dict[str, Any]:
     array = np.asarray(value)
     if array.dtype.kind not in _NUMPY_KINDS or array.dtype.fields is not None:
         return _refuse(value, path, f"a numpy value of dtype {array.dtype}")
-    return {ENCODED: "numpy", "dtype": array.dtype.str, "shape": list(array.shape),
-            "scalar": isinstance(value, np.generic), "data": np.ascontiguousarray(array).tobytes()}
+    return {
+        ENCODED: "numpy",
+        "dtype": array.dtype.str,
+        "shape": list(array.shape),
+        "scalar": isinstance(value, np.generic),
+        "data": np.ascontiguousarray(array).tobytes(),
+    }
 
 
 def _without_tensor_data(value: Any) -> Any:
@@ -139,7 +154,8 @@ def _refuse(value: Any, path: str, what: str | None = None) -> Any:
     hint = _HINTS.get(kind.__name__, "convert it to numbers, strings, tensors, numpy arrays or dicts/lists of them")
     raise CheckpointError(
         f"save_checkpoint: {path} is {what}, which a checkpoint cannot load back "
-        f"(torch.load(weights_only=True) refuses it, so the resume would fail); {hint}. Nothing was written")
+        f"(torch.load(weights_only=True) refuses it, so the resume would fail); {hint}. Nothing was written"
+    )
 
 
 # ------------------------------------------------------------------------------------- load side
@@ -171,5 +187,7 @@ def _decode_tagged(value: dict[str, Any], where: str, path: str) -> Any:
             return array[()] if value["scalar"] else array
         raise ValueError(f"{ENCODED} {kind!r} is none this engine writes")
     except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{where}: {path} is an encoded value this engine cannot rebuild ({err}); the file "
-                              "was edited or written by another program; load another tag") from None
+        raise CheckpointError(
+            f"{where}: {path} is an encoded value this engine cannot rebuild ({err}); the file "
+            "was edited or written by another program; load another tag"
+        ) from None

@@ -32,14 +32,16 @@ from engine.zero.tp_state import join_slices
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def consolidate(ckpt_dir: str, tag: str | None = None, dtype: torch.dtype = torch.float32,
-                progress: bool = False) -> dict[str, torch.Tensor]:
+def consolidate(
+    ckpt_dir: str, tag: str | None = None, dtype: torch.dtype = torch.float32, progress: bool = False
+) -> dict[str, torch.Tensor]:
     """The whole state dict in memory (for torch.save); tied names share one tensor."""
     reader, manifest, _ = _open(ckpt_dir, tag)
     out: dict[str, torch.Tensor] = {}
     for entry in tqdm(_plan(reader, manifest, dtype), desc="consolidating", unit="tensor", disable=not progress):
-        out[entry.name] = out[entry.source] if entry.source in out else \
-            _assemble(reader, entry).view(entry.shape).to(entry.dtype)
+        out[entry.name] = (
+            out[entry.source] if entry.source in out else _assemble(reader, entry).view(entry.shape).to(entry.dtype)
+        )
     return out
 
 
@@ -88,9 +90,18 @@ def _read_whole(reader: PieceReader, name: str, kind: str, numel: int) -> torch.
     return flat
 
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def _plan(reader: PieceReader, manifest: dict, dtype: torch.dtype) -> list[_Entry]:
@@ -104,8 +115,16 @@ def _plan(reader: PieceReader, manifest: dict, dtype: torch.dtype) -> list[_Entr
                 entry = sliced[whole]
                 parts = tuple(zip(entry["saved_as"], entry["slice_shapes"]))
                 kind, saved = _listed(reader, parts)
-                plan[whole] = _Entry(whole, whole, kind, _out_dtype(saved, dtype), list(entry["shape"]), parts,
-                                     entry["partition_dim"], entry["partition_stride"])
+                plan[whole] = _Entry(
+                    whole,
+                    whole,
+                    kind,
+                    _out_dtype(saved, dtype),
+                    list(entry["shape"]),
+                    parts,
+                    entry["partition_dim"],
+                    entry["partition_stride"],
+                )
             continue
         kinds = reader.where[name]
         kind = "optim" if "optim" in kinds else "model"
@@ -125,9 +144,11 @@ def _listed(reader: PieceReader, parts: tuple[tuple[str, list[int]], ...]) -> tu
         kind = "optim" if "optim" in kinds else "model"
         numel = sum(n for _, n, _ in kinds.get(kind, []))
         if math.prod(shape) != numel:
-            raise CheckpointError(f"{os.path.join(reader.tag_dir, MANIFEST)}: key pieces: {saved!r} is listed with "
-                                  f"{numel} elements, its saved shape {shape} holds {math.prod(shape)}; the manifest "
-                                  "was edited or is corrupted; load another tag")
+            raise CheckpointError(
+                f"{os.path.join(reader.tag_dir, MANIFEST)}: key pieces: {saved!r} is listed with "
+                f"{numel} elements, its saved shape {shape} holds {math.prod(shape)}; the manifest "
+                "was edited or is corrupted; load another tag"
+            )
     first, _ = parts[0]
     kind = "optim" if "optim" in reader.where[first] else "model"
     return kind, torch.float32 if kind == "optim" else _saved_dtype(reader, first, reader.where[first][kind][0])
@@ -138,8 +159,9 @@ def _out_dtype(saved: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if saved.is_floating_point else saved
 
 
-def write_safetensors(ckpt_dir: str, out: str, tag: str | None = None, dtype: torch.dtype = torch.float32,
-                      progress: bool = False) -> int:
+def write_safetensors(
+    ckpt_dir: str, out: str, tag: str | None = None, dtype: torch.dtype = torch.float32, progress: bool = False
+) -> int:
     """Stream the consolidated state dict into a .safetensors file: the header comes from the manifest,
     then each tensor is assembled from its pieces and written, so memory holds one tensor at a time.
     Returns the bytes of tensor data written."""
@@ -152,8 +174,11 @@ def write_safetensors(ckpt_dir: str, out: str, tag: str | None = None, dtype: to
     offset = 0
     for entry in plan:
         size = entry.numel * entry.dtype.itemsize
-        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": entry.shape,
-                              "data_offsets": [offset, offset + size]}
+        header[entry.name] = {
+            "dtype": SAFETENSORS_DTYPES[entry.dtype],
+            "shape": entry.shape,
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -172,14 +197,19 @@ def _saved_dtype(reader: PieceReader, name: str, where: tuple[int, int, int]) ->
         return reader.whole(name, where[2]).dtype
     saved = reader.entry(fname, name, where[0]).get("model")
     if not torch.is_tensor(saved):
-        raise CheckpointError(f"{os.path.join(reader.tag_dir, fname)} lacks the values of {name!r} at offset {where[0]} "
-                              "that its manifest lists; the checkpoint is corrupted; load another tag")
+        raise CheckpointError(
+            f"{os.path.join(reader.tag_dir, fname)} lacks the values of {name!r} at offset {where[0]} "
+            "that its manifest lists; the checkpoint is corrupted; load another tag"
+        )
     return saved.dtype
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.checkpoint.consolidate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.checkpoint.consolidate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("ckpt_dir")
     parser.add_argument("out")
     parser.add_argument("--tag", default=None)

@@ -62,18 +62,28 @@ def partial_dir(save_dir: str, tag: str) -> str:
 
 def check_tag(tag: str, where: str) -> str:
     """A tag names a directory directly under the checkpoint folder, nothing else."""
-    if not tag or os.sep in tag or (os.altsep and os.altsep in tag) or tag in (".", "..") or tag.startswith(".") \
-            or os.path.isabs(tag):
-        raise CheckpointError(f"{where}: tag {tag!r} is not a plain directory name inside the checkpoint folder; "
-                              "a tag may not contain path separators or start with '.'")
+    if (
+        not tag
+        or os.sep in tag
+        or (os.altsep and os.altsep in tag)
+        or tag in (".", "..")
+        or tag.startswith(".")
+        or os.path.isabs(tag)
+    ):
+        raise CheckpointError(
+            f"{where}: tag {tag!r} is not a plain directory name inside the checkpoint folder; "
+            "a tag may not contain path separators or start with '.'"
+        )
     return tag
 
 
 def read_latest(load_dir: str) -> str:
     path = os.path.join(load_dir, LATEST)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path} does not exist: no checkpoint was saved with save_latest=True in {load_dir}; "
-                              "pass tag= to load_checkpoint (a directory name under it)")
+        raise CheckpointError(
+            f"{path} does not exist: no checkpoint was saved with save_latest=True in {load_dir}; "
+            "pass tag= to load_checkpoint (a directory name under it)"
+        )
     with open(path) as f:
         tag = f.read().strip()
     if not tag:
@@ -94,26 +104,48 @@ def resolve_tag_dir(load_dir: str, tag: str | None) -> str:
     if not os.path.isdir(tag_dir) and os.path.isdir(aside):
         from engine.monitor.log import get_logger
 
-        get_logger().warning("checkpoint %s is missing but %s is complete (a save replacing it was interrupted); "
-                             "loading that", tag_dir, aside)
+        get_logger().warning(
+            "checkpoint %s is missing but %s is complete (a save replacing it was interrupted); loading that",
+            tag_dir,
+            aside,
+        )
         return aside
     return tag_dir
 
 
-_PIECE = {"type": "array", "prefixItems": [{"enum": ["model", "optim"]}, {"type": "string"},
-                                           {"type": "integer", "minimum": 0}, {"type": "integer", "minimum": 0}],
-          "minItems": 4, "maxItems": 4}
+_PIECE = {
+    "type": "array",
+    "prefixItems": [
+        {"enum": ["model", "optim"]},
+        {"type": "string"},
+        {"type": "integer", "minimum": 0},
+        {"type": "integer", "minimum": 0},
+    ],
+    "minItems": 4,
+    "maxItems": 4,
+}
 _SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _TENSOR_PARALLEL = {
-    "type": "object", "required": ["tp_size", "dp_size", "params"],
+    "type": "object",
+    "required": ["tp_size", "dp_size", "params"],
     "properties": {
-        "tp_size": {"type": "integer", "minimum": 1}, "dp_size": {"type": "integer", "minimum": 1},
-        "params": {"type": "object", "additionalProperties": {
-            "type": "object", "required": ["partition_dim", "partition_stride", "shape", "slice_shapes", "saved_as"],
-            "properties": {"partition_dim": {"type": "integer", "minimum": 0},
-                           "partition_stride": {"type": "integer", "minimum": 1}, "shape": _SHAPE,
-                           "slice_shapes": {"type": "array", "items": _SHAPE},
-                           "saved_as": {"type": "array", "items": {"type": "string"}}}}}},
+        "tp_size": {"type": "integer", "minimum": 1},
+        "dp_size": {"type": "integer", "minimum": 1},
+        "params": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["partition_dim", "partition_stride", "shape", "slice_shapes", "saved_as"],
+                "properties": {
+                    "partition_dim": {"type": "integer", "minimum": 0},
+                    "partition_stride": {"type": "integer", "minimum": 1},
+                    "shape": _SHAPE,
+                    "slice_shapes": {"type": "array", "items": _SHAPE},
+                    "saved_as": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
 }
 _MANIFEST_SCHEMA = {
     "type": "object",
@@ -122,16 +154,25 @@ _MANIFEST_SCHEMA = {
         "format_version": {"type": "integer"},
         "world_size": {"type": "integer", "minimum": 1},
         "stage": {"type": "integer", "minimum": 0, "maximum": 3},
-        "params": {"type": "object", "additionalProperties": {
-            "type": "object", "required": ["shape", "dtype"],
-            "properties": {"shape": _SHAPE,
-                           "dtype": {"type": "string"}, "trainable": {"type": "boolean"}}}},
+        "params": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["shape", "dtype"],
+                "properties": {"shape": _SHAPE, "dtype": {"type": "string"}, "trainable": {"type": "boolean"}},
+            },
+        },
         "aliases": {"type": "object", "additionalProperties": {"type": "string"}},
         "tensor_parallel": _TENSOR_PARALLEL,
         "pieces": {"type": "array", "items": {"type": "array", "items": _PIECE}},
-        "checksums": {"type": "object", "additionalProperties": {
-            "type": "object", "required": ["crc32", "bytes"],
-            "properties": {"crc32": {"type": "integer", "minimum": 0}, "bytes": {"type": "integer", "minimum": 0}}}},
+        "checksums": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["crc32", "bytes"],
+                "properties": {"crc32": {"type": "integer", "minimum": 0}, "bytes": {"type": "integer", "minimum": 0}},
+            },
+        },
     },
 }
 
@@ -146,14 +187,18 @@ def read_manifest(tag_dir: str) -> dict[str, Any]:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not readable JSON ({err}); the checkpoint is corrupted; load another tag") from None
+        raise CheckpointError(
+            f"{path}: not readable JSON ({err}); the checkpoint is corrupted; load another tag"
+        ) from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if not isinstance(version, int):
         raise CheckpointError(f"{path} has no integer format_version; it is not a manifest of this engine")
     if version > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {version}, newer than this engine reads ({FORMAT_VERSION}); "
-                              "load it with the engine version that wrote it (manifest engine_version: "
-                              f"{manifest.get('engine_version')}) or upgrade")
+        raise CheckpointError(
+            f"{path} has format_version {version}, newer than this engine reads ({FORMAT_VERSION}); "
+            "load it with the engine version that wrote it (manifest engine_version: "
+            f"{manifest.get('engine_version')}) or upgrade"
+        )
     # A hand-edited manifest is refused here, by key, not with a KeyError deep inside loading.
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(_MANIFEST_SCHEMA).iter_errors(manifest))
     if error is not None:
@@ -163,8 +208,10 @@ def read_manifest(tag_dir: str) -> dict[str, Any]:
 
 
 def _edited(path: str, key: str, what: str) -> None:
-    raise CheckpointError(f"{path}: key {key}: {what}; the manifest was edited or is corrupted (this engine writes it "
-                          "itself); load another tag")
+    raise CheckpointError(
+        f"{path}: key {key}: {what}; the manifest was edited or is corrupted (this engine writes it "
+        "itself); load another tag"
+    )
 
 
 def _check_agreement(manifest: dict[str, Any], path: str) -> None:
@@ -183,15 +230,20 @@ def _check_agreement(manifest: dict[str, Any], path: str) -> None:
         if kinds is not None:  # what load and consolidate read: the fp32 masters of a trainable parameter
             listed = kinds["optim" if "optim" in kinds else "model"]
             if listed != math.prod(spec["shape"]):
-                _edited(path, f"params.{name}.shape", f"{spec['shape']} holds {math.prod(spec['shape'])} elements "
-                        f"but the pieces listed for {name!r} hold {listed}")
+                _edited(
+                    path,
+                    f"params.{name}.shape",
+                    f"{spec['shape']} holds {math.prod(spec['shape'])} elements "
+                    f"but the pieces listed for {name!r} hold {listed}",
+                )
     _check_slices(manifest, path, {name: kinds.get("optim", kinds.get("model", 0)) for name, kinds in held.items()})
     for alias, target in manifest.get("aliases", {}).items():
         if target not in manifest["params"]:
             _edited(path, f"aliases.{alias}", f"names {target!r}, which is not in params")
     if "checksums" in manifest:  # one entry removed would leave that file unchecked
-        missing = sorted({name for r in range(world) for name in (model_file(r), optim_file(r))}
-                         - set(manifest["checksums"]))
+        missing = sorted(
+            {name for r in range(world) for name in (model_file(r), optim_file(r))} - set(manifest["checksums"])
+        )
         if missing:
             _edited(path, "checksums", f"has no entry for {', '.join(missing)}")
 
@@ -218,20 +270,33 @@ def _check_slices(manifest: dict[str, Any], path: str, held: dict[str, int]) -> 
     slice (`held`: elements listed per saved name)."""
     tp = tp_section(manifest)
     if tp["tp_size"] * tp["dp_size"] != manifest["world_size"]:
-        _edited(path, "tensor_parallel", f"tp_size {tp['tp_size']} x dp_size {tp['dp_size']} is not world_size "
-                f"{manifest['world_size']}")
+        _edited(
+            path,
+            "tensor_parallel",
+            f"tp_size {tp['tp_size']} x dp_size {tp['dp_size']} is not world_size {manifest['world_size']}",
+        )
     for name, entry in tp["params"].items():
         key, slices, shape = f"tensor_parallel.params.{name}", entry["slice_shapes"], entry["shape"]
         if len(slices) != tp["tp_size"] or len(entry["saved_as"]) != tp["tp_size"]:
-            _edited(path, key, f"has {len(slices)} slice shapes and {len(entry['saved_as'])} names for tp_size "
-                    f"{tp['tp_size']}")
-        if entry["partition_dim"] >= len(shape) or any(len(s) != len(shape) for s in slices) \
-                or joined_shape(slices, entry["partition_dim"]) != shape:
+            _edited(
+                path,
+                key,
+                f"has {len(slices)} slice shapes and {len(entry['saved_as'])} names for tp_size {tp['tp_size']}",
+            )
+        if (
+            entry["partition_dim"] >= len(shape)
+            or any(len(s) != len(shape) for s in slices)
+            or joined_shape(slices, entry["partition_dim"]) != shape
+        ):
             _edited(path, key, f"slices {slices} joined along dim {entry['partition_dim']} are not shape {shape}")
         for saved, piece_shape in zip(entry["saved_as"], slices):
             if held.get(saved, math.prod(piece_shape)) != math.prod(piece_shape):
-                _edited(path, key, f"slice shape {piece_shape} holds {math.prod(piece_shape)} elements but the "
-                        f"pieces listed for {saved!r} hold {held[saved]}")
+                _edited(
+                    path,
+                    key,
+                    f"slice shape {piece_shape} holds {math.prod(piece_shape)} elements but the "
+                    f"pieces listed for {saved!r} hold {held[saved]}",
+                )
 
 
 def unpickling_reason(err: Exception) -> str:
@@ -249,21 +314,30 @@ def load_file(path: str, expected: dict[str, int] | None = None) -> dict[str, An
     if expected is not None:
         found = file_crc32(path)
         if found != expected:
-            what = (f"{found['bytes']} bytes, the manifest says {expected['bytes']}" if found["bytes"] != expected["bytes"]
-                    else f"CRC-32 {found['crc32']:08x}, the manifest says {expected['crc32']:08x}")
-            raise CheckpointError(f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
-                                  "trusted: load an earlier tag")
+            what = (
+                f"{found['bytes']} bytes, the manifest says {expected['bytes']}"
+                if found["bytes"] != expected["bytes"]
+                else f"CRC-32 {found['crc32']:08x}, the manifest says {expected['crc32']:08x}"
+            )
+            raise CheckpointError(
+                f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
+                "trusted: load an earlier tag"
+            )
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{path} holds an object that torch.load(weights_only=True) refuses "
-                              f"({unpickling_reason(err)}); checkpoints written by this engine check client_state "
-                              "when saving, so this file was written elsewhere or by an older version. If you trust "
-                              "it, read it with torch.load(weights_only=False) and save it again") from None
+        raise CheckpointError(
+            f"{path} holds an object that torch.load(weights_only=True) refuses "
+            f"({unpickling_reason(err)}); checkpoints written by this engine check client_state "
+            "when saving, so this file was written elsewhere or by an older version. If you trust "
+            "it, read it with torch.load(weights_only=False) and save it again"
+        ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
         size = os.path.getsize(path)
-        raise CheckpointError(f"{path} cannot be read ({size} bytes): {str(err).splitlines()[0]}; the file is "
-                              "truncated or corrupted; load an earlier tag") from None
+        raise CheckpointError(
+            f"{path} cannot be read ({size} bytes): {str(err).splitlines()[0]}; the file is "
+            "truncated or corrupted; load an earlier tag"
+        ) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not this engine's rank state")
     return data

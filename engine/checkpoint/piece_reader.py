@@ -40,18 +40,22 @@ class PieceReader:
         entries = pieces.get(name) if isinstance(pieces, dict) else None
         entry = next((e for e in entries or [] if isinstance(e, dict) and e.get("offset") == offset), None)
         if entry is None:
-            raise CheckpointError(f"{os.path.join(self.tag_dir, fname)} lacks the piece of parameter {name!r} at offset "
-                                  f"{offset} that {os.path.join(self.tag_dir, MANIFEST)} lists; the checkpoint is "
-                                  "corrupted; load another tag")
+            raise CheckpointError(
+                f"{os.path.join(self.tag_dir, fname)} lacks the piece of parameter {name!r} at offset "
+                f"{offset} that {os.path.join(self.tag_dir, MANIFEST)} lists; the checkpoint is "
+                "corrupted; load another tag"
+            )
         return entry
 
     def whole(self, name: str, rank: int) -> torch.Tensor:
         """A tensor saved whole (a buffer, a frozen parameter at stages 0-2) in `rank`'s model file."""
         tensor = self.file(model_file(rank)).get("whole", {}).get(name)
         if not torch.is_tensor(tensor):
-            raise CheckpointError(f"{os.path.join(self.tag_dir, MANIFEST)}: key pieces.{rank} lists {name!r}, which is "
-                                  f"neither in params nor saved whole in {model_file(rank)}; the manifest was edited "
-                                  "or is corrupted; load another tag")
+            raise CheckpointError(
+                f"{os.path.join(self.tag_dir, MANIFEST)}: key pieces.{rank} lists {name!r}, which is "
+                f"neither in params nor saved whole in {model_file(rank)}; the manifest was edited "
+                "or is corrupted; load another tag"
+            )
         return tensor
 
     def state_keys(self, name: str) -> list[str]:
@@ -79,14 +83,20 @@ class PieceReader:
             else:
                 entry = self.entry(fname, name, offset)
                 if not torch.is_tensor(entry.get(key)):
-                    raise CheckpointError(f"{os.path.join(self.tag_dir, fname)} lacks {key!r} of parameter {name!r} "
-                                          f"at offset {offset} that its manifest lists; the checkpoint is corrupted")
+                    raise CheckpointError(
+                        f"{os.path.join(self.tag_dir, fname)} lacks {key!r} of parameter {name!r} "
+                        f"at offset {offset} that its manifest lists; the checkpoint is corrupted"
+                    )
                 src, base = entry[key].reshape(-1), offset
             if src.numel() < b - base:
-                raise CheckpointError(f"{os.path.join(self.tag_dir, fname)}: {key!r} of {name!r} holds {src.numel()} "
-                                      f"elements, the manifest says more; the checkpoint is corrupted")
-            out[a - lo:b - lo].copy_(src[a - base:b - base])
+                raise CheckpointError(
+                    f"{os.path.join(self.tag_dir, fname)}: {key!r} of {name!r} holds {src.numel()} "
+                    f"elements, the manifest says more; the checkpoint is corrupted"
+                )
+            out[a - lo : b - lo].copy_(src[a - base : b - base])
             covered += b - a
         if covered != numel:
-            raise CheckpointError(f"checkpoint {self.tag_dir} has {covered} of elements [{lo}, {lo + numel}) of "
-                                  f"{key!r} of parameter {name!r}; it was saved from a different model")
+            raise CheckpointError(
+                f"checkpoint {self.tag_dir} has {covered} of elements [{lo}, {lo + numel}) of "
+                f"{key!r} of parameter {name!r}; it was saved from a different model"
+            )

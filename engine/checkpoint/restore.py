@@ -32,8 +32,15 @@ from engine.zero.records import ShardRecord
 logger = get_logger()
 
 
-def load(state: TrainingState, load_dir: str, tag: str | None, load_module_strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool) -> LoadResult:
+def load(
+    state: TrainingState,
+    load_dir: str,
+    tag: str | None,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> LoadResult:
     """Fills the state's module, optimizer, LR scheduler and loss scaler (as the flags say) and this
     process's RNGs from load_dir/<tag> (tag None: the one `latest` names). The saved counters come back
     in the result, for the caller to set."""
@@ -62,27 +69,39 @@ def load(state: TrainingState, load_dir: str, tag: str | None, load_module_stric
         _restore_rng(reader, rank)
     comm.barrier()
     if rank == 0:
-        logger.info("loaded checkpoint %s (saved at world size %d, tensor-parallel size %d, stage %d) in %.2f s",
-                    tag_dir, manifest["world_size"], names.tp_size, manifest["stage"], time.perf_counter() - started)
+        logger.info(
+            "loaded checkpoint %s (saved at world size %d, tensor-parallel size %d, stage %d) in %.2f s",
+            tag_dir,
+            manifest["world_size"],
+            names.tp_size,
+            manifest["stage"],
+            time.perf_counter() - started,
+        )
     client_state = restore_client_state(dict(head.get("client_state") or {}), os.path.join(tag_dir, model_file(0)))
     return LoadResult(tag_dir, client_state, counters)
 
 
-def _fill_records(reader: PieceReader, records: list[ShardRecord], optimizer: torch.optim.Optimizer | None,
-                  strict: bool) -> None:
+def _fill_records(
+    reader: PieceReader, records: list[ShardRecord], optimizer: torch.optim.Optimizer | None, strict: bool
+) -> None:
     """Every record's tensor (and, given the optimizer, its state) from the saved pieces of the same names."""
     missing: list[str] = []
     for record in records:
         missing.extend(_fill_record(reader, record, optimizer))
     if missing and strict:
-        raise CheckpointError(f"checkpoint {reader.tag_dir} has no values for parameters {sorted(set(missing))[:5]}"
-                              f"{_excluded(reader)}; pass load_module_strict=False to keep their current values")
+        raise CheckpointError(
+            f"checkpoint {reader.tag_dir} has no values for parameters {sorted(set(missing))[:5]}"
+            f"{_excluded(reader)}; pass load_module_strict=False to keep their current values"
+        )
 
 
 def _excluded(reader: PieceReader) -> str:
     """Why parameters may be missing from a checkpoint, when it says so."""
-    return " (it was saved with exclude_frozen_parameters=True: frozen parameters were not written)" \
-        if reader.manifest.get("exclude_frozen_parameters") else ""
+    return (
+        " (it was saved with exclude_frozen_parameters=True: frozen parameters were not written)"
+        if reader.manifest.get("exclude_frozen_parameters")
+        else ""
+    )
 
 
 def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.optim.Optimizer | None) -> list[str]:
@@ -91,8 +110,11 @@ def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.opti
     the checkpoint lacks (a frozen parameter saved with exclude_frozen_parameters, loaded with
     load_module_strict=False) keeps them instead of taking uninitialised memory."""
     flat = record.tensor.detach().reshape(-1).clone()
-    states = _state_to_fill(reader, record, optimizer) \
-        if record.opt_group is not None and optimizer is not None and record.pieces else {}
+    states = (
+        _state_to_fill(reader, record, optimizer)
+        if record.opt_group is not None and optimizer is not None and record.pieces
+        else {}
+    )
     state_flats = {k: v.detach().reshape(-1).clone() for k, v in states.items()}
     missing: list[str] = []
     for piece in record.pieces:
@@ -101,8 +123,9 @@ def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.opti
             missing.append(piece.name)
             continue
         window = slice(piece.tensor_offset, piece.tensor_offset + piece.numel)
-        reader.read(piece.name, kind, "master" if kind == "optim" else "model", piece.param_offset, piece.numel,
-                    flat[window])
+        reader.read(
+            piece.name, kind, "master" if kind == "optim" else "model", piece.param_offset, piece.numel, flat[window]
+        )
         for k, sf in state_flats.items():
             reader.read(piece.name, kind, k, piece.param_offset, piece.numel, sf[window])
     with torch.no_grad():
@@ -122,8 +145,9 @@ def _saved_kind(reader: PieceReader, record: ShardRecord, name: str) -> str:
     return "model" if reader.has(name, "model") else "optim"
 
 
-def _state_to_fill(reader: PieceReader, record: ShardRecord,
-                   optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _state_to_fill(
+    reader: PieceReader, record: ShardRecord, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
     """The master's optimizer state tensors under the saved state's keys, made where missing (torch
     creates Adam's state at the first step: a fresh engine has none)."""
     state = optimizer.state.setdefault(record.tensor, {})
@@ -147,8 +171,10 @@ def _fill_whole_tensors(reader: PieceReader, module: torch.nn.Module, names: Che
         kind = "model" if reader.has(name, "model") else "optim" if reader.has(name, "optim") else None
         if kind is None:
             if strict and id(tensor) not in managed:
-                raise CheckpointError(f"checkpoint {reader.tag_dir} has no entry {name!r}{_excluded(reader)}; pass "
-                                      "load_module_strict=False to keep its current value")
+                raise CheckpointError(
+                    f"checkpoint {reader.tag_dir} has no entry {name!r}{_excluded(reader)}; pass "
+                    "load_module_strict=False to keep its current value"
+                )
             continue
         flat = torch.empty(tensor.numel(), dtype=torch.float32 if kind == "optim" else tensor.dtype)
         reader.read(name, kind, "master" if kind == "optim" else "model", 0, tensor.numel(), flat)
@@ -156,8 +182,7 @@ def _fill_whole_tensors(reader: PieceReader, module: torch.nn.Module, names: Che
             tensor.data.copy_(flat.view(tensor.shape).to(tensor.dtype))
 
 
-def _restore_scalar_state(reader: PieceReader, records: list[ShardRecord],
-                          optimizer: torch.optim.Optimizer) -> None:
+def _restore_scalar_state(reader: PieceReader, records: list[ShardRecord], optimizer: torch.optim.Optimizer) -> None:
     for record in records:
         if record.opt_group is None:
             continue

@@ -19,17 +19,23 @@ def rng_state() -> dict[str, Any]:
     array as an int64 tensor)."""
     numpy_state = np.random.get_state(legacy=True)
     if isinstance(numpy_state, dict):  # np.random.set_bit_generator replaced MT19937
-        raise CheckpointError(f"save_checkpoint: numpy's global generator is {numpy_state['bit_generator']}; "
-                              "checkpoints save only the state of numpy's default generator, MT19937")
+        raise CheckpointError(
+            f"save_checkpoint: numpy's global generator is {numpy_state['bit_generator']}; "
+            "checkpoints save only the state of numpy's default generator, MT19937"
+        )
     kind, keys, pos, has_gauss, gauss = numpy_state
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     tracked = get_rng_tracker().get_states()
     if tracked:  # engine.parallel's streams (dropout inside tensor-parallel regions), this rank's own
-        state["tracker"] = {name: {"cpu": s.cpu} | ({"cuda": s.cuda} if s.cuda is not None else {})
-                            for name, s in tracked.items()}
+        state["tracker"] = {
+            name: {"cpu": s.cpu} | ({"cuda": s.cuda} if s.cuda is not None else {}) for name, s in tracked.items()
+        }
     return state
 
 

@@ -53,8 +53,14 @@ of the manifest's `pieces`."""
 
 
 # ----------------------------------------------------------------------------------------- save
-def save(state: TrainingState, save_dir: str, tag: str | None, client_state: dict[str, Any] | None,
-         save_latest: bool, exclude_frozen_parameters: bool = False) -> str:
+def save(
+    state: TrainingState,
+    save_dir: str,
+    tag: str | None,
+    client_state: dict[str, Any] | None,
+    save_latest: bool,
+    exclude_frozen_parameters: bool = False,
+) -> str:
     """Every rank writes its files into save_dir/.<tag>.partial; rank 0 writes the manifest, renames the
     folder to save_dir/<tag> and then writes `latest`. Returns save_dir/<tag>. With
     exclude_frozen_parameters the values of parameters with requires_grad=False are not written (as
@@ -150,8 +156,7 @@ def _frozen_names(module: torch.nn.Module, names: CheckpointNames) -> set[str]:
     return {names.saved_name(name) for name, p in module.named_parameters() if not p.requires_grad}
 
 
-def _collect_pieces(records: list[ShardRecord], optimizer: torch.optim.Optimizer | None,
-                    left_out: set[str]) -> _Pieces:
+def _collect_pieces(records: list[ShardRecord], optimizer: torch.optim.Optimizer | None, left_out: set[str]) -> _Pieces:
     """The records this rank writes, cut into named pieces (cloned: a file holds only its pieces' bytes),
     except the pieces of the parameters `left_out` names."""
     pieces = _Pieces()
@@ -161,8 +166,9 @@ def _collect_pieces(records: list[ShardRecord], optimizer: torch.optim.Optimizer
     return pieces
 
 
-def _add_record(pieces: _Pieces, record: ShardRecord, optimizer: torch.optim.Optimizer | None,
-                left_out: set[str]) -> None:
+def _add_record(
+    pieces: _Pieces, record: ShardRecord, optimizer: torch.optim.Optimizer | None, left_out: set[str]
+) -> None:
     flat = record.tensor.detach().reshape(-1)
     if record.opt_group is None:
         for piece in record.pieces:
@@ -197,8 +203,11 @@ def _state_tensors(optimizer: torch.optim.Optimizer | None, record: ShardRecord)
 
 def _scalar_state(optimizer: torch.optim.Optimizer | None, record: ShardRecord) -> dict[str, Any]:
     """The rest of the master's optimizer state (Adam's step), saved once per optimizer group."""
-    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in _optimizer_state(optimizer, record).items()
-            if not _shaped_like_master(v, record)}
+    return {
+        k: (v.detach().clone() if torch.is_tensor(v) else v)
+        for k, v in _optimizer_state(optimizer, record).items()
+        if not _shaped_like_master(v, record)
+    }
 
 
 def managed_ids(module: torch.nn.Module) -> set[int]:
@@ -208,16 +217,20 @@ def managed_ids(module: torch.nn.Module) -> set[int]:
     return {id(p) for p in module.parameters() if p.requires_grad}
 
 
-def _whole_tensors(module: torch.nn.Module, names: CheckpointNames,
-                   left_out: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+def _whole_tensors(
+    module: torch.nn.Module, names: CheckpointNames, left_out: set[str] | frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """What this rank saves whole, by saved name: buffers, and frozen parameters at stages 0-2. Rank 0
     without tensor parallelism; with it, the first rank of each data-parallel group its slices of
     them, and rank 0 also the replicated ones. Not the parameters `left_out` names (by saved name)."""
     if not names.writes_whole():
         return {}
     managed = managed_ids(module)
-    return {names.saved_name(n): t.detach().clone() for n, t in module.state_dict(keep_vars=True).items()
-            if id(t) not in managed and t.numel() > 0 and names.writes(n) and names.saved_name(n) not in left_out}
+    return {
+        names.saved_name(n): t.detach().clone()
+        for n, t in module.state_dict(keep_vars=True).items()
+        if id(t) not in managed and t.numel() > 0 and names.writes(n) and names.saved_name(n) not in left_out
+    }
 
 
 def _rank0_head(state: TrainingState, client_state: dict[str, Any]) -> dict[str, Any]:
@@ -228,36 +241,57 @@ def _rank0_head(state: TrainingState, client_state: dict[str, Any]) -> dict[str,
         "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        if optimizer is not None else [],
+        if optimizer is not None
+        else [],
         "client_state": client_state,
     }
 
 
-def _write_rank_files(partial: str, rank: int, model_state: dict[str, Any], pieces: _Pieces,
-                      stage: int) -> dict[str, dict[str, int]]:
+def _write_rank_files(
+    partial: str, rank: int, model_state: dict[str, Any], pieces: _Pieces, stage: int
+) -> dict[str, dict[str, int]]:
     """This rank's two files, each written atomically; their checksums, for the manifest. The optimizer
     file also names the ZeRO stage under DeepSpeed's keys, which tools written for DeepSpeed read from
     it themselves (Lightning: optim_state["optimizer_state_dict"]["zero_stage"])."""
     optim_state = {"pieces": pieces.optim, "scalars": pieces.scalars, "optimizer_state_dict": {"zero_stage": stage}}
-    return {model_file(rank): atomic_save(model_state, os.path.join(partial, model_file(rank))),
-            optim_file(rank): atomic_save(optim_state, os.path.join(partial, optim_file(rank)))}
+    return {
+        model_file(rank): atomic_save(model_state, os.path.join(partial, model_file(rank))),
+        optim_file(rank): atomic_save(optim_state, os.path.join(partial, optim_file(rank))),
+    }
 
 
-def _manifest(state: TrainingState, tag: str, world: int, gathered: list[tuple[PieceIndex, dict[str, dict[str, int]]]],
-              tensor_parallel: dict[str, Any], exclude_frozen_parameters: bool) -> dict[str, Any]:
+def _manifest(
+    state: TrainingState,
+    tag: str,
+    world: int,
+    gathered: list[tuple[PieceIndex, dict[str, dict[str, int]]]],
+    tensor_parallel: dict[str, Any],
+    exclude_frozen_parameters: bool,
+) -> dict[str, Any]:
     """manifest.json (engine/checkpoint/files.py), from every rank's pieces and file checksums. A
     tensor-parallel parameter's shape is its whole one (its slices' are in tensor_parallel)."""
     sliced = tensor_parallel["params"]
-    params = {n: {"shape": sliced[n]["shape"] if n in sliced else list(full_shape(p)),
-                  "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad}
-              for n, p in state.module.named_parameters()}
+    params = {
+        n: {
+            "shape": sliced[n]["shape"] if n in sliced else list(full_shape(p)),
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "trainable": p.requires_grad,
+        }
+        for n, p in state.module.named_parameters()
+    }
     return {
-        "format_version": FORMAT_VERSION, "engine_version": _engine_version(), "torch_version": torch.__version__,
-        "tag": tag, "world_size": world, "stage": state.stage.stage,
-        "model_dtype": str(state.model_dtype).removeprefix("torch.") if state.model_dtype is not None
-        else "as built", "global_steps": state.counters.global_steps, "params": params,
+        "format_version": FORMAT_VERSION,
+        "engine_version": _engine_version(),
+        "torch_version": torch.__version__,
+        "tag": tag,
+        "world_size": world,
+        "stage": state.stage.stage,
+        "model_dtype": str(state.model_dtype).removeprefix("torch.") if state.model_dtype is not None else "as built",
+        "global_steps": state.counters.global_steps,
+        "params": params,
         "exclude_frozen_parameters": exclude_frozen_parameters,
-        "aliases": _aliases(state.module), "tensor_parallel": tensor_parallel,
+        "aliases": _aliases(state.module),
+        "tensor_parallel": tensor_parallel,
         "files": {"model": [model_file(r) for r in range(world)], "optim": [optim_file(r) for r in range(world)]},
         "pieces": [[list(entry) for entry in entries] for entries, _ in gathered],
         "checksums": {name: digest for _, sums in gathered for name, digest in sums.items()},

@@ -79,8 +79,11 @@ class CheckpointNames:
 
     @classmethod
     def of(cls, module: torch.nn.Module, parallel: ParallelGroups) -> CheckpointNames:
-        sliced = {name: _slice_spec(t) for name, t in module.state_dict(keep_vars=True).items()
-                  if is_tensor_parallel(t)} if parallel.tp_size > 1 else {}
+        sliced = (
+            {name: _slice_spec(t) for name, t in module.state_dict(keep_vars=True).items() if is_tensor_parallel(t)}
+            if parallel.tp_size > 1
+            else {}
+        )
         return cls(parallel.tp_size, parallel.dp_size, parallel.tp_rank, parallel.dp_rank, sliced)
 
     def saved_name(self, name: str) -> str:
@@ -98,8 +101,10 @@ class CheckpointNames:
 
     def for_saving(self, records: list[ShardRecord]) -> list[ShardRecord]:
         """The stage's records with the pieces this rank writes, under their saved names."""
-        return [replace(r, pieces=[replace(p, name=self.saved_name(p.name)) for p in r.pieces if self.writes(p.name)])
-                for r in records]
+        return [
+            replace(r, pieces=[replace(p, name=self.saved_name(p.name)) for p in r.pieces if self.writes(p.name)])
+            for r in records
+        ]
 
     def for_loading(self, records: list[ShardRecord]) -> list[ShardRecord]:
         """The stage's records with every piece under the name its values were saved under."""
@@ -107,8 +112,9 @@ class CheckpointNames:
 
     def spec_row(self, aliases: Mapping[str, str]) -> SpecRow:
         """This rank's row of the manifest's tensor_parallel section (tied names are saved once)."""
-        return self.tp_rank, {name: [s.dim, s.stride, list(s.shape)] for name, s in self.sliced.items()
-                              if name not in aliases}
+        return self.tp_rank, {
+            name: [s.dim, s.stride, list(s.shape)] for name, s in self.sliced.items() if name not in aliases
+        }
 
 
 # ------------------------------------------------------------------------------------- manifest
@@ -126,12 +132,19 @@ def manifest_section(tp_size: int, dp_size: int, rows: Sequence[SpecRow]) -> dic
         held = [by_rank.get(r, {}).get(name) for r in range(tp_size)]
         dim, stride = (held[0] or [0, 1])[:2]
         if any(h is None or h[:2] != [dim, stride] for h in held):
-            raise CheckpointError(f"save_checkpoint: {name!r} is not split the same way on every tensor-parallel "
-                                  f"rank ([partition_dim, partition_stride, slice shape] per rank: {held}); the "
-                                  "ranks must hold slices of the same model")
+            raise CheckpointError(
+                f"save_checkpoint: {name!r} is not split the same way on every tensor-parallel "
+                f"rank ([partition_dim, partition_stride, slice shape] per rank: {held}); the "
+                "ranks must hold slices of the same model"
+            )
         slices = [list(h[2]) for h in held if h is not None]
-        params[name] = {"partition_dim": dim, "partition_stride": stride, "shape": joined_shape(slices, dim),
-                        "slice_shapes": slices, "saved_as": [slice_name(name, r) for r in range(tp_size)]}
+        params[name] = {
+            "partition_dim": dim,
+            "partition_stride": stride,
+            "shape": joined_shape(slices, dim),
+            "slice_shapes": slices,
+            "saved_as": [slice_name(name, r) for r in range(tp_size)],
+        }
     return {"tp_size": tp_size, "dp_size": dp_size, "params": params}
 
 
@@ -149,35 +162,46 @@ def check_loadable(reader: PieceReader, names: CheckpointNames, module: torch.nn
         entry = saved["params"].get(aliases.get(name, name))
         if entry is None:
             if reader.has(name, "model") or reader.has(name, "optim"):
-                raise CheckpointError(f"checkpoint {reader.tag_dir} saved {name!r} replicated over the tensor-parallel "
-                                      "ranks, but here it is a tensor-parallel slice (tensor_model_parallel=True): "
-                                      "build the model as it was saved")
+                raise CheckpointError(
+                    f"checkpoint {reader.tag_dir} saved {name!r} replicated over the tensor-parallel "
+                    "ranks, but here it is a tensor-parallel slice (tensor_model_parallel=True): "
+                    "build the model as it was saved"
+                )
             continue  # not in the checkpoint at all: load_module_strict decides
         here = [spec.dim, spec.stride, list(spec.shape)]
         there = [entry["partition_dim"], entry["partition_stride"], entry["slice_shapes"][names.tp_rank]]
         if here != there:
-            raise CheckpointError(f"checkpoint {reader.tag_dir}: {name!r} on tensor-parallel rank {names.tp_rank} was "
-                                  f"saved as [partition_dim, partition_stride, slice shape] {there}, here it is "
-                                  f"{here}; build the model as it was saved")
+            raise CheckpointError(
+                f"checkpoint {reader.tag_dir}: {name!r} on tensor-parallel rank {names.tp_rank} was "
+                f"saved as [partition_dim, partition_stride, slice shape] {there}, here it is "
+                f"{here}; build the model as it was saved"
+            )
     live = set(module.state_dict(keep_vars=True))
     for name in saved["params"]:
         if name in live and name not in names.sliced:
-            raise CheckpointError(f"checkpoint {reader.tag_dir} saved {name!r} as tensor-parallel slices, but here it "
-                                  "is replicated (no tensor_model_parallel attribute): build the model as it was saved")
+            raise CheckpointError(
+                f"checkpoint {reader.tag_dir} saved {name!r} as tensor-parallel slices, but here it "
+                "is replicated (no tensor_model_parallel attribute): build the model as it was saved"
+            )
 
 
 def _other_size(tag_dir: str, saved: Mapping[str, Any], names: CheckpointNames) -> str:
     ckpt_dir, tag = os.path.split(os.path.normpath(tag_dir))
-    into = ("into this model (model.load_state_dict, before engine.initialize)" if names.tp_size == 1 else
-            f"into the dense model before it is split at tensor-parallel size {names.tp_size} (the layers' "
-            "from_dense, or AutoTP)")
-    return (f"checkpoint {tag_dir} was saved at tensor-parallel size {saved['tp_size']} (x data-parallel size "
-            f"{saved['dp_size']}), this run has tensor-parallel size {names.tp_size} (x data-parallel size "
-            f"{names.dp_size}): a checkpoint is resharded over data-parallel ranks and ZeRO stages, but "
-            f"tensor-parallel slices are never re-cut. Load it at tensor-parallel size {saved['tp_size']} (any "
-            "data-parallel size and stage), or make one state dict of it (python -m engine.checkpoint.consolidate "
-            f"{ckpt_dir} model.pt --tag {tag}, which joins the slices) and load that {into}; the optimizer state "
-            "then starts afresh")
+    into = (
+        "into this model (model.load_state_dict, before engine.initialize)"
+        if names.tp_size == 1
+        else f"into the dense model before it is split at tensor-parallel size {names.tp_size} (the layers' "
+        "from_dense, or AutoTP)"
+    )
+    return (
+        f"checkpoint {tag_dir} was saved at tensor-parallel size {saved['tp_size']} (x data-parallel size "
+        f"{saved['dp_size']}), this run has tensor-parallel size {names.tp_size} (x data-parallel size "
+        f"{names.dp_size}): a checkpoint is resharded over data-parallel ranks and ZeRO stages, but "
+        f"tensor-parallel slices are never re-cut. Load it at tensor-parallel size {saved['tp_size']} (any "
+        "data-parallel size and stage), or make one state dict of it (python -m engine.checkpoint.consolidate "
+        f"{ckpt_dir} model.pt --tag {tag}, which joins the slices) and load that {into}; the optimizer state "
+        "then starts afresh"
+    )
 
 
 # ---------------------------------------------------------------------------------- consolidate

@@ -23,9 +23,9 @@ from engine.monitor.log import get_logger
 _DEEPSPEED_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False
+) -> dict[str, torch.Tensor]:
     """The model's state dict from checkpoint_dir/<tag> (tag None: the one `latest` names), in CPU
     memory: trainable parameters from the fp32 masters, frozen ones in fp32 (left out with
     exclude_frozen_parameters), buffers as saved, tied names sharing one tensor. Any stage, any world
@@ -61,8 +61,9 @@ def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
     return get_model_state_files(checkpoint_dir)[0]
 
 
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,
-                                         tag: str | None = None) -> torch.nn.Module:
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None
+) -> torch.nn.Module:
     """As DeepSpeed's: the model moved to the CPU and loaded (strict=False) with the consolidated fp32
     state dict. Like DeepSpeed's, the model no longer belongs to an engine afterwards."""
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
@@ -71,10 +72,14 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     return model
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str,
-                                               max_shard_size: int | str | None = "5GB",
-                                               safe_serialization: bool = False, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False) -> None:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str,
+    output_dir: str,
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> None:
     """As DeepSpeed's: the fp32 state dict written into output_dir as pytorch_model.bin (model.safetensors
     with safe_serialization), split into shards of at most max_shard_size with an index file as
     Hugging Face names them when it is larger (huggingface_hub splits it, as in DeepSpeed)."""
@@ -92,8 +97,11 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
     os.makedirs(output_dir, exist_ok=True)
     for name, keys in files.items():
-        _save(_untied({key: state[key] for key in keys}) if safe_serialization else {key: state[key] for key in keys},
-              os.path.join(output_dir, name), safe_serialization)
+        _save(
+            _untied({key: state[key] for key in keys}) if safe_serialization else {key: state[key] for key in keys},
+            os.path.join(output_dir, name),
+            safe_serialization,
+        )
     if index is not None:
         import json
 
@@ -125,9 +133,12 @@ def _save(state: dict[str, torch.Tensor], path: str, safe_serialization: bool) -
 def _manifest(tag_dir: str) -> dict[str, Any]:
     """The tag directory's manifest; a DeepSpeed checkpoint (DeepSpeed's own files, no manifest) is named
     as such instead of "not a complete checkpoint"."""
-    if not os.path.isfile(os.path.join(tag_dir, MANIFEST)) and \
-            any(os.path.isfile(os.path.join(tag_dir, name)) for name in _DEEPSPEED_FILES):
-        raise CheckpointError(f"{tag_dir} is a checkpoint written by DeepSpeed, not by this engine (it has DeepSpeed's "
-                              f"model-state files and no {MANIFEST}); consolidate it with DeepSpeed's own zero_to_fp32.py "
-                              "(saved beside it), or save it again with this engine")
+    if not os.path.isfile(os.path.join(tag_dir, MANIFEST)) and any(
+        os.path.isfile(os.path.join(tag_dir, name)) for name in _DEEPSPEED_FILES
+    ):
+        raise CheckpointError(
+            f"{tag_dir} is a checkpoint written by DeepSpeed, not by this engine (it has DeepSpeed's "
+            f"model-state files and no {MANIFEST}); consolidate it with DeepSpeed's own zero_to_fp32.py "
+            "(saved beside it), or save it again with this engine"
+        )
     return read_manifest(tag_dir)

@@ -34,7 +34,6 @@ after_forward = contiguous.check
 """The engine calls it after the model's forward: the named error if number_checkpoints was too small."""
 
 
-
 __all__ = [
     "after_forward",
     "arena_stats",

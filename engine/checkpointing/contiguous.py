@@ -68,7 +68,8 @@ def check() -> None:
         f"{_KEY} is {count}, but this forward kept {peak.peak_checkpoints} checkpoints "
         f"alive at once ({peak.peak_bytes} bytes; the arena holds {count} of the first checkpoint's "
         f"{_checkpoint_bytes} bytes): set {_KEY} to at least {needed} (usually the number "
-        "of checkpointed layers), or configure(num_checkpoints=...)")
+        "of checkpointed layers), or configure(num_checkpoints=...)"
+    )
 
 
 def stats() -> ArenaStats | None:

@@ -50,8 +50,11 @@ class Replay:
 
     @classmethod
     def capture(cls) -> Replay:
-        autocast = tuple((d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
-                         for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+        autocast = tuple(
+            (d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
+            for d in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(d)
+        )
         return cls(get_all_states(), autocast)
 
     @contextmanager
@@ -82,8 +85,9 @@ def _boundary(what: str) -> Iterator[None]:
         logger.info("activation checkpoint %s: %.2f ms", what, (time.perf_counter() - start) * 1e3)
 
 
-def _with_kwargs(function: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _with_kwargs(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """Keyword arguments become trailing positional ones, so tensors passed by keyword are kept and get
     gradients like positional ones (DeepSpeed does the same)."""
     if not kwargs:
@@ -101,8 +105,10 @@ def _tensors(outputs: Any) -> list[torch.Tensor]:
         return [outputs]
     if isinstance(outputs, (tuple, list)):
         return [o for o in outputs if torch.is_tensor(o)]
-    raise TypeError(f"engine.checkpointing.checkpoint: the function returned {type(outputs).__name__}; a "
-                    "checkpointed function returns a tensor or a tuple/list (tensors and other values)")
+    raise TypeError(
+        f"engine.checkpointing.checkpoint: the function returned {type(outputs).__name__}; a "
+        "checkpointed function returns a tensor or a tuple/list (tensors and other values)"
+    )
 
 
 def _rebuild(outputs: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
@@ -131,12 +137,16 @@ class _CheckpointFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         contiguous.check()
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("engine.checkpointing.checkpoint (reentrant) cannot run under torch.autograd.grad(); "
-                               "call .backward(), or use engine.checkpointing.non_reentrant_checkpoint")
+            raise RuntimeError(
+                "engine.checkpointing.checkpoint (reentrant) cannot run under torch.autograd.grad(); "
+                "call .backward(), or use engine.checkpointing.non_reentrant_checkpoint"
+            )
         if ctx.kept is None:
-            raise RuntimeError("engine.checkpointing.checkpoint: this checkpoint's backward already ran and its "
-                               "inputs were released; a second backward through it needs retain_graph on the "
-                               "first and non_reentrant_checkpoint")
+            raise RuntimeError(
+                "engine.checkpointing.checkpoint: this checkpoint's backward already ran and its "
+                "inputs were released; a second backward through it needs retain_graph on the "
+                "first and non_reentrant_checkpoint"
+            )
         with _boundary("recompute+backward"):
             inputs = ctx.kept.restore()
             ctx.kept = None
@@ -155,9 +165,12 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # no backward will come: nothing to keep
         return function(*args)
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
-        say_once("no-grad-inputs", "engine.checkpointing.checkpoint: no input requires grad, so the reentrant "
-                                   "checkpoint's outputs do not either and the parameters inside get no "
-                                   "gradient; use engine.checkpointing.non_reentrant_checkpoint there")
+        say_once(
+            "no-grad-inputs",
+            "engine.checkpointing.checkpoint: no input requires grad, so the reentrant "
+            "checkpoint's outputs do not either and the parameters inside get no "
+            "gradient; use engine.checkpointing.non_reentrant_checkpoint there",
+        )
     box: list[Any] = []
     tensors = _CheckpointFunction.apply(function, box, *args)
     return _rebuild(box[0], tensors)
@@ -198,10 +211,12 @@ class _Frame:
             with self.replay.replaying(), torch.autograd.graph.saved_tensors_hooks(keep, saved.__getitem__):
                 self.function(*inputs)
         if len(saved) != self.packed:
-            raise RuntimeError(f"engine.checkpointing.non_reentrant_checkpoint: the recompute saved {len(saved)} "
-                               f"tensors for backward but the forward saved {self.packed}; the checkpointed "
-                               "function must run the same operations every time it is called with the same "
-                               "inputs and random state")
+            raise RuntimeError(
+                f"engine.checkpointing.non_reentrant_checkpoint: the recompute saved {len(saved)} "
+                f"tensors for backward but the forward saved {self.packed}; the checkpointed "
+                "function must run the same operations every time it is called with the same "
+                "inputs and random state"
+            )
         self.recomputed = saved
 
 

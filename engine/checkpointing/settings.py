@@ -65,9 +65,12 @@ def say_once(key: str, message: str) -> None:
 def say_if_nothing_to_partition(settings: Settings) -> None:
     """partition_activations without tensor parallelism: said once, and checkpoints are kept whole."""
     if settings.options.partition_activations and not settings.partitions:
-        say_once("no-tp", f"{SECTION}.partition_activations is set but there is no tensor parallelism (the "
-                          "tensor-parallel size is 1), so checkpoints are kept whole; partitioning needs "
-                          "tensor_parallel.autotp_size or mpu= with a tensor-parallel size above 1")
+        say_once(
+            "no-tp",
+            f"{SECTION}.partition_activations is set but there is no tensor parallelism (the "
+            "tensor-parallel size is 1), so checkpoints are kept whole; partitioning needs "
+            "tensor_parallel.autotp_size or mpu= with a tensor-parallel size above 1",
+        )
 
 
 def tensor_parallel_of(mpu: Any) -> TensorParallel:
@@ -85,9 +88,11 @@ def tensor_parallel_of(mpu: Any) -> TensorParallel:
                 comm.adopt_group(group, "tp")  # usable by every collective implementation, counted as TP
             return TensorParallel(int(size), int(rank), group if size > 1 else None)
     name = getattr(mpu, "__name__", type(mpu).__name__)
-    raise ConfigError(f"engine.checkpointing.configure(mpu_={name}): it has neither get_tensor_model_parallel_"
-                      "world_size/rank/group nor get_model_parallel_world_size/rank/group; pass engine.parallel "
-                      "(after engine.parallel.initialize_model_parallel(tp)) or None")
+    raise ConfigError(
+        f"engine.checkpointing.configure(mpu_={name}): it has neither get_tensor_model_parallel_"
+        "world_size/rank/group nor get_model_parallel_world_size/rank/group; pass engine.parallel "
+        "(after engine.parallel.initialize_model_parallel(tp)) or None"
+    )
 
 
 def _from_config(deepspeed_config: Any, tensor_parallel: TensorParallel) -> ActivationCheckpointingConfig:
@@ -98,8 +103,12 @@ def _from_config(deepspeed_config: Any, tensor_parallel: TensorParallel) -> Acti
     from engine.config.loader import load_config
 
     world = comm.get_world_size() if comm.is_initialized() else 1
-    loaded = load_config(deepspeed_config, world_size=world, world_size_source="engine.checkpointing.configure",
-                         model_parallel_size=tensor_parallel.size)
+    loaded = load_config(
+        deepspeed_config,
+        world_size=world,
+        world_size_source="engine.checkpointing.configure",
+        model_parallel_size=tensor_parallel.size,
+    )
     return loaded.activation_checkpointing or ActivationCheckpointingConfig()
 
 
@@ -107,10 +116,12 @@ def check_options(options: ActivationCheckpointingConfig | None) -> None:
     """ConfigError for settings that cannot work (initialize checks the config's section with it before
     the ranks agree, so every rank raises it together)."""
     if options is not None and options.contiguous_memory_optimization and not options.number_checkpoints:
-        raise ConfigError(f"{SECTION}.contiguous_memory_optimization needs {SECTION}.number_checkpoints (the "
-                          "checkpoints alive at once in one forward, usually the number of checkpointed layers) "
-                          f"to size its arena; it is {options.number_checkpoints!r}. Set it, or "
-                          "configure(num_checkpoints=N)")
+        raise ConfigError(
+            f"{SECTION}.contiguous_memory_optimization needs {SECTION}.number_checkpoints (the "
+            "checkpoints alive at once in one forward, usually the number of checkpointed layers) "
+            f"to size its arena; it is {options.number_checkpoints!r}. Set it, or "
+            "configure(num_checkpoints=N)"
+        )
 
 
 def check_engine_options(config: EngineConfig) -> None:
@@ -122,21 +133,36 @@ def check_engine_options(config: EngineConfig) -> None:
         check_options(config.activation_checkpointing)
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
-              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
-              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
-              profile: bool | None = None, *, configured_by: str = "user") -> None:
+def configure(
+    mpu_: Any = None,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+    *,
+    configured_by: str = "user",
+) -> None:
     """DeepSpeed's deepspeed.checkpointing.configure: start from the defaults, read the config's
     activation_checkpointing section when `deepspeed_config` is given, then let each argument that is
     not None override its key. A failed call leaves the previous setting in place."""
     global _settings
     tensor_parallel = tensor_parallel_of(mpu_)
-    options = _from_config(deepspeed_config, tensor_parallel) if deepspeed_config is not None \
+    options = (
+        _from_config(deepspeed_config, tensor_parallel)
+        if deepspeed_config is not None
         else ActivationCheckpointingConfig()
-    overrides: dict[str, Any] = {"partition_activations": partition_activations,
-                 "contiguous_memory_optimization": contiguous_checkpointing,
-                 "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
-                 "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    )
+    overrides: dict[str, Any] = {
+        "partition_activations": partition_activations,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
+        "profile": profile,
+    }
     options = replace(options, **{k: v for k, v in overrides.items() if v is not None})
     check_options(options)
     reset()
@@ -144,12 +170,19 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     _settings = Settings(options, tensor_parallel, configured_by)
     say_if_nothing_to_partition(_settings)
     if not comm.is_initialized() or comm.get_rank() == 0:
-        logger.info("activation checkpointing: partition_activations=%s (tensor-parallel size %d), "
-                    "cpu_checkpointing=%s, contiguous_memory_optimization=%s, number_checkpoints=%s, "
-                    "synchronize=%s, profile=%s (configured by %s)", options.partition_activations,
-                    tensor_parallel.size, options.cpu_checkpointing, options.contiguous_memory_optimization,
-                    options.number_checkpoints, options.synchronize_checkpoint_boundary, options.profile,
-                    configured_by)
+        logger.info(
+            "activation checkpointing: partition_activations=%s (tensor-parallel size %d), "
+            "cpu_checkpointing=%s, contiguous_memory_optimization=%s, number_checkpoints=%s, "
+            "synchronize=%s, profile=%s (configured by %s)",
+            options.partition_activations,
+            tensor_parallel.size,
+            options.cpu_checkpointing,
+            options.contiguous_memory_optimization,
+            options.number_checkpoints,
+            options.synchronize_checkpoint_boundary,
+            options.profile,
+            configured_by,
+        )
 
 
 def configure_from_engine(config: EngineConfig, parallel: Any) -> None:

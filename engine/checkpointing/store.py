@@ -53,8 +53,11 @@ def _host(settings: Settings, tensor: torch.Tensor) -> bool:
     if not settings.options.cpu_checkpointing:
         return False
     if tensor.device.type == "cpu":
-        say_once("cpu-on-cpu", f"{SECTION}.cpu_checkpointing has no effect here: the activations are already in "
-                               "host memory (training on CPU)")
+        say_once(
+            "cpu-on-cpu",
+            f"{SECTION}.cpu_checkpointing has no effect here: the activations are already in "
+            "host memory (training on CPU)",
+        )
         return False
     return True
 
@@ -70,13 +73,13 @@ class KeptInputs:
         self._kept: list[_Kept] = []
         for index, arg in enumerate(args):
             if not is_activation(arg):
-                self._kept.append(_Kept(arg, False, False, torch.Size(), torch.float32, torch.device("cpu"),
-                                        False, 0))
+                self._kept.append(_Kept(arg, False, False, torch.Size(), torch.float32, torch.device("cpu"), False, 0))
                 continue
             part = partition and arg.numel() >= tp.size
             host = _host(settings, arg)
-            self._kept.append(_Kept(arg.detach(), False, part, arg.shape, arg.dtype, arg.device,
-                                    arg.requires_grad, arg._version))
+            self._kept.append(
+                _Kept(arg.detach(), False, part, arg.shape, arg.dtype, arg.device, arg.requires_grad, arg._version)
+            )
             if part or host or (settings.options.contiguous_memory_optimization and arg.device.type == "cpu"):
                 plans.append((index, arg, part, host))
         self._copy(plans)
@@ -94,7 +97,7 @@ class KeptInputs:
             flat = arg.detach().reshape(-1)
             if part:
                 per = math.ceil(flat.numel() / tp.size)  # each rank's elements, the last piece padded
-                flat = flat[tp.rank * per:(tp.rank + 1) * per]
+                flat = flat[tp.rank * per : (tp.rank + 1) * per]
                 if flat.numel() < per:  # the last rank's piece of a count that does not divide
                     flat = torch.cat([flat, flat.new_zeros(per - flat.numel())])
             sources.append(flat)
@@ -104,14 +107,23 @@ class KeptInputs:
         if self._settings.options.contiguous_memory_optimization and all(on_host):
             targets = contiguous.place(specs, self._settings.options.number_checkpoints)
         elif self._settings.options.contiguous_memory_optimization:
-            say_once("contiguous-device", f"{SECTION}.contiguous_memory_optimization applies to checkpoints in host "
-                                          "memory (the arena is host memory); device checkpoints stay with the "
-                                          "device's caching allocator. Set cpu_checkpointing to use it")
+            say_once(
+                "contiguous-device",
+                f"{SECTION}.contiguous_memory_optimization applies to checkpoints in host "
+                "memory (the arena is host memory); device checkpoints stay with the "
+                "device's caching allocator. Set cpu_checkpointing to use it",
+            )
         if targets is None:
             pin = torch.cuda.is_available()
-            targets = [torch.empty(shape, dtype=dtype, device="cpu" if host else src.device,
-                                   pin_memory=pin and host and src.device.type != "cpu")
-                       for (shape, dtype), src, host in zip(specs, sources, on_host)]
+            targets = [
+                torch.empty(
+                    shape,
+                    dtype=dtype,
+                    device="cpu" if host else src.device,
+                    pin_memory=pin and host and src.device.type != "cpu",
+                )
+                for (shape, dtype), src, host in zip(specs, sources, on_host)
+            ]
         for (index, _, part, _), src, dst in zip(plans, sources, targets):
             dst.copy_(src, non_blocking=dst.is_pinned())
             kept = self._kept[index]
@@ -128,9 +140,11 @@ class KeptInputs:
                 continue
             if not kept.copied:
                 if kept.value._version != kept.version:
-                    raise RuntimeError(f"engine.checkpointing: input {i} of a checkpointed function (shape "
-                                       f"{list(kept.shape)}) was modified in place after its forward, so its "
-                                       "recompute would see other values; clone it before modifying it")
+                    raise RuntimeError(
+                        f"engine.checkpointing: input {i} of a checkpointed function (shape "
+                        f"{list(kept.shape)}) was modified in place after its forward, so its "
+                        "recompute would see other values; clone it before modifying it"
+                    )
                 value = kept.value
             else:
                 local = kept.value.to(kept.device, non_blocking=True)
@@ -138,7 +152,7 @@ class KeptInputs:
                     whole = torch.empty(local.numel() * tp.size, dtype=kept.dtype, device=kept.device)
                     comm.all_gather(whole, local, group=tp.group)
                     ledger.gathered()
-                    value = whole[:kept.shape.numel()].view(kept.shape)
+                    value = whole[: kept.shape.numel()].view(kept.shape)
                 else:
                     value = local.view(kept.shape)
             out.append(value.detach().requires_grad_(kept.requires_grad))

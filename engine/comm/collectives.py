@@ -49,13 +49,26 @@ def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
 
 
 @overload
-def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., *, async_op: Literal[True],
-               group: ProcessGroup | None = ...) -> Work: ...
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp | ReduceOp.RedOpType = ...,
+    *,
+    async_op: Literal[True],
+    group: ProcessGroup | None = ...,
+) -> Work: ...
 @overload
-def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ..., async_op: bool = ...,
-               group: ProcessGroup | None = ...) -> Work | None: ...
-def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
-               async_op: bool = False, group: ProcessGroup | None = None) -> Work | None:
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp | ReduceOp.RedOpType = ...,
+    async_op: bool = ...,
+    group: ProcessGroup | None = ...,
+) -> Work | None: ...
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
+    async_op: bool = False,
+    group: ProcessGroup | None = None,
+) -> Work | None:
     # op: a member such as ReduceOp.MAX (a RedOpType in torch's stubs) or a ReduceOp instance.
     # A ring all-reduce sends 2(N-1)/N of the buffer per rank.
     _count("all_reduce", tensor, 2.0, group)
@@ -65,8 +78,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ReduceO
 class _Finish:
     """Async handle of a collective plus a local step after it (a cast or an add), once."""
 
-    def __init__(self, work: Work | p2p.P2PWork | ring.RingWork,
-                 finish: Callable[[], object] | None = None) -> None:
+    def __init__(self, work: Work | p2p.P2PWork | ring.RingWork, finish: Callable[[], object] | None = None) -> None:
         self._work: Work | p2p.P2PWork | ring.RingWork | None = work  # None once waited on
         self._finish = finish  # called once, after the collective; its result is unused
 
@@ -149,7 +161,8 @@ def wait(handle: Handle, what: str) -> None:
             f"rank {get_rank()}: {what} did not complete within {limit:.0f} s ({err}). The ranks are not "
             "issuing the same collectives: one skipped a forward or backward, ran units in another order, or "
             "stopped; the other ranks' errors say where each was. Set ZERO_ENGINE_COLLECTIVE_TIMEOUT "
-            "(seconds) to wait longer.") from err
+            "(seconds) to wait longer."
+        ) from err
 
 
 def _sent(op: str, nbytes: int) -> None:
@@ -179,22 +192,44 @@ def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> No
     if whole.numel() != part.numel() * n:
         raise ValueError(
             f"{op}: the whole buffer has {whole.numel()} elements but the slice {part.numel()} x {n} ranks = "
-            f"{part.numel() * n}; the flat layouts pad buffers to a multiple of the world size (engine/zero/layout.py)")
+            f"{part.numel() * n}; the flat layouts pad buffers to a multiple of the world size (engine/zero/layout.py)"
+        )
     if not (whole.is_contiguous() and part.is_contiguous()):
         raise ValueError(f"{op}: buffers must be contiguous")
 
 
 @overload
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], key: int = ...,
-                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...,
-                   group: ProcessGroup | None = ...) -> Handle: ...
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    async_op: Literal[True],
+    key: int = ...,
+    wire_dtype: torch.dtype | None = ...,
+    accumulate: bool = ...,
+    group: ProcessGroup | None = ...,
+) -> Handle: ...
 @overload
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ..., *,
-                   wire_dtype: torch.dtype | None = ..., accumulate: bool = ...,
-                   group: ProcessGroup | None = ...) -> Handle | None: ...
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0, *,
-                   wire_dtype: torch.dtype | None = None, accumulate: bool = False,
-                   group: ProcessGroup | None = None) -> Handle | None:
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    async_op: bool = ...,
+    key: int = ...,
+    *,
+    wire_dtype: torch.dtype | None = ...,
+    accumulate: bool = ...,
+    group: ProcessGroup | None = ...,
+) -> Handle | None: ...
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    async_op: bool = False,
+    key: int = 0,
+    *,
+    wire_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    group: ProcessGroup | None = None,
+) -> Handle | None:
     """Sum `input` (group-size equal slices) across the group (None: every rank); the member at group
     position r receives slice r in `output`.
 
@@ -218,8 +253,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
         _sent(_op_name("reduce_scatter", group), wire_bytes * (n - 1) // n)
         schedule = ring if impl == "ring" else p2p
         target = torch.empty_like(output) if accumulate else output  # the sum, added into output after
-        started = schedule.reduce_scatter(_transport(group), target, input, rank=group_rank(group), n=n,
-                                          seq=_next_seq(group), key=key, wire=wire)
+        started = schedule.reduce_scatter(
+            _transport(group), target, input, rank=group_rank(group), n=n, seq=_next_seq(group), key=key, wire=wire
+        )
         work: Handle = _Finish(started, lambda: output.add_(target)) if accumulate else started
     else:
         # gloo emulates it with an all-reduce (2(N-1)/N of the buffer); NCCL runs a real one.
@@ -232,8 +268,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     return None
 
 
-def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torch.dtype, accumulate: bool,
-                           group: ProcessGroup | None) -> Handle:
+def _native_reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, wire: torch.dtype, accumulate: bool, group: ProcessGroup | None
+) -> Handle:
     send = input if wire == input.dtype else input.to(wire)
     c = input.numel() // group_size(group)
     # Receive straight into output when it is what the call would produce (a cast input is a copy,
@@ -247,13 +284,21 @@ def _native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, wire: torc
 
 
 @overload
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], key: int = ...,
-               group: ProcessGroup | None = ...) -> Handle: ...
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    async_op: Literal[True],
+    key: int = ...,
+    group: ProcessGroup | None = ...,
+) -> Handle: ...
 @overload
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ...,
-               group: ProcessGroup | None = ...) -> Handle | None: ...
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0,
-               group: ProcessGroup | None = None) -> Handle | None:
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, async_op: bool = ..., key: int = ..., group: ProcessGroup | None = ...
+) -> Handle | None: ...
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key: int = 0, group: ProcessGroup | None = None
+) -> Handle | None:
     """Concatenate every group member's `input` into `output` (group size x input, group order; None:
     every rank).
 
@@ -268,8 +313,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     impl = collectives_impl()
     if impl != "native":
         schedule = ring if impl == "ring" else p2p
-        work: Handle = schedule.all_gather(_transport(group), output, input, rank=group_rank(group), n=n,
-                                           seq=_next_seq(group), key=key)
+        work: Handle = schedule.all_gather(
+            _transport(group), output, input, rank=group_rank(group), n=n, seq=_next_seq(group), key=key
+        )
     else:
         work = _Finish(_ALL_GATHER_FLAT(output, input, group=group, async_op=True))
     if async_op:
@@ -279,13 +325,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
 
 
 @overload
-def broadcast(tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True],
-              group: ProcessGroup | None = ...) -> Work: ...
+def broadcast(
+    tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True], group: ProcessGroup | None = ...
+) -> Work: ...
 @overload
-def broadcast(tensor: torch.Tensor, src: int = ..., async_op: bool = ...,
-              group: ProcessGroup | None = ...) -> Work | None: ...
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False,
-              group: ProcessGroup | None = None) -> Work | None:
+def broadcast(
+    tensor: torch.Tensor, src: int = ..., async_op: bool = ..., group: ProcessGroup | None = ...
+) -> Work | None: ...
+def broadcast(
+    tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: ProcessGroup | None = None
+) -> Work | None:
     """`src` is a global rank, also with a group."""
     _count("broadcast", tensor, 1.0, group)
     return dist.broadcast(tensor, src=src, async_op=async_op, group=group)
@@ -331,5 +380,5 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, process_group
         for t in same:
             n = t.numel()
             with torch.no_grad():
-                t.copy_(flat[offset:offset + n].view_as(t))
+                t.copy_(flat[offset : offset + n].view_as(t))
             offset += n

@@ -63,13 +63,17 @@ def init_distributed(
     as N ranks and no port is opened.
     """
     if dist.is_initialized():
-        STATE.world_size_source = STATE.world_size_source if STATE.owns_group else (
-            "the process group that already existed when the engine started")
+        STATE.world_size_source = (
+            STATE.world_size_source
+            if STATE.owns_group
+            else ("the process group that already existed when the engine started")
+        )
         return
     if dist_init_required is False:
         raise RuntimeError(
             "dist_init_required=False but no torch.distributed process group exists; "
-            "call torch.distributed.init_process_group() first or drop dist_init_required")
+            "call torch.distributed.init_process_group() first or drop dist_init_required"
+        )
     if auto_mpi_discovery:
         _mpi_env_to_torch_env()
     backend = dist_backend or default_backend()
@@ -78,15 +82,17 @@ def init_distributed(
 
     launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE"))
     if rank >= 0 and world_size > 0:
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
-                                world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
+        )
         STATE.world_size_source = "the rank/world_size arguments of init_distributed()"
     elif launched:
         missing = [n for n in _LAUNCH_ENV if n not in os.environ]
         if missing and init_method is None:
             raise RuntimeError(
                 f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not; start the job with "
-                "zrun (or torchrun), or export MASTER_ADDR and MASTER_PORT")
+                "zrun (or torchrun), or export MASTER_ADDR and MASTER_PORT"
+            )
         if init_method is None:
             _init_from_env(backend, timeout)
         else:
@@ -99,8 +105,9 @@ def init_distributed(
     STATE.owns_group = True
     _register_teardown()
     if verbose and get_rank() == 0:
-        logger.info("initialised %s process group: world size %d (%s)", backend, get_world_size(),
-                    STATE.world_size_source)
+        logger.info(
+            "initialised %s process group: world size %d (%s)", backend, get_world_size(), STATE.world_size_source
+        )
 
 
 def _teardown_at_exit() -> None:
@@ -148,8 +155,9 @@ def _init_from_env(backend: str, timeout: timedelta) -> None:
         STATE.groups_made = 0
     STATE.groups_made += 1
     store = dist.PrefixStore(f"zero_engine/group{STATE.groups_made}/", STATE.store)
-    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
+    )
 
 
 def world_size_source() -> str:

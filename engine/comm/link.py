@@ -41,8 +41,10 @@ class LinkSpeed:
         if not (math.isfinite(latency_s) and latency_s > 0 and math.isfinite(transfer_s)):
             problem = f"latency {latency_s!r} s, transfer {transfer_s!r} s"
         elif transfer_s < PROBE_OVER_LATENCY * latency_s:
-            problem = (f"{moved_bytes / 2**20:.1f} MiB moved in {transfer_s * 1e6:.0f} us, not clearly longer than "
-                       f"one collective's latency ({latency_s * 1e6:.0f} us)")
+            problem = (
+                f"{moved_bytes / 2**20:.1f} MiB moved in {transfer_s * 1e6:.0f} us, not clearly longer than "
+                f"one collective's latency ({latency_s * 1e6:.0f} us)"
+            )
         elif bandwidth > PLAUSIBLE_MAX_BANDWIDTH_BPS:
             problem = f"{bandwidth / 1e9:.0f} GB/s per rank, more than any interconnect"
         return cls(latency_s, bandwidth, problem)

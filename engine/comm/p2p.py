@@ -44,8 +44,20 @@ SEGMENT_BYTES = 4 << 20
 MAX_SEGMENTS = 4
 _CONTROL_TAG = 1 << 30  # signatures travel on their own tag, matched in issue order per peer
 _OPS = {"reduce_scatter": 1, "all_gather": 2}
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
-           torch.int8, torch.int16, torch.bool, torch.complex64, torch.complex128]
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 class PendingWork(Protocol):
@@ -69,8 +81,10 @@ class Signature:
     key: int
 
     def pack(self) -> torch.Tensor:
-        return torch.tensor([self.seq, _OPS[self.op], self.numel, _DTYPES.index(self.dtype),
-                             _DTYPES.index(self.wire), self.key], dtype=torch.int64)
+        return torch.tensor(
+            [self.seq, _OPS[self.op], self.numel, _DTYPES.index(self.dtype), _DTYPES.index(self.wire), self.key],
+            dtype=torch.int64,
+        )
 
     @staticmethod
     def unpack(t: torch.Tensor) -> Signature:
@@ -80,8 +94,10 @@ class Signature:
 
     def describe(self) -> str:
         wire = f", wire {str(self.wire).replace('torch.', '')}" if self.wire != self.dtype else ""
-        return (f"{self.op}(numel={self.numel}, {str(self.dtype).replace('torch.', '')}{wire}, key={self.key}) "
-                f"as its collective #{self.seq}")
+        return (
+            f"{self.op}(numel={self.numel}, {str(self.dtype).replace('torch.', '')}{wire}, key={self.key}) "
+            f"as its collective #{self.seq}"
+        )
 
     def tag(self) -> int:
         """Payload tag: differs between consecutive collectives and between different ones, so
@@ -130,15 +146,21 @@ class Signatures:
                 raise RuntimeError(
                     f"rank {self.rank} issued {self.mine.describe()} but rank {peer} issued "
                     f"{theirs.describe()}: the ranks are not issuing the same collectives (one skipped a "
-                    f"forward or backward, ran units in another order, or took another code path)")
+                    f"forward or backward, ran units in another order, or took another code path)"
+                )
 
 
 class P2PWork:
     """Handle of one point-to-point collective. wait() checks the peers' signatures, then waits for
     each receive in order and runs its local step (an accumulation), then the sends; once."""
 
-    def __init__(self, signatures: Signatures, steps: Sequence[tuple[PendingWork, Callable[[], None] | None]],
-                 sends: list[PendingWork], release: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        signatures: Signatures,
+        steps: Sequence[tuple[PendingWork, Callable[[], None] | None]],
+        sends: list[PendingWork],
+        release: list[torch.Tensor],
+    ) -> None:
         self._signatures, self._steps, self._sends, self._release = signatures, steps, sends, release
         self._done = False
 
@@ -218,15 +240,25 @@ class ReduceScatterStart(NamedTuple):
     """Pool buffers to give back when the collective is done."""
 
 
-def open_reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-                        seq: int, key: int, wire: torch.dtype) -> ReduceScatterStart:
+def open_reduce_scatter(
+    transport: Transport,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    rank: int,
+    n: int,
+    seq: int,
+    key: int,
+    wire: torch.dtype,
+) -> ReduceScatterStart:
     """What every reduce-scatter schedule does first: check the arguments, send the signature, and
     round every contribution (this rank's own included) to the wire dtype once."""
     c = input.numel() // n
     chunks = input.view(n, c)
     in_place = output.data_ptr() == chunks[rank].data_ptr() and output.dtype == input.dtype
-    signatures = exchange_signatures(transport, Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key),
-                                     rank, n)
+    signatures = exchange_signatures(
+        transport, Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key), rank, n
+    )
     if wire == input.dtype:
         return ReduceScatterStart(c, chunks, in_place, signatures, [])
     cast = POOL.take(n * c, wire, input.device)
@@ -234,8 +266,9 @@ def open_reduce_scatter(transport: Transport, output: torch.Tensor, input: torch
     return ReduceScatterStart(c, cast.view(n, c), in_place, signatures, [cast])
 
 
-def open_all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int,
-                    key: int) -> tuple[int, torch.Tensor, Signatures]:
+def open_all_gather(
+    transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int, key: int
+) -> tuple[int, torch.Tensor, Signatures]:
     """What every all-gather schedule does first: put this rank's input in place, send the signature.
     Returns (elements per rank, output viewed as (n, c), the signatures)."""
     c = output.numel() // n
@@ -246,8 +279,17 @@ def open_all_gather(transport: Transport, output: torch.Tensor, input: torch.Ten
     return c, chunks, exchange_signatures(transport, mine, rank, n)
 
 
-def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-                   seq: int, key: int, wire: torch.dtype) -> P2PWork:
+def reduce_scatter(
+    transport: Transport,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    rank: int,
+    n: int,
+    seq: int,
+    key: int,
+    wire: torch.dtype,
+) -> P2PWork:
     """Start: output = the sum over ranks of slice `rank` of their inputs, each contribution rounded
     to `wire`, summed in output's dtype. See the module docstring."""
     start = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq, key=key, wire=wire)
@@ -281,8 +323,9 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
     return P2PWork(signatures, steps, sends, release)
 
 
-def all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-               seq: int, key: int) -> P2PWork:
+def all_gather(
+    transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int, key: int
+) -> P2PWork:
     """Start: output = every rank's input, in rank order, received straight into output."""
     _, chunks, signatures = open_all_gather(transport, output, input, rank=rank, n=n, seq=seq, key=key)
     sends: list[PendingWork] = []

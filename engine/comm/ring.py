@@ -109,12 +109,22 @@ class _Progress:
 PROGRESS = _Progress()
 
 
-def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-                   seq: int, key: int, wire: torch.dtype) -> RingWork:
+def reduce_scatter(
+    transport: Transport,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    rank: int,
+    n: int,
+    seq: int,
+    key: int,
+    wire: torch.dtype,
+) -> RingWork:
     """Start: output = the sum over ranks of slice `rank` of their inputs, summed around the ring (see
     the module docstring)."""
-    c, source, _, signatures, release = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq,
-                                                            key=key, wire=wire)
+    c, source, _, signatures, release = open_reduce_scatter(
+        transport, output, input, rank=rank, n=n, seq=seq, key=key, wire=wire
+    )
     sends: list[PendingWork] = []
     left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
     segments = split_segments(c, torch.empty((), dtype=wire).element_size())
@@ -149,15 +159,15 @@ def reduce_scatter(transport: Transport, output: torch.Tensor, input: torch.Tens
     return PROGRESS.submit(run)
 
 
-def all_gather(transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int,
-               seq: int, key: int) -> RingWork:
+def all_gather(
+    transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int, key: int
+) -> RingWork:
     """Start: output = every rank's input, in rank order, each chunk forwarded around the ring."""
     c, chunks, signatures = open_all_gather(transport, output, input, rank=rank, n=n, seq=seq, key=key)
     sends: list[PendingWork] = []
     left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
     segments = split_segments(c, output.element_size())
-    recvs = [[transport.irecv(chunks[(rank - 1 - s) % n, a:b], left, tag) for a, b in segments]
-             for s in range(n - 1)]
+    recvs = [[transport.irecv(chunks[(rank - 1 - s) % n, a:b], left, tag) for a, b in segments] for s in range(n - 1)]
     sends += [transport.isend(chunks[rank, a:b], right, tag) for a, b in segments]
 
     def run() -> None:

@@ -29,8 +29,9 @@ def _issued(work: dist.Work | None, op: str) -> dist.Work:
     # torch returns no handle only to a rank outside the group, and these calls use the default
     # group, which holds every rank.
     if work is None:
-        raise RuntimeError(f"torch.distributed.{op} returned no handle: rank {get_rank()} is not in the default "
-                           "process group")
+        raise RuntimeError(
+            f"torch.distributed.{op} returned no handle: rank {get_rank()} is not in the default process group"
+        )
     return work
 
 

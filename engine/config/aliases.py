@@ -81,9 +81,7 @@ def _rename(section: dict[str, Any], aliases: dict[str, str], prefix: str, out: 
         section[new] = section.pop(old)
         out.origins[prefix + new] = prefix + old
         if not new.endswith(old):  # prefix-less stage3 names are a documented spelling, not deprecated
-            out.deprecations.append(
-                (prefix + old, f"{prefix}{old} is read as {prefix}{new}; write {prefix}{new}")
-            )
+            out.deprecations.append((prefix + old, f"{prefix}{old} is read as {prefix}{new}; write {prefix}{new}"))
 
 
 def _legacy_zero_flag(config: dict[str, Any], out: Normalized) -> None:
@@ -95,9 +93,7 @@ def _legacy_zero_flag(config: dict[str, Any], out: Normalized) -> None:
             section["allgather_bucket_size"] = legacy_size
         config["zero_optimization"] = section
         out.origins["zero_optimization.stage"] = f"zero_optimization: {str(flag).lower()}"
-        message = (
-            'the boolean form of "zero_optimization" is deprecated; write "zero_optimization": {"stage": N}'
-        )
+        message = 'the boolean form of "zero_optimization" is deprecated; write "zero_optimization": {"stage": N}'
         out.deprecations.append(("zero_optimization", message))
     elif legacy_size is not None:
         message = (

@@ -81,8 +81,7 @@ def resolve_auto(config: dict[str, Any]) -> AutoResult:
             _fill_defaults(offload_param, OFFLOAD_PARAM_AUTO_DEFAULTS, "zero_optimization.offload_param")
     for path in _auto_leaves(config, ()):
         result.problems.append(
-            f'{dotted(path)}: "auto" can only be filled in by the Hugging Face Trainer; '
-            f"write {_what_to_write(path)}"
+            f'{dotted(path)}: "auto" can only be filled in by the Hugging Face Trainer; write {_what_to_write(path)}'
         )
         _remove(config, path)
     return result

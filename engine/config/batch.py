@@ -59,7 +59,12 @@ class _Count:
 
 
 def resolve_batch_sizes(
-    train: int | None, micro: int | None, gas: int | None, *, world_size: int, world_size_source: str,
+    train: int | None,
+    micro: int | None,
+    gas: int | None,
+    *,
+    world_size: int,
+    world_size_source: str,
     tensor_parallel: TensorParallel | None = None,
 ) -> tuple[BatchSizes | None, list[str], list[str]]:
     """(sizes or None, problems, notes on what was inferred). `tensor_parallel` must divide world_size."""
@@ -71,18 +76,26 @@ def resolve_batch_sizes(
 
 
 def _resolve_tensor_parallel(
-    train: int | None, micro: int | None, gas: int | None, world_size: int, world_size_source: str,
+    train: int | None,
+    micro: int | None,
+    gas: int | None,
+    world_size: int,
+    world_size_source: str,
     tp: TensorParallel,
 ) -> tuple[BatchSizes | None, list[str], list[str]]:
     dp = world_size // tp.size
-    origin = (f"world size {world_size} ({world_size_source}), tensor-parallel size {tp.size} (from {tp.source}), "
-              f"data-parallel size {dp} = {world_size} / {tp.size}")
+    origin = (
+        f"world size {world_size} ({world_size_source}), tensor-parallel size {tp.size} (from {tp.source}), "
+        f"data-parallel size {dp} = {world_size} / {tp.size}"
+    )
     data_parallel = _Count(dp, "data-parallel size", origin)
     if train is None:  # nothing written to read: train_batch_size is the samples per step
         return _resolve(None, micro, gas, data_parallel)
     if tp.from_config:
-        how = ("with the tensor-parallel size from tensor_parallel.autotp_size, DeepSpeed counts every rank in "
-               f"{TRAIN} (as Accelerate writes it: micro x gas x number of processes)")
+        how = (
+            "with the tensor-parallel size from tensor_parallel.autotp_size, DeepSpeed counts every rank in "
+            f"{TRAIN} (as Accelerate writes it: micro x gas x number of processes)"
+        )
     else:
         how = f"with the model-parallel groups given to initialize, DeepSpeed counts the data-parallel ranks in {TRAIN}"
     every_rank = _Count(world_size, "world size", f"{origin}; {how}")
@@ -115,9 +128,11 @@ def _per_step(sizes: BatchSizes, written: int, dp: int, notes: list[str]) -> tup
     """`sizes` with train = the samples of one optimizer step, noting when the written value counted more ranks."""
     samples = sizes.micro * sizes.gas * dp
     if samples != written:
-        note = (f"{TRAIN} {written} counts every rank ({sizes.micro} x {sizes.gas} x world size "
-                f"{written // (sizes.micro * sizes.gas)}), as DeepSpeed does; samples per optimizer step "
-                f"(engine.train_batch_size()): {sizes.micro} x {sizes.gas} x data-parallel size {dp} = {samples}")
+        note = (
+            f"{TRAIN} {written} counts every rank ({sizes.micro} x {sizes.gas} x world size "
+            f"{written // (sizes.micro * sizes.gas)}), as DeepSpeed does; samples per optimizer step "
+            f"(engine.train_batch_size()): {sizes.micro} x {sizes.gas} x data-parallel size {dp} = {samples}"
+        )
         notes = [*notes, note]
     return BatchSizes(samples, sizes.micro, sizes.gas), [], notes
 

@@ -29,8 +29,14 @@ logger = logging.getLogger("engine.config")
 
 
 @stack_backstop
-def load_config(source: ConfigSource, *, world_size: int, world_size_source: str,
-                model_parallel_size: int | None = None, given_objects: frozenset[str] = frozenset()) -> EngineConfig:
+def load_config(
+    source: ConfigSource,
+    *,
+    world_size: int,
+    world_size_source: str,
+    model_parallel_size: int | None = None,
+    given_objects: frozenset[str] = frozenset(),
+) -> EngineConfig:
     """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` ranks.
 
     `world_size_source` says where the world size came from (e.g. "WORLD_SIZE env (torchrun)"); batch-size
@@ -70,8 +76,7 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
     problems += auto.problems
     tensor_parallel, tp_problems = _tensor_parallel(config, world_size, world_size_source, model_parallel_size)
     problems += tp_problems
-    sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, world_size, world_size_source,
-                                                tensor_parallel)
+    sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, world_size, world_size_source, tensor_parallel)
     problems += batch_problems
     refusals, warnings_ = check_support(config, aliases.origins)
     problems += refusals
@@ -93,34 +98,47 @@ def load_config(source: ConfigSource, *, world_size: int, world_size_source: str
         warn_once(key, message, rank_zero_only=True)
     for name in overridden:
         kind = "lr_scheduler" if name == "scheduler" else name
-        warn_once(name, f"the config's {name} section (type {paths.get(kept, (name, 'type'))!r}) is ignored: "
-                  f"engine.initialize() was given {kind}=, which takes precedence, as in DeepSpeed; remove one of "
-                  "them to silence this", rank_zero_only=True)
+        warn_once(
+            name,
+            f"the config's {name} section (type {paths.get(kept, (name, 'type'))!r}) is ignored: "
+            f"engine.initialize() was given {kind}=, which takes precedence, as in DeepSpeed; remove one of "
+            "them to silence this",
+            rank_zero_only=True,
+        )
     if overridden:
         raw = {**raw, **{name: kept[name] for name in overridden}}  # engine.config shows the user's whole config
     dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
     return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
 
 
-def _tensor_parallel(config: dict[str, Any], world_size: int, world_size_source: str,
-                     model_parallel_size: int | None) -> tuple[TensorParallel | None, list[str]]:
+def _tensor_parallel(
+    config: dict[str, Any], world_size: int, world_size_source: str, model_parallel_size: int | None
+) -> tuple[TensorParallel | None, list[str]]:
     """(the tensor-parallel size batch sizes are read with, or None without one; problems)."""
     autotp = paths.get(config, ("tensor_parallel", "autotp_size"))
     tp = model_parallel_size or (autotp if isinstance(autotp, int) and not isinstance(autotp, bool) else 1)
     if tp <= 1:
         return None, []
-    said = ("the model-parallel groups (mpu=, or made before initialize)" if model_parallel_size
-            else "tensor_parallel.autotp_size")
+    said = (
+        "the model-parallel groups (mpu=, or made before initialize)"
+        if model_parallel_size
+        else "tensor_parallel.autotp_size"
+    )
     if world_size % tp:
         divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        problem = (f"tensor_parallel.autotp_size: tensor-parallel size {tp} (from {said}) does not divide the world "
-                   f"size {world_size} ({world_size_source}); use one of {divisors}")
+        problem = (
+            f"tensor_parallel.autotp_size: tensor-parallel size {tp} (from {said}) does not divide the world "
+            f"size {world_size} ({world_size_source}); use one of {divisors}"
+        )
         return None, [problem]
     return TensorParallel(tp, said, from_config=not model_parallel_size), []
 
 
 def _batch_sizes(
-    config: dict[str, Any], batch_auto: set[str], world_size: int, world_size_source: str,
+    config: dict[str, Any],
+    batch_auto: set[str],
+    world_size: int,
+    world_size_source: str,
     tensor_parallel: TensorParallel | None,
 ) -> tuple[BatchSizes | None, list[str], list[str]]:
     """(sizes, notes, problems); "auto" batch keys were removed from `config` and are inferred here."""

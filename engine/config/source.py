@@ -80,7 +80,7 @@ def parse_text(text: str, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(
             f"{where}: the config must be a JSON object {{...}}, got {_json_kind(data)}; "
-            "fix: put the config keys in one object, e.g. {\"train_micro_batch_size_per_gpu\": 8}"
+            'fix: put the config keys in one object, e.g. {"train_micro_batch_size_per_gpu": 8}'
         )
     return data
 

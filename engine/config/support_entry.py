@@ -78,4 +78,3 @@ class Entry:
     when: When
     reason: str
     fix: str = ""
-

@@ -46,29 +46,53 @@ READ_ENTRIES: tuple[Entry, ...] = (
         PRESENT,
         "dtype gradients accumulate and stay in until the optimizer step reads them (the full buffer of "
         "stages 0-1, the gradient shard of stages 2-3); default the parameter dtype, as DeepSpeed "
-        "(bf16 training: 2 bytes per gradient element); \"fp32\" for fp32 accumulation",
+        '(bf16 training: 2 bytes per gradient element); "fp32" for fp32 accumulation',
     ),
     Entry("comms_logger", S.IMPLEMENTED, PRESENT, "enabled: bytes sent per collective type at each step log line"),
-    Entry("steps_per_print", S.IMPLEMENTED, PRESENT,
-          "period of the progress log line; null or Infinity (what HF Accelerate writes) = never"),
+    Entry(
+        "steps_per_print",
+        S.IMPLEMENTED,
+        PRESENT,
+        "period of the progress log line; null or Infinity (what HF Accelerate writes) = never",
+    ),
     Entry("wall_clock_breakdown", S.IMPLEMENTED, PRESENT, "per-phase timers in the progress log"),
-    Entry("memory_breakdown", S.IMPLEMENTED, PRESENT,
-          "rank 0's model-state bytes per category (memory_report) and peak RSS at every steps_per_print line"),
+    Entry(
+        "memory_breakdown",
+        S.IMPLEMENTED,
+        PRESENT,
+        "rank 0's model-state bytes per category (memory_report) and peak RSS at every steps_per_print line",
+    ),
     Entry("csv_monitor", S.IMPLEMENTED, PRESENT, "CSV metrics writer (engine/monitor)"),
-    Entry("flops_profiler", S.IMPLEMENTED, PRESENT,
-          "rank 0 profiles the forward of step profile_step (torch.utils.flop_counter per module; latency, "
-          "params) and prints DeepSpeed's report (module_depth, top_modules, detailed, output_file); then the "
-          "progress log and the monitors show achieved TFLOPs and MFU against a measured matmul peak; "
-          "recompute_fwd_factor adds the recomputed forwards (engine/profiling)"),
-    Entry("tensorboard", S.IMPLEMENTED, PRESENT,
-          "TensorBoard event files in output_path/job_name from rank 0 (needs the tensorboard package: "
-          "pip install 'zero-engine[tensorboard]'; missing, enabling it is a ConfigError)"),
-    Entry("wandb", S.IMPLEMENTED, PRESENT,
-          "Weights & Biases run from rank 0: wandb.init(project, group, entity=team) (pip install "
-          "'zero-engine[wandb]'; WANDB_MODE=offline works without an account)"),
-    Entry("comet", S.IMPLEMENTED, PRESENT,
-          "Comet experiment from rank 0 with every key (comet_ml.start; samples_log_interval honoured; "
-          "pip install 'zero-engine[comet]'; online: false writes an offline archive)"),
+    Entry(
+        "flops_profiler",
+        S.IMPLEMENTED,
+        PRESENT,
+        "rank 0 profiles the forward of step profile_step (torch.utils.flop_counter per module; latency, "
+        "params) and prints DeepSpeed's report (module_depth, top_modules, detailed, output_file); then the "
+        "progress log and the monitors show achieved TFLOPs and MFU against a measured matmul peak; "
+        "recompute_fwd_factor adds the recomputed forwards (engine/profiling)",
+    ),
+    Entry(
+        "tensorboard",
+        S.IMPLEMENTED,
+        PRESENT,
+        "TensorBoard event files in output_path/job_name from rank 0 (needs the tensorboard package: "
+        "pip install 'zero-engine[tensorboard]'; missing, enabling it is a ConfigError)",
+    ),
+    Entry(
+        "wandb",
+        S.IMPLEMENTED,
+        PRESENT,
+        "Weights & Biases run from rank 0: wandb.init(project, group, entity=team) (pip install "
+        "'zero-engine[wandb]'; WANDB_MODE=offline works without an account)",
+    ),
+    Entry(
+        "comet",
+        S.IMPLEMENTED,
+        PRESENT,
+        "Comet experiment from rank 0 with every key (comet_ml.start; samples_log_interval honoured; "
+        "pip install 'zero-engine[comet]'; online: false writes an offline archive)",
+    ),
     Entry(
         "zero_optimization",
         S.IMPLEMENTED,
@@ -86,12 +110,16 @@ READ_ENTRIES: tuple[Entry, ...] = (
         "memory_efficient_linear (default true: F.linear saves stage-3 weights, not views of their gathered "
         "unit, so a released unit's memory is freed before its backward); "
         "our stage3_arena_bytes sizes the pre-touched arena that gathered units and gradient buckets come from "
-        "on CPU (\"auto\": from the units and stage3_max_live_parameters; absent or 0: off); "
+        'on CPU ("auto": from the units and stage3_max_live_parameters; absent or 0: off); '
         "stage3_model_persistence_threshold and sub_group_size accepted without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
-    Entry("zero_force_ds_cpu_optimizer", S.ACCEPTED, PRESENT,
-          "accepted: the offloaded step is always the engine's fused CPU Adam (engine/zero/master_step.py)"),
+    Entry(
+        "zero_force_ds_cpu_optimizer",
+        S.ACCEPTED,
+        PRESENT,
+        "accepted: the offloaded step is always the engine's fused CPU Adam (engine/zero/master_step.py)",
+    ),
     Entry(
         "dataloader_drop_last",
         S.IMPLEMENTED,
@@ -112,11 +140,15 @@ READ_ENTRIES: tuple[Entry, ...] = (
         PRESENT,
         "gradients always go into their fp32 accumulation as they arrive; same numbers either way",
     ),
-    Entry("collectives", S.IMPLEMENTED, PRESENT,
-          'engine-specific, not a DeepSpeed key: "engine" (default; on gloo the engine\'s point-to-point '
-          'reduce-scatter and all-gather as direct exchanges, torch\'s elsewhere), "ring" (the same as rings: '
-          'two neighbours per rank, N-1 steps; for large groups on thin networks) or "native" (torch\'s '
-          "everywhere); ZERO_ENGINE_COLLECTIVES=engine|ring|native overrides it"),
+    Entry(
+        "collectives",
+        S.IMPLEMENTED,
+        PRESENT,
+        'engine-specific, not a DeepSpeed key: "engine" (default; on gloo the engine\'s point-to-point '
+        'reduce-scatter and all-gather as direct exchanges, torch\'s elsewhere), "ring" (the same as rings: '
+        'two neighbours per rank, N-1 steps; for large groups on thin networks) or "native" (torch\'s '
+        "everywhere); ZERO_ENGINE_COLLECTIVES=engine|ring|native overrides it",
+    ),
     Entry(
         "tensor_parallel.autotp_size",
         S.IMPLEMENTED,
@@ -124,8 +156,12 @@ READ_ENTRIES: tuple[Entry, ...] = (
         "AutoTP: the tensor-parallel size (EngineConfig.autotp_size; 0 or 1: off); engine.tp_model_init "
         "shards the model's attention and MLP Linears by name (engine/parallel/autotp.py)",
     ),
-    Entry("seed", S.IMPLEMENTED, PRESENT,
-          "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)"),
+    Entry(
+        "seed",
+        S.IMPLEMENTED,
+        PRESENT,
+        "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)",
+    ),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
     Entry(
@@ -141,12 +177,8 @@ READ_ENTRIES: tuple[Entry, ...] = (
         'legacy companion of "zero_optimization": true; read as zero_optimization.allgather_bucket_size',
     ),
     # --- accepted, no effect -----------------------------------------------------------------------
-    Entry(
-        "vocabulary_size", S.ACCEPTED, PRESENT, "DeepSpeed only uses it for a tensor-core alignment warning"
-    ),
-    Entry(
-        "use_data_before_expert_parallelism", S.ACCEPTED, PRESENT, "only matters with MoE expert parallelism"
-    ),
+    Entry("vocabulary_size", S.ACCEPTED, PRESENT, "DeepSpeed only uses it for a tensor-core alignment warning"),
+    Entry("use_data_before_expert_parallelism", S.ACCEPTED, PRESENT, "only matters with MoE expert parallelism"),
     Entry(
         "seq_parallel_comm_data_type",
         S.ACCEPTED,

@@ -20,9 +20,7 @@ from engine.config.support_entry import (
 )
 from engine.config.support_entry import Status as S
 
-_NO_WRITER = (
-    "no writer for it in this engine yet; training is unaffected, the metrics are just not written there"
-)
+_NO_WRITER = "no writer for it in this engine yet; training is unaffected, the metrics are just not written there"
 
 
 def _tp_size_differs(section: Any) -> bool:
@@ -186,8 +184,19 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
     Entry(
         "data_types.grad_accum_dtype",
         S.REFUSED,
-        not_in("fp32", "float32", "float", "torch.float32", "fp16", "float16", "half", "torch.float16", "bf16",
-               "bfloat16", "torch.bfloat16"),
+        not_in(
+            "fp32",
+            "float32",
+            "float",
+            "torch.float32",
+            "fp16",
+            "float16",
+            "half",
+            "torch.float16",
+            "bf16",
+            "bfloat16",
+            "torch.bfloat16",
+        ),
         "gradients accumulate in fp32, fp16 or bf16 only",
         'set data_types.grad_accum_dtype to "fp32" or remove it',
     ),
@@ -375,7 +384,5 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
     ),
     Entry("graph_harvesting", S.WARNED, TRUE, "CUDA-graph harvesting is not implemented", "set it to false"),
     Entry("disable_allgather", S.WARNED, TRUE, "legacy option with no effect", "remove it"),
-    Entry(
-        "optimizer.legacy_fusion", S.WARNED, TRUE, "legacy fused-optimizer switch with no effect", "remove it"
-    ),
+    Entry("optimizer.legacy_fusion", S.WARNED, TRUE, "legacy fused-optimizer switch with no effect", "remove it"),
 )

@@ -51,21 +51,33 @@ def drop_ignored_keys(config: dict[str, Any], known: Collection[str]) -> Ignored
         head, dot, rest = key.partition(".")
         if dot and head in known:
             nested = json.dumps({head: _nest(rest, config[key])}, default=repr)
-            ignored.warnings.append((f"top-level:{key}", (
-                f"{key}: a dotted top-level key is ignored, as DeepSpeed ignores it (it reads nested sections only); "
-                f"to set it, write it nested: {_short(nested)}")))
+            ignored.warnings.append(
+                (
+                    f"top-level:{key}",
+                    (
+                        f"{key}: a dotted top-level key is ignored, as DeepSpeed ignores it (it reads nested sections only); "
+                        f"to set it, write it nested: {_short(nested)}"
+                    ),
+                )
+            )
             del config[key]
         elif closest(key, known, cutoff=TYPO_CUTOFF) is None:
-            ignored.warnings.append((f"top-level:{key}", (
-                f"{key}: unknown top-level key, ignored (DeepSpeed ignores unknown top-level keys too); if it was "
-                'meant as a setting, see docs/config-keys.md for the keys read; start its name with "_" to mark '
-                "it as a comment")))
+            ignored.warnings.append(
+                (
+                    f"top-level:{key}",
+                    (
+                        f"{key}: unknown top-level key, ignored (DeepSpeed ignores unknown top-level keys too); if it was "
+                        'meant as a setting, see docs/config-keys.md for the keys read; start its name with "_" to mark '
+                        "it as a comment"
+                    ),
+                )
+            )
             del config[key]
     return ignored
 
 
 def _nest(dotted_rest: str, value: Any) -> Any:
-    """"a.b", v -> {"a": {"b": v}}."""
+    """ "a.b", v -> {"a": {"b": v}}."""
     for part in reversed(dotted_rest.split(".")):
         value = {part: value}
     return value

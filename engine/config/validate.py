@@ -94,9 +94,7 @@ def _explain_alternatives(error: ValidationError, path: KeyPath) -> list[tuple[K
     for errs in by_branch.values():
         for sub in errs:
             if sub.validator == "type":
-                kinds = (
-                    sub.validator_value if isinstance(sub.validator_value, list) else [sub.validator_value]
-                )
+                kinds = sub.validator_value if isinstance(sub.validator_value, list) else [sub.validator_value]
                 expected.extend(str(k) for k in kinds)
             elif sub.validator == "const":
                 expected.append(json.dumps(sub.validator_value))

@@ -59,8 +59,9 @@ def format_table(estimates: MemoryEstimate | Iterable[MemoryEstimate]) -> str:
     lines += ["", _EXCLUDED]
     if any(e.stage == 3 for e in rows):
         lines.append(
-            "Stage 3 keeps the fp32 shard as the parameters (no master)." if costs.stage3_param_shard else
-            f"Stage 3 keeps no {costs.dtype} parameter shard: gathers cast from the fp32 master."
+            "Stage 3 keeps the fp32 shard as the parameters (no master)."
+            if costs.stage3_param_shard
+            else f"Stage 3 keeps no {costs.dtype} parameter shard: gathers cast from the fp32 master."
         )
     return "\n".join(lines)
 
@@ -133,9 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.paper:
-        given = [f"--{dest.replace('_', '-')}" for dest in ("params", "world_size", "dtype", "grad_accum_dtype",
-                                                             "optimizer", "stage")
-                 if getattr(args, dest) != parser.get_default(dest)]
+        given = [
+            f"--{dest.replace('_', '-')}"
+            for dest in ("params", "world_size", "dtype", "grad_accum_dtype", "optimizer", "stage")
+            if getattr(args, dest) != parser.get_default(dest)
+        ]
         if given:
             parser.error(f"--paper prints the paper's fixed table; drop {', '.join(given)}")
         cells = paper_cells()

@@ -94,8 +94,13 @@ class ByteCosts:
 
 
 PAPER_COSTS = ByteCosts(
-    dtype="fp16", grad_accum_dtype="fp16", optimizer="adam",
-    params=2, gradients=2, master=4, optimizer_state=8,  # K = 12 = master + Adam's two moments
+    dtype="fp16",
+    grad_accum_dtype="fp16",
+    optimizer="adam",
+    params=2,
+    gradients=2,
+    master=4,
+    optimizer_state=8,  # K = 12 = master + Adam's two moments
     stage3_param_shard=True,  # P_os+g+p keeps 2 Psi/N of fp16 parameters: 16 Psi/N in all
 )
 """The ZeRO paper's assumptions for Table 1 (section 3.1 and 5)."""
@@ -112,8 +117,11 @@ def engine_costs(
     opt = _optimizer_name(optimizer)
     fp32 = param_dtype == "fp32"
     return ByteCosts(
-        dtype=param_dtype, grad_accum_dtype=grad_dtype, optimizer=opt,
-        params=_DTYPE_BYTES[param_dtype], gradients=_DTYPE_BYTES[grad_dtype],
+        dtype=param_dtype,
+        grad_accum_dtype=grad_dtype,
+        optimizer=opt,
+        params=_DTYPE_BYTES[param_dtype],
+        gradients=_DTYPE_BYTES[grad_dtype],
         master=0 if fp32 else 4,  # fp32: the optimizer updates the parameter storage in place
         optimizer_state=OPTIMIZER_STATE_BYTES[opt],
         # fp32: the stage-3 shard is the parameters and the master; bf16/fp16: gathers cast from the master.
@@ -199,8 +207,9 @@ def flat_sizes(
     if not params:
         return 0, 0
     shapes = [full_shape(p) for p in reversed(params)]  # gradient-arrival order (it doesn't change P or S)
-    layout = build_layout(shapes, world_size=1 if stage == 0 else world_size, bucket_size=bucket_size,
-                          element_size=element_size)
+    layout = build_layout(
+        shapes, world_size=1 if stage == 0 else world_size, bucket_size=bucket_size, element_size=element_size
+    )
     return layout.padded_numel, layout.shard_numel
 
 
@@ -218,8 +227,9 @@ def unit_sizes(model: torch.nn.Module, world_size: int, element_size: int) -> tu
     return padded, shard
 
 
-def _sizes(model_or_numel: torch.nn.Module | int, stage: int, world_size: int, bucket_size: int,
-           element_size: int) -> tuple[int, int, int]:
+def _sizes(
+    model_or_numel: torch.nn.Module | int, stage: int, world_size: int, bucket_size: int, element_size: int
+) -> tuple[int, int, int]:
     """(Psi, P, S) of a module or an element count at one stage."""
     if not isinstance(model_or_numel, torch.nn.Module):
         return (model_or_numel, *count_sizes(model_or_numel, stage, world_size))
@@ -293,8 +303,9 @@ def estimate_memory(
     estimates = []
     for s in STAGES if stage is None else (stage,):
         numel, padded, shard = _sizes(model_or_numel, s, world_size, bucket_size, costs.params)
-        estimates.append(estimate_from_costs(costs, s, world_size=world_size, numel=numel,
-                                             padded_numel=padded, shard_numel=shard))
+        estimates.append(
+            estimate_from_costs(costs, s, world_size=world_size, numel=numel, padded_numel=padded, shard_numel=shard)
+        )
     return estimates[0] if stage is not None else estimates
 
 

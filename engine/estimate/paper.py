@@ -45,8 +45,9 @@ def paper_cells(costs: ByteCosts = PAPER_COSTS) -> list[PaperCell]:
     for (model, stage, world_size), printed in PAPER_TABLE.items():
         numel = PAPER_MODELS[model]
         padded, shard = count_sizes(numel, stage, world_size)
-        estimate = estimate_from_costs(costs, stage, world_size=world_size, numel=numel,
-                                       padded_numel=padded, shard_numel=shard)
+        estimate = estimate_from_costs(
+            costs, stage, world_size=world_size, numel=numel, padded_numel=padded, shard_numel=shard
+        )
         cells.append(PaperCell(model, stage, world_size, printed, estimate))
     return cells
 
@@ -76,8 +77,9 @@ def format_paper_table(cells: Sequence[PaperCell]) -> str:
             row.append(f"{_gb(cell.estimate.total)} {'=' if cell.matches else '!='} {cell.printed}")
         lines.append(f"| {world_size} | " + " | ".join(row) + " |")
     matched = sum(c.matches for c in cells)
-    return "\n".join([*lines, "", f"{matched} of {len(cells)} cells match the printed values.",
-                      _assumptions(costs), _ENGINE_DIFFERS])
+    return "\n".join(
+        [*lines, "", f"{matched} of {len(cells)} cells match the printed values.", _assumptions(costs), _ENGINE_DIFFERS]
+    )
 
 
 _PAPER_HEADER = (

@@ -28,8 +28,9 @@ from engine.zero.stage3 import Stage3
 logger = get_logger()
 
 # The only place that maps a stage number to its implementation.
-_STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig, Precision, ParallelGroups],
-                            ZeroStage]] = {
+_STAGES: dict[
+    int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfig, Precision, ParallelGroups], ZeroStage]
+] = {
     0: Stage0,
     1: Stage1,
     2: Stage2,
@@ -37,8 +38,13 @@ _STAGES: dict[int, Callable[[torch.nn.Module, torch.optim.Optimizer, EngineConfi
 }
 
 
-def _build_stage(cfg: EngineConfig, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-                 precision: Precision, parallel: ParallelGroups) -> ZeroStage:
+def _build_stage(
+    cfg: EngineConfig,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer | None,
+    precision: Precision,
+    parallel: ParallelGroups,
+) -> ZeroStage:
     if opt is not None:
         run_checks.check_optimizer_for_stage(cfg, type(opt).__name__)
         return _STAGES[cfg.zero.stage](model, opt, cfg, precision, parallel)
@@ -46,8 +52,11 @@ def _build_stage(cfg: EngineConfig, model: torch.nn.Module, opt: torch.optim.Opt
     # before training). Stage 3 keeps its parameters partitioned; at stages 0-2 they are whole on every
     # rank and there is nothing to partition. The Engine refuses backward and step with a named error.
     if comm.get_rank() == 0:
-        logger.info("no optimizer (none passed to initialize, no \"optimizer\" section): an evaluation-only "
-                    "engine at zero_optimization.stage %d; backward() and step() need an optimizer", cfg.zero.stage)
+        logger.info(
+            'no optimizer (none passed to initialize, no "optimizer" section): an evaluation-only '
+            "engine at zero_optimization.stage %d; backward() and step() need an optimizer",
+            cfg.zero.stage,
+        )
     if cfg.zero.stage == 3:
         return Stage3(model, None, cfg, precision, parallel)
     return ForwardOnly(model, cfg.zero.stage, parallel)
@@ -57,8 +66,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """Add DeepSpeed's --deepspeed and --deepspeed_config flags (no --local_rank: ranks read the
     environment, see zrun)."""
     group = parser.add_argument_group("engine", "ZeRO engine configuration")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="enable the engine (accepted for DeepSpeed compatibility)")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="enable the engine (accepted for DeepSpeed compatibility)",
+    )
     group.add_argument("--deepspeed_config", default=None, type=str, help="path to the JSON config")
     return parser
 
@@ -70,8 +83,9 @@ def _device() -> torch.device:
     return device
 
 
-def _build_optimizer(cfg: EngineConfig, module: torch.nn.Module, optimizer: Any,
-                     model_parameters: Iterable[Any] | None) -> torch.optim.Optimizer | None:
+def _build_optimizer(
+    cfg: EngineConfig, module: torch.nn.Module, optimizer: Any, model_parameters: Iterable[Any] | None
+) -> torch.optim.Optimizer | None:
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
         normalize_param_groups(optimizer.param_groups, module)  # same checks as config optimizers
@@ -86,14 +100,16 @@ def _build_optimizer(cfg: EngineConfig, module: torch.nn.Module, optimizer: Any,
 
 def _build_scheduler(cfg: EngineConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:
     if lr_scheduler is not None:
-        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
-            else lr_scheduler
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
     if cfg.scheduler is not None:
         if optimizer is None:
             # DeepSpeed builds the schedule only with an optimizer: HF Trainer's ZeRO inference
             # (evaluate before train) deletes "optimizer" from the training config but keeps "scheduler".
-            logger.info("scheduler.type %r not built: this engine has no optimizer (evaluation only; "
-                        "backward()/step() would say so)", cfg.scheduler.type)
+            logger.info(
+                "scheduler.type %r not built: this engine has no optimizer (evaluation only; "
+                "backward()/step() would say so)",
+                cfg.scheduler.type,
+            )
             return None
         return build_scheduler(cfg.scheduler, optimizer)
     return None
@@ -128,11 +144,16 @@ def initialize(
         local_error: Exception | None = None
         try:
             known_groups = parallel_setup.groups_before_config(mpu)
-            given = frozenset(name for name, obj in (("optimizer", optimizer), ("scheduler", lr_scheduler))
-                              if obj is not None)
-            cfg = load_config(source, world_size=comm.get_world_size(), world_size_source=comm.world_size_source(),
-                              model_parallel_size=known_groups.tp_size if known_groups else None,
-                              given_objects=given)
+            given = frozenset(
+                name for name, obj in (("optimizer", optimizer), ("scheduler", lr_scheduler)) if obj is not None
+            )
+            cfg = load_config(
+                source,
+                world_size=comm.get_world_size(),
+                world_size_source=comm.world_size_source(),
+                model_parallel_size=known_groups.tp_size if known_groups else None,
+                given_objects=given,
+            )
             comm.set_collectives(cfg.collectives)
             device = _device()
             run_checks.check_offload(cfg, device.type)
@@ -146,16 +167,23 @@ def initialize(
         parallel = parallel_setup.resolve_groups(known_groups, cfg.autotp_size, model)
         checkpointing.configure_from_engine(cfg, parallel)
         if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
-            logger.info("stage %d: %d parameters built under engine.zero.Init were gathered whole again "
-                        "(only stage 3 keeps parameters partitioned)", cfg.zero.stage, gathered)
+            logger.info(
+                "stage %d: %d parameters built under engine.zero.Init were gathered whole again "
+                "(only stage 3 keeps parameters partitioned)",
+                cfg.zero.stage,
+                gathered,
+            )
         model.to(device)
         precision = Precision(cfg)
         cpu_precision.warn_if_slow(precision.model_dtype, device)
         precision.cast_module(model)
         # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was; with tensor
         # parallelism the first rank of each data-parallel group (its tensor-parallel slices differ).
-        comm.broadcast_coalesced([t.data for t in model.parameters()] + list(model.buffers()),
-                                 src=parallel.dp_src(), process_group=parallel.dp_group)
+        comm.broadcast_coalesced(
+            [t.data for t in model.parameters()] + list(model.buffers()),
+            src=parallel.dp_src(),
+            process_group=parallel.dp_group,
+        )
         opt = _build_optimizer(cfg, model, optimizer, model_parameters)
         scheduler = _build_scheduler(cfg, opt, lr_scheduler)
         stage = _build_stage(cfg, model, opt, precision, parallel)
@@ -168,10 +196,26 @@ def initialize(
     loader = None
     if training_data is not None:
         # Every rank of a tensor-parallel group reads the same samples: its data-parallel position's.
-        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, parallel.dp_rank,
-                                  parallel.dp_size, collate_fn, cfg.dataloader_drop_last,
-                                  seed=cfg.seed if cfg.seed is not None else 0)
-    engine = Engine(model, cfg, stage, opt, scheduler, device, loader, precision=precision,
-                    owns_process_group=owns_group, parallel=parallel)
+        loader = build_dataloader(
+            training_data,
+            cfg.train_micro_batch_size_per_gpu,
+            parallel.dp_rank,
+            parallel.dp_size,
+            collate_fn,
+            cfg.dataloader_drop_last,
+            seed=cfg.seed if cfg.seed is not None else 0,
+        )
+    engine = Engine(
+        model,
+        cfg,
+        stage,
+        opt,
+        scheduler,
+        device,
+        loader,
+        precision=precision,
+        owns_process_group=owns_group,
+        parallel=parallel,
+    )
     # DeepSpeed returns its ZeRO optimizer, not the torch one it was given (engine/zero_optimizer.py).
     return engine, engine.optimizer, loader, scheduler

@@ -44,25 +44,31 @@ def resolve_groups(known: ParallelGroups | None, autotp_size: int, model: torch.
     if groups.tp_size > 1:
         built_partitioned = next((n for n, p in model.named_parameters() if partitioned_init.is_partitioned(p)), None)
         if built_partitioned is not None:
-            raise ConfigError(f"parameter {built_partitioned!r} was built under engine.zero.Init, which partitions "
-                              f"over the whole world, but tensor parallelism (size {groups.tp_size}) partitions ZeRO "
-                              "over the data-parallel group only: build the model without engine.zero.Init (stage 3 "
-                              "still partitions it at initialize)")
+            raise ConfigError(
+                f"parameter {built_partitioned!r} was built under engine.zero.Init, which partitions "
+                f"over the whole world, but tensor parallelism (size {groups.tp_size}) partitions ZeRO "
+                "over the data-parallel group only: build the model without engine.zero.Init (stage 3 "
+                "still partitions it at initialize)"
+            )
     return groups
 
 
 def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Module) -> ParallelGroups:
     if known is not None:
         if autotp_size > 1 and autotp_size != known.tp_size:
-            raise ConfigError(f"tensor_parallel.autotp_size is {autotp_size} but the model-parallel groups (mpu= or "
-                              f"engine.parallel.initialize_model_parallel) have tensor-parallel size {known.tp_size}; "
-                              "make them equal or drop tensor_parallel.autotp_size")
+            raise ConfigError(
+                f"tensor_parallel.autotp_size is {autotp_size} but the model-parallel groups (mpu= or "
+                f"engine.parallel.initialize_model_parallel) have tensor-parallel size {known.tp_size}; "
+                "make them equal or drop tensor_parallel.autotp_size"
+            )
         if autotp_size > 1 and not getattr(model, "ds_autotp_parsed", False):
             if not (model_parallel_is_initialized() and current_groups() == known):
-                raise ConfigError("tensor_parallel.autotp_size with a user's mpu= object: AutoTP shards the model over "
-                                  "engine.parallel's own tensor-parallel groups, not the mpu's; pass mpu=engine.parallel "
-                                  "(after engine.parallel.initialize_model_parallel), or shard the model yourself and "
-                                  "drop tensor_parallel.autotp_size")
+                raise ConfigError(
+                    "tensor_parallel.autotp_size with a user's mpu= object: AutoTP shards the model over "
+                    "engine.parallel's own tensor-parallel groups, not the mpu's; pass mpu=engine.parallel "
+                    "(after engine.parallel.initialize_model_parallel), or shard the model yourself and "
+                    "drop tensor_parallel.autotp_size"
+                )
             _apply_autotp(model, autotp_size)
         return known
     if autotp_size > 1:
@@ -71,9 +77,11 @@ def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Mod
         return groups
     marked = next((n for n, p in model.named_parameters() if is_tensor_parallel(p)), None)
     if marked is not None and not model_parallel_is_initialized():
-        raise ConfigError(f"parameter {marked!r} is a tensor-parallel slice (tensor_model_parallel=True) but no "
-                          "model-parallel groups are known: pass mpu= to engine.initialize(), or call "
-                          "engine.parallel.initialize_model_parallel(tp) before building the model")
+        raise ConfigError(
+            f"parameter {marked!r} is a tensor-parallel slice (tensor_model_parallel=True) but no "
+            "model-parallel groups are known: pass mpu= to engine.initialize(), or call "
+            "engine.parallel.initialize_model_parallel(tp) before building the model"
+        )
     return ParallelGroups.data_parallel_only()
 
 

@@ -64,10 +64,13 @@ def first_difference(ref: list[Entry], other: list[Entry], ref_rank: int, other_
             return f"{_describe(a)} exists on rank {ref_rank} but not on rank {other_rank}"
         if b[:2] not in names_a:
             return f"{_describe(b)} exists on rank {other_rank} but not on rank {ref_rank}"
-        return (f"entry {i} is {a[0]} {a[1]!r} on rank {ref_rank} but {b[0]} {b[1]!r} on rank {other_rank} "
-                "(the modules were registered in another order)")
-    longer, shorter, extra_rank, other_r = (ref, other, ref_rank, other_rank) if len(ref) > len(other) \
-        else (other, ref, other_rank, ref_rank)
+        return (
+            f"entry {i} is {a[0]} {a[1]!r} on rank {ref_rank} but {b[0]} {b[1]!r} on rank {other_rank} "
+            "(the modules were registered in another order)"
+        )
+    longer, shorter, extra_rank, other_r = (
+        (ref, other, ref_rank, other_rank) if len(ref) > len(other) else (other, ref, other_rank, ref_rank)
+    )
     return f"{_describe(longer[len(shorter)])} exists on rank {extra_rank} but not on rank {other_r}"
 
 
@@ -98,7 +101,8 @@ def agree(module: torch.nn.Module, local_error: BaseException | None) -> None:
         listed = "; ".join(f"rank {r}: {msg}" for r, msg in failed.items())
         raise RankMismatchError(
             f"engine.initialize failed on rank(s) {sorted(failed)} ({listed}); this rank (rank {comm.get_rank()}) "
-            "stopped too, so no rank waits for the others. Fix the error above; initialize can then be called again")
+            "stopped too, so no rank waits for the others. Fix the error above; initialize can then be called again"
+        )
     digests = [rep.digest for rep in reports]
     if len(set(digests)) == 1:
         return
@@ -109,4 +113,5 @@ def agree(module: torch.nn.Module, local_error: BaseException | None) -> None:
     raise RankMismatchError(
         f"the ranks built different models: {first_difference(signatures[0], signatures[first], 0, first)} "
         f"(rank(s) {differing} differ from rank 0). Data parallelism needs the same model on every rank; "
-        "build it from the same code and config on every rank (the values may differ: rank 0's are broadcast)")
+        "build it from the same code and config on every rank (the values may differ: rank 0's are broadcast)"
+    )

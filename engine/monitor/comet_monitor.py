@@ -15,9 +15,14 @@ class CometMonitor:
     def __init__(self, config: CometConfig) -> None:
         import comet_ml  # checked at initialize
 
-        self.experiment: Any = comet_ml.start(api_key=config.api_key, project=config.project,
-                                              workspace=config.workspace, experiment_key=config.experiment_key,
-                                              mode=config.mode, online=config.online)
+        self.experiment: Any = comet_ml.start(
+            api_key=config.api_key,
+            project=config.project,
+            workspace=config.workspace,
+            experiment_key=config.experiment_key,
+            mode=config.mode,
+            online=config.online,
+        )
         if config.experiment_name is not None:
             self.experiment.set_name(config.experiment_name)
         self._interval = config.samples_log_interval

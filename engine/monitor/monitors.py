@@ -16,8 +16,7 @@ from engine.config.types import EngineConfig
 
 Event = tuple[str, float, int]
 
-_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-             "comet": ("comet_ml", "comet")}
+_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "comet": ("comet_ml", "comet")}
 """Config section -> (module it imports, the engine's pip extra that installs it)."""
 
 
@@ -32,12 +31,20 @@ def enabled_sections(config: EngineConfig) -> list[str]:
 
 def check_packages(config: EngineConfig) -> None:
     """ConfigError naming the pip command for every enabled writer whose package is not installed."""
-    missing = [(section, *_PACKAGES[section]) for section in enabled_sections(config)
-               if section in _PACKAGES and importlib.util.find_spec(_PACKAGES[section][0]) is None]
+    missing = [
+        (section, *_PACKAGES[section])
+        for section in enabled_sections(config)
+        if section in _PACKAGES and importlib.util.find_spec(_PACKAGES[section][0]) is None
+    ]
     if missing:
-        raise ConfigError([f"{section}.enabled is true but the {module} package is not installed: "
-                           f"pip install 'zero-engine[{extra}]' (or pip install {module}), or set "
-                           f"{section}.enabled to false" for section, module, extra in missing])
+        raise ConfigError(
+            [
+                f"{section}.enabled is true but the {module} package is not installed: "
+                f"pip install 'zero-engine[{extra}]' (or pip install {module}), or set "
+                f"{section}.enabled to false"
+                for section, module, extra in missing
+            ]
+        )
 
 
 class Monitors:

@@ -48,6 +48,3 @@ def torch_accumulate(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -
             dst.add_(addend)
         else:
             dst.copy_(dst.float().add_(addend))  # float32 sum, then one round-to-nearest-even into dst
-
-
-

@@ -63,20 +63,45 @@ def adam_step(
     """
     lp_params = list(lp_params) if lp_params else []
     check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
-    _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-                 grad_scale=grad_scale)
+    _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale)
     ext = compiled_module(params)
     if ext is not None and all(g.device == params[0].device for g in grads):
         # The binding checks every tensor itself (dtype, device, contiguity, size) in one scan that
         # also collects the pointers, naming a bad one with check_tensors' message.
-        ext.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lp_params, float(lr),
-                      float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode), int(step),
-                      bool(bias_correction), float(grad_scale))
+        ext.adam_step(
+            list(params),
+            list(grads),
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            lp_params,
+            float(lr),
+            float(beta1),
+            float(beta2),
+            float(eps),
+            float(weight_decay),
+            bool(adamw_mode),
+            int(step),
+            bool(bias_correction),
+            float(grad_scale),
+        )
         return
     check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
-    adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, lp_params, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                        weight_decay=weight_decay, adamw_mode=adamw_mode, step=step,
-                        bias_correction=bias_correction, grad_scale=grad_scale)
+    adam_step_reference(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        lp_params,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw_mode=adamw_mode,
+        step=step,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+    )
 
 
 @torch.no_grad()
@@ -126,9 +151,9 @@ def adam_step_reference(
                 pieces[4].copy_(p)
 
 
-
-def _check_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                 grad_scale: float) -> None:
+def _check_hyper(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float
+) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"adam_step: step must be an int >= 1 (the count including this update), got {step!r}")
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
@@ -137,9 +162,10 @@ def _check_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_de
         if not (math.isfinite(value) and value >= 0.0):
             raise ValueError(f"adam_step: {name} must be finite and >= 0, got {value!r}")
     if not math.isfinite(grad_scale):
-        raise ValueError(f"adam_step: grad_scale must be finite, got {grad_scale!r}; skip the step when the "
-                         "gradients overflowed instead of stepping with a non-finite scale")
-
+        raise ValueError(
+            f"adam_step: grad_scale must be finite, got {grad_scale!r}; skip the step when the "
+            "gradients overflowed instead of stepping with a non-finite scale"
+        )
 
 
 @dataclass
@@ -167,8 +193,9 @@ def adam_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     return state
 
 
-def adam_step_entries(entries: Sequence[AdamEntry], group: dict[str, Any], *, adamw_mode: bool,
-                      bias_correction: bool, grad_scale: float) -> None:
+def adam_step_entries(
+    entries: Sequence[AdamEntry], group: dict[str, Any], *, adamw_mode: bool, bias_correction: bool, grad_scale: float
+) -> None:
     """One Adam/AdamW step of every entry with one param group's hyper-parameters: the step counts
     advanced by one foreach call, then one adam_step per (step count, copy-out or not), normally the
     whole group at once (counts differ only after loading state where some parameters were skipped)."""
@@ -181,12 +208,22 @@ def adam_step_entries(entries: Sequence[AdamEntry], group: dict[str, Any], *, ad
         batches.setdefault((int(count), entry.lp_params is not None), []).append(entry)
     beta1, beta2 = group["betas"]
     for (count, has_lp), members in batches.items():
-        adam_step([t for e in members for t in e.params], [t for e in members for t in e.grads],
-                  [t for e in members for t in e.exp_avgs], [t for e in members for t in e.exp_avg_sqs],
-                  [t for e in members for t in e.lp_params or ()] if has_lp else None,
-                  lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                  weight_decay=group["weight_decay"], adamw_mode=adamw_mode, step=count,
-                  bias_correction=bias_correction, grad_scale=grad_scale)
+        adam_step(
+            [t for e in members for t in e.params],
+            [t for e in members for t in e.grads],
+            [t for e in members for t in e.exp_avgs],
+            [t for e in members for t in e.exp_avg_sqs],
+            [t for e in members for t in e.lp_params or ()] if has_lp else None,
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw_mode=adamw_mode,
+            step=count,
+            bias_correction=bias_correction,
+            grad_scale=grad_scale,
+        )
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -215,12 +252,21 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
-            raise NotImplementedError("CPUAdam does not implement amsgrad (nor does DeepSpeedCPUAdam); use "
-                                      "torch.optim.AdamW(amsgrad=True) for it")
+            raise NotImplementedError(
+                "CPUAdam does not implement amsgrad (nor does DeepSpeedCPUAdam); use "
+                "torch.optim.AdamW(amsgrad=True) for it"
+            )
         beta1, beta2 = betas
         _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=1, grad_scale=1.0)
-        defaults = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay,
-                    "adamw_mode": adamw_mode, "bias_correction": bias_correction, "amsgrad": False}
+        defaults = {
+            "lr": lr,
+            "betas": (beta1, beta2),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adamw_mode": adamw_mode,
+            "bias_correction": bias_correction,
+            "amsgrad": False,
+        }
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -238,11 +284,17 @@ class CPUAdam(torch.optim.Optimizer):
 
     # torch.optim.Optimizer's overloads (the closure's loss when given one, else None), plus our keywords.
     @overload
-    def step(self, closure: None = None, *, grad_scale: float = 1.0,
-             lp_params: Sequence[torch.Tensor | None] | None = None) -> None: ...
+    def step(
+        self, closure: None = None, *, grad_scale: float = 1.0, lp_params: Sequence[torch.Tensor | None] | None = None
+    ) -> None: ...
     @overload
-    def step(self, closure: Callable[[], float], *, grad_scale: float = 1.0,
-             lp_params: Sequence[torch.Tensor | None] | None = None) -> float: ...
+    def step(
+        self,
+        closure: Callable[[], float],
+        *,
+        grad_scale: float = 1.0,
+        lp_params: Sequence[torch.Tensor | None] | None = None,
+    ) -> float: ...
 
     @torch.no_grad()
     def step(
@@ -266,12 +318,25 @@ class CPUAdam(torch.optim.Optimizer):
                 index += 1
                 if p.grad is not None:
                     state = adam_state(self.state[p], p)
-                    entries.append(AdamEntry([p], [self._grad_of(p)], [state["exp_avg"]], [state["exp_avg_sq"]],
-                                             None if lp is None else [lp], state["step"]))
+                    entries.append(
+                        AdamEntry(
+                            [p],
+                            [self._grad_of(p)],
+                            [state["exp_avg"]],
+                            [state["exp_avg_sq"]],
+                            None if lp is None else [lp],
+                            state["step"],
+                        )
+                    )
             if entries:
                 self._check_group(group)
-                adam_step_entries(entries, group, adamw_mode=group["adamw_mode"],
-                                  bias_correction=group["bias_correction"], grad_scale=grad_scale)
+                adam_step_entries(
+                    entries,
+                    group,
+                    adamw_mode=group["adamw_mode"],
+                    bias_correction=group["bias_correction"],
+                    grad_scale=grad_scale,
+                )
         return loss
 
     @staticmethod
@@ -286,14 +351,18 @@ class CPUAdam(torch.optim.Optimizer):
     def _check_group(group: dict[str, Any]) -> None:
         for key in ("amsgrad", "maximize"):
             if group.get(key):
-                raise NotImplementedError(f"CPUAdam does not implement {key}=True (found in a param group, e.g. "
-                                          "from a loaded torch.optim.AdamW state_dict); use torch.optim.AdamW")
+                raise NotImplementedError(
+                    f"CPUAdam does not implement {key}=True (found in a param group, e.g. "
+                    "from a loaded torch.optim.AdamW state_dict); use torch.optim.AdamW"
+                )
 
     def _check_lp_params(self, lp_params: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
         if lp_params is None:
             return None
         total = sum(len(group["params"]) for group in self.param_groups)
         if len(lp_params) != total:
-            raise ValueError(f"CPUAdam.step: lp_params has {len(lp_params)} entries but the optimizer has {total} "
-                             "params; pass one tensor (or None) per param, flattened over param_groups in order")
+            raise ValueError(
+                f"CPUAdam.step: lp_params has {len(lp_params)} entries but the optimizer has {total} "
+                "params; pass one tensor (or None) per param, flattened over param_groups in order"
+            )
         return list(lp_params)

@@ -108,8 +108,10 @@ def check_capacity(capacity_bytes: int, config_key: str) -> int:
 
 
 def _full_message(u: Usage, config_key: str, shape: list[int], dtype: torch.dtype, nbytes: int, block: int) -> str:
-    message = (f"Arena: cannot allocate a tensor of shape {shape} and dtype {dtype} ({nbytes} bytes, a {block}-byte "
-               f"block): capacity {u.capacity} bytes, {u.in_use} in use, largest free block {u.largest_free} bytes")
+    message = (
+        f"Arena: cannot allocate a tensor of shape {shape} and dtype {dtype} ({nbytes} bytes, a {block}-byte "
+        f"block): capacity {u.capacity} bytes, {u.in_use} in use, largest free block {u.largest_free} bytes"
+    )
     if u.capacity - u.in_use >= block:
         message += f" ({u.capacity - u.in_use} bytes free but fragmented into {u.free_blocks} blocks)"
     return message + f". Raise {config_key} (the arena's capacity in bytes)."
@@ -167,8 +169,9 @@ class _FreeList:
             return self._usage()
 
     def _usage(self) -> Usage:
-        return Usage(self.capacity, self.in_use, self.peak_in_use, self.largest_free(), len(self.offsets),
-                     self.allocations)
+        return Usage(
+            self.capacity, self.in_use, self.peak_in_use, self.largest_free(), len(self.offsets), self.allocations
+        )
 
     def give_back(self, offset: int, size: int) -> None:
         """A block's storage died (any thread, maybe inside take): queue it for apply_frees."""
@@ -221,9 +224,15 @@ class BlockArena:
     def stats(self) -> ArenaStats:
         u = self._blocks.usage()
         free_total = u.capacity - u.in_use
-        return ArenaStats(capacity=u.capacity, in_use=u.in_use, peak_in_use=u.peak_in_use,
-                          largest_free=u.largest_free, free_blocks=u.free_blocks, allocations=u.allocations,
-                          fragmentation=1.0 - u.largest_free / free_total if free_total > 0 else 0.0)
+        return ArenaStats(
+            capacity=u.capacity,
+            in_use=u.in_use,
+            peak_in_use=u.peak_in_use,
+            largest_free=u.largest_free,
+            free_blocks=u.free_blocks,
+            allocations=u.allocations,
+            fragmentation=1.0 - u.largest_free / free_total if free_total > 0 else 0.0,
+        )
 
     def data_ptr(self) -> int:
         return self._blocks.base
@@ -276,8 +285,11 @@ class Arena:
     def __init__(self, capacity_bytes: int, config_key: str = "capacity_bytes") -> None:
         ext = builder.load()
         self.compiled = ext is not None
-        self._impl: BlockArena = (BlockArena(_CompiledFreeList(ext.library, int(capacity_bytes), config_key), config_key)
-                                  if ext is not None else TorchArena(int(capacity_bytes), config_key))
+        self._impl: BlockArena = (
+            BlockArena(_CompiledFreeList(ext.library, int(capacity_bytes), config_key), config_key)
+            if ext is not None
+            else TorchArena(int(capacity_bytes), config_key)
+        )
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous CPU tensor in a free block (contents undefined); RuntimeError when none fits."""

@@ -109,8 +109,10 @@ def _stale_reason(owner: Owner) -> str:
         return f"pid {owner.pid} on {owner.host} is gone"
     age = time.time() - owner.started
     if alive is None and age > STALE_LOCK_SECONDS:
-        return (f"it is {age / 60:.0f} min old, older than any build, and pid {owner.pid} on {owner.host} cannot be "
-                "checked from here")
+        return (
+            f"it is {age / 60:.0f} min old, older than any build, and pid {owner.pid} on {owner.host} cannot be "
+            "checked from here"
+        )
     return ""
 
 
@@ -128,15 +130,25 @@ def acquire(build_dir: Path, what: str, announce_after_s: float = 0.0) -> None:
         reason = _stale_reason(owner)
         if reason:
             if _remove_if_unchanged(build_dir, owner):
-                _say(f"removed a stale build lock of pid {owner.pid} on {owner.host} in {build_dir} ({reason}); "
-                     f"building {what} here")
+                _say(
+                    f"removed a stale build lock of pid {owner.pid} on {owner.host} in {build_dir} ({reason}); "
+                    f"building {what} here"
+                )
             continue
         if announced != (owner.pid, owner.host) and time.monotonic() - began >= announce_after_s:
             local = owner.host == socket.gethostname()
-            limit = "" if local else (f"; it is on another host, so it cannot be checked from here and is taken over "
-                                      f"after {STALE_LOCK_SECONDS // 60} min")
-            _say(f"waiting for pid {owner.pid} on {owner.host}, which is building {what} in {build_dir} (started "
-                 f"{max(0.0, time.time() - owner.started):.0f} s ago){limit}; if that process is gone, delete {path}")
+            limit = (
+                ""
+                if local
+                else (
+                    f"; it is on another host, so it cannot be checked from here and is taken over "
+                    f"after {STALE_LOCK_SECONDS // 60} min"
+                )
+            )
+            _say(
+                f"waiting for pid {owner.pid} on {owner.host}, which is building {what} in {build_dir} (started "
+                f"{max(0.0, time.time() - owner.started):.0f} s ago){limit}; if that process is gone, delete {path}"
+            )
             announced = (owner.pid, owner.host)
         time.sleep(POLL_SECONDS)
     baton = build_dir / TORCH_BATON

@@ -51,7 +51,13 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 NAME = "zero_engine_cpu_ops"
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fno-math-errno"]  # as torch builds: lets sqrtf vectorise
+CPU_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-std=c++17",
+    "-fno-math-errno",
+]  # as torch builds: lets sqrtf vectorise
 ENV_MODE = "ZERO_ENGINE_OPS"
 COMPILE_TIMEOUT_S = 900
 T = TypeVar("T")
@@ -133,17 +139,24 @@ def cache_key(files: list[Path], compiler: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def installation_key(compiler: str, torch_dir: str | None = None, torch_version: str | None = None,
-                     python: str | None = None, abi: str | None = None) -> str:
+def installation_key(
+    compiler: str,
+    torch_dir: str | None = None,
+    torch_version: str | None = None,
+    python: str | None = None,
+    abi: str | None = None,
+) -> str:
     """A short hash of the torch installation a build is made for: torch's directory (two venvs with the
     same torch version compile against different headers and libraries, and ninja would rebuild one's
     build for the other on every start), torch's version, Python's version and ABI tag, the compiler.
     The arguments default to this process's installation."""
-    parts = (torch_dir if torch_dir is not None else os.path.dirname(os.path.abspath(torch.__file__)),
-             torch_version if torch_version is not None else torch.__version__,
-             python if python is not None else sys.version,
-             abi if abi is not None else str(sysconfig.get_config_var("SOABI")),
-             compiler)
+    parts = (
+        torch_dir if torch_dir is not None else os.path.dirname(os.path.abspath(torch.__file__)),
+        torch_version if torch_version is not None else torch.__version__,
+        python if python is not None else sys.version,
+        abi if abi is not None else str(sysconfig.get_config_var("SOABI")),
+        compiler,
+    )
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
@@ -212,8 +225,17 @@ def _load() -> CpuOps | None:
         _status.simd = ops.simd_level()
         return ops
 
-    return locked_load(_status, directory, NAME, "the C++ extension", len(files), "about 5-15 s", build, _fail,
-                       note=lambda ops: f" ({ops.simd_level()})")
+    return locked_load(
+        _status,
+        directory,
+        NAME,
+        "the C++ extension",
+        len(files),
+        "about 5-15 s",
+        build,
+        _fail,
+        note=lambda ops: f" ({ops.simd_level()})",
+    )
 
 
 def torch_include() -> str:
@@ -243,8 +265,10 @@ def compile_library(files: list[Path], library: Path) -> None:
 
 def run_all(commands: list[list[str]]) -> tuple[bool, str]:
     """Runs the commands in parallel; (all exited 0, their command lines and output)."""
-    running = [(command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-               for command in commands]
+    running = [
+        (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for command in commands
+    ]
     ok, log = True, ""
     for command, process in running:
         try:
@@ -259,9 +283,17 @@ def run_all(commands: list[list[str]]) -> tuple[bool, str]:
     return ok, log
 
 
-def locked_load(status: BuildStatus, directory: Path, name: str, what: str, n_sources: int, expected: str,
-                build: Callable[[], T], fail: Callable[[str], None],
-                note: Callable[[T], str] = lambda _: "") -> T | None:
+def locked_load(
+    status: BuildStatus,
+    directory: Path,
+    name: str,
+    what: str,
+    n_sources: int,
+    expected: str,
+    build: Callable[[], T],
+    fail: Callable[[str], None],
+    note: Callable[[T], str] = lambda _: "",
+) -> T | None:
     """The build-or-load of both extensions: `build` (compile if needed, then load) runs under the build
     directory's lock (one builder per directory, the others wait; see locked_build), the status records
     the seconds and whether it compiled or found the cache, and stderr says when it compiled (with
@@ -297,6 +329,7 @@ def locked_build(directory: Path, name: str, what: str, n_sources: int, expected
     """Holds the build directory's lock (one builder per directory; the others wait, one message each)
     and yields whether the library was already built; says on stderr, on the process that builds, that
     it compiles, where, and how long that usually takes."""
+
     def cached() -> bool:
         return any(directory.glob(f"{name}*.so"))  # the final name only: a partial build is NAME.so.<pid>.tmp
 
@@ -304,8 +337,10 @@ def locked_build(directory: Path, name: str, what: str, n_sources: int, expected
         built = cached()
         if not built:
             where = f"rank {os.environ['RANK']}, " if "RANK" in os.environ else ""
-            _say(f"compiling {what} ({n_sources} sources, first use for this torch installation; {expected}; "
-                 f"{where}pid {os.getpid()} on {socket.gethostname()}; cached in {directory}) ...")
+            _say(
+                f"compiling {what} ({n_sources} sources, first use for this torch installation; {expected}; "
+                f"{where}pid {os.getpid()} on {socket.gethostname()}; cached in {directory}) ..."
+            )
         yield built
 
 
@@ -319,8 +354,11 @@ def record_failure(status: BuildStatus, reason: str, extension: str, on: str = "
     status.state, status.reason = "fallback", reason
     if status.mode == "require":
         raise RuntimeError(f"{ENV_MODE}=require but the {extension} is unavailable: {reason}")
-    warnings.warn(f"engine: {extension} unavailable ({reason}); using the pure-torch fallbacks{on} (same results, "
-                  "slower)", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"engine: {extension} unavailable ({reason}); using the pure-torch fallbacks{on} (same results, slower)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _fail(reason: str) -> None:

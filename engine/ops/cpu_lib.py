@@ -38,8 +38,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ze_copy": (None, [_P, _P, _P, _P, _P, _I64, _F64, _I32]),
     "ze_sum_squares_and_overflow": (_F64, [_P, _P, _P, _I64, _F64, _I32, ctypes.POINTER(_I32)]),
     "ze_accumulate": (_I32, [_P, _P, _I64, _I32, _I32, _F64, _I32]),
-    "ze_adam_step": (None, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _F64, _F64, _F64, _F64, _F64, _I32, _I64, _I32,
-                            _F64, _I32]),
+    "ze_adam_step": (
+        None,
+        [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _F64, _F64, _F64, _F64, _F64, _I32, _I64, _I32, _F64, _I32],
+    ),
     "ze_arena_create": (_P, [_I64, _I32]),
     "ze_arena_destroy": (None, [_P]),
     "ze_arena_base": (_P, [_P]),
@@ -101,8 +103,9 @@ class _Scan:
         return _address(self._types)
 
 
-def _named(check: Callable[[], None], tensors: list[tuple[str, torch.Tensor]], op: str,
-           runtime_error: bool = True) -> Exception:
+def _named(
+    check: Callable[[], None], tensors: list[tuple[str, torch.Tensor]], op: str, runtime_error: bool = True
+) -> Exception:
     """The error for arguments a scan refused: the first of the (name, tensor) pairs off the CPU, else
     what the op's own named check raises; as RuntimeError when `runtime_error` (the pybind11 extension's
     TORCH_CHECK raised that from these ops), else as raised (ValueError for a device)."""
@@ -159,42 +162,71 @@ class CpuOps:
         """The SIMD instruction set the library was compiled for ("avx512", "avx2", "scalar")."""
         return str(self._lib.ze_simd_level().decode())
 
-    def copy_into(self, dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int],
-                  scale: float = 1.0) -> None:
+    def copy_into(
+        self, dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int], scale: float = 1.0
+    ) -> None:
         """dst[offsets[i]:offsets[i] + srcs[i].numel()] = cast(float(srcs[i]) * scale) (flatten.copy_into)."""
         self._copy("copy_into", dst, "dst", srcs, "srcs", offsets, scale, into_flat=True)
 
-    def copy_out(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int],
-                 scale: float = 1.0) -> None:
+    def copy_out(
+        self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int], scale: float = 1.0
+    ) -> None:
         """dsts[i] = cast(float(src[offsets[i]:offsets[i] + dsts[i].numel()]) * scale) (flatten.copy_out)."""
         self._copy("copy_out", src, "src", dsts, "dsts", offsets, scale, into_flat=False)
 
-    def _copy(self, op: str, flat: torch.Tensor, flat_name: str, many: Sequence[torch.Tensor], many_name: str,
-              offsets: Sequence[int], scale: float, *, into_flat: bool) -> None:
+    def _copy(
+        self,
+        op: str,
+        flat: torch.Tensor,
+        flat_name: str,
+        many: Sequence[torch.Tensor],
+        many_name: str,
+        offsets: Sequence[int],
+        scale: float,
+        *,
+        into_flat: bool,
+    ) -> None:
         flat_scan, scan = _Scan([flat], DTYPE_CODES), _Scan(many, DTYPE_CODES)
         size = flat.numel() if flat_scan.ok else 0
-        ok = (flat_scan.ok and scan.ok and flat.dim() == 1 and len(offsets) == len(many)
-              and all(0 <= o <= size - n for o, n in zip(offsets, scan.numels)))
+        ok = (
+            flat_scan.ok
+            and scan.ok
+            and flat.dim() == 1
+            and len(offsets) == len(many)
+            and all(0 <= o <= size - n for o, n in zip(offsets, scan.numels))
+        )
         if not ok:
-            raise _named(lambda: checks.check_copy_args(op, flat, flat_name, many, many_name, offsets),
-                         [(flat_name, flat), *_indexed(many_name, many)], op)
+            raise _named(
+                lambda: checks.check_copy_args(op, flat, flat_name, many, many_name, offsets),
+                [(flat_name, flat), *_indexed(many_name, many)],
+                op,
+            )
         base, step = flat.data_ptr(), flat.element_size()
         flat_ptrs = array.array("Q", [base + int(o) * step for o in offsets])
         flat_types = array.array("i", [flat_scan.types[0]] * len(many))
         ins, outs = (scan.ptrs, _address(flat_ptrs)) if into_flat else (_address(flat_ptrs), scan.ptrs)
-        in_types, out_types = ((scan.type_array, _address(flat_types)) if into_flat
-                               else (_address(flat_types), scan.type_array))
+        in_types, out_types = (
+            (scan.type_array, _address(flat_types)) if into_flat else (_address(flat_types), scan.type_array)
+        )
         self._lib.ze_copy(ins, outs, scan.numel_array, in_types, out_types, len(many), float(scale), thread_count())
 
     def sum_squares_and_overflow(self, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> tuple[float, bool]:
         """(sum of (float(x) * scale)^2 over all elements in double, whether any element is inf/nan)."""
         scan = _Scan(tensors, DTYPE_CODES)
         if not scan.ok:
-            raise _named(lambda: checks.check_overflow_args(tensors), _indexed("tensors", tensors),
-                         "sum_squares_and_overflow")
+            raise _named(
+                lambda: checks.check_overflow_args(tensors), _indexed("tensors", tensors), "sum_squares_and_overflow"
+            )
         overflow = ctypes.c_int32(0)
-        total = self._lib.ze_sum_squares_and_overflow(scan.ptrs, scan.numel_array, scan.type_array, len(tensors),
-                                                      float(scale), thread_count(), ctypes.byref(overflow))
+        total = self._lib.ze_sum_squares_and_overflow(
+            scan.ptrs,
+            scan.numel_array,
+            scan.type_array,
+            len(tensors),
+            float(scale),
+            thread_count(),
+            ctypes.byref(overflow),
+        )
         return float(total), bool(overflow.value)
 
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
@@ -207,35 +239,78 @@ class CpuOps:
                 ok = False
         if not ok:
             raise _named(lambda: checks.check_accumulate_args(dst, src), [("dst", dst), ("src", src)], "accumulate")
-        self._lib.ze_accumulate(dst.data_ptr(), src.data_ptr(), dst.numel(), DTYPE_CODES[dst.dtype],
-                                DTYPE_CODES[src.dtype], float(scale), thread_count())
+        self._lib.ze_accumulate(
+            dst.data_ptr(),
+            src.data_ptr(),
+            dst.numel(),
+            DTYPE_CODES[dst.dtype],
+            DTYPE_CODES[src.dtype],
+            float(scale),
+            thread_count(),
+        )
 
-    def adam_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
-                  lp_params: Sequence[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, adamw_mode: bool, step: int, bias_correction: bool, grad_scale: float) -> None:
+    def adam_step(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        exp_avgs: Sequence[torch.Tensor],
+        exp_avg_sqs: Sequence[torch.Tensor],
+        lp_params: Sequence[torch.Tensor],
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        adamw_mode: bool,
+        step: int,
+        bias_correction: bool,
+        grad_scale: float,
+    ) -> None:
         """One fused Adam/AdamW step of every tensor in place (adam.adam_step, whose checks of the lists and
         hyperparameters have run)."""
         lp_params = list(lp_params or [])
-        scans = [_Scan(params, _FP32), _Scan(grads, DTYPE_CODES), _Scan(exp_avgs, _FP32),
-                 _Scan(exp_avg_sqs, _FP32)] + ([_Scan(lp_params, _LOW_PRECISION)] if lp_params else [])
+        scans = [_Scan(params, _FP32), _Scan(grads, DTYPE_CODES), _Scan(exp_avgs, _FP32), _Scan(exp_avg_sqs, _FP32)] + (
+            [_Scan(lp_params, _LOW_PRECISION)] if lp_params else []
+        )
         if not all(scan.ok and scan.numels == scans[0].numels for scan in scans):
+
             def check() -> None:
                 checks.check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
                 checks.check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
 
-            named = [*_indexed("params", params), *_indexed("grads", grads), *_indexed("exp_avgs", exp_avgs),
-                     *_indexed("exp_avg_sqs", exp_avg_sqs), *_indexed("lp_params", lp_params)]
+            named = [
+                *_indexed("params", params),
+                *_indexed("grads", grads),
+                *_indexed("exp_avgs", exp_avgs),
+                *_indexed("exp_avg_sqs", exp_avg_sqs),
+                *_indexed("lp_params", lp_params),
+            ]
             raise _named(check, named, "adam_step", runtime_error=False)
         # Written through raw pointers: bump the version counters as an in-place torch op would, so a
         # backward that saved one of these tensors fails loudly instead of using the new values.
         _increment_versions([*params, *exp_avgs, *exp_avg_sqs, *lp_params])
         lp = scans[4] if lp_params else None
-        self._lib.ze_adam_step(scans[0].ptrs, scans[1].ptrs, scans[2].ptrs, scans[3].ptrs, lp.ptrs if lp else None,
-                               scans[0].numel_array, scans[1].type_array, lp.type_array if lp else None, len(params),
-                               float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                               int(bool(adamw_mode)), int(step), int(bool(bias_correction)), float(grad_scale),
-                               thread_count())
+        self._lib.ze_adam_step(
+            scans[0].ptrs,
+            scans[1].ptrs,
+            scans[2].ptrs,
+            scans[3].ptrs,
+            lp.ptrs if lp else None,
+            scans[0].numel_array,
+            scans[1].type_array,
+            lp.type_array if lp else None,
+            len(params),
+            float(lr),
+            float(beta1),
+            float(beta2),
+            float(eps),
+            float(weight_decay),
+            int(bool(adamw_mode)),
+            int(step),
+            int(bool(bias_correction)),
+            float(grad_scale),
+            thread_count(),
+        )
 
     @property
     def library(self) -> ctypes.CDLL:

@@ -138,8 +138,10 @@ def compile_check(directory: Path = CUDA_DIR) -> tuple[bool, str]:
     nvcc, no sources). Works on machines without a GPU and with a CPU build of torch."""
     nvcc = find_nvcc()
     if nvcc is None:
-        return False, ("nvcc not found: not on PATH and no bin/nvcc under CUDA_HOME or CUDA_PATH; install the "
-                       "CUDA toolkit (or set CUDA_HOME) to compile the CUDA sources")
+        return False, (
+            "nvcc not found: not on PATH and no bin/nvcc under CUDA_HOME or CUDA_PATH; install the "
+            "CUDA toolkit (or set CUDA_HOME) to compile the CUDA sources"
+        )
     cu_files, cpp_files = sorted(directory.glob("*.cu")), sorted(directory.glob("*.cpp"))
     if not cu_files:
         return False, f"no .cu sources under {directory}"
@@ -147,8 +149,10 @@ def compile_check(directory: Path = CUDA_DIR) -> tuple[bool, str]:
     if cpp_files and cxx is None:
         return False, f"no host C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH) for {cpp_files[0].name}"
     nvcc_flags, host_flags = _nvcc_flags(), _host_flags()
-    key = _digest(directory, [nvcc_version(nvcc), builder.compiler_version(), torch.__version__,
-                              " ".join(nvcc_flags), " ".join(host_flags)])
+    key = _digest(
+        directory,
+        [nvcc_version(nvcc), builder.compiler_version(), torch.__version__, " ".join(nvcc_flags), " ".join(host_flags)],
+    )
     marker = builder.cache_root() / "cuda-compile-check" / f"{key}.ok"
     if marker.exists():
         return True, f"cached: {marker} (these sources compiled with this nvcc and torch before)\n{marker.read_text()}"
@@ -185,10 +189,14 @@ def load() -> ModuleType | None:
 
 def _why_no_cuda() -> str:
     if torch.version.cuda is None:
-        return (f"CUDA is not available: torch {torch.__version__} is a CPU build; the CUDA ops need a CUDA build "
-                "of torch and a GPU")
-    return (f"CUDA is not available: torch {torch.__version__} is built with CUDA {torch.version.cuda} but sees "
-            "no GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+        return (
+            f"CUDA is not available: torch {torch.__version__} is a CPU build; the CUDA ops need a CUDA build "
+            "of torch and a GPU"
+        )
+    return (
+        f"CUDA is not available: torch {torch.__version__} is built with CUDA {torch.version.cuda} but sees "
+        "no GPU (check the driver and CUDA_VISIBLE_DEVICES)"
+    )
 
 
 def _arch_list() -> str:
@@ -224,17 +232,33 @@ def _load() -> ModuleType | None:
     if not builder.find_ninja():
         _fail("ninja is not on PATH; pip install ninja (or apt install ninja-build)")
         return None
-    key = _digest(CUDA_DIR, [torch.__version__, str(torch.version.cuda), _status.compiler, _arch_list(),
-                             " ".join(CUDA_FLAGS + HOST_FLAGS), sys.version.split()[0]])
+    key = _digest(
+        CUDA_DIR,
+        [
+            torch.__version__,
+            str(torch.version.cuda),
+            _status.compiler,
+            _arch_list(),
+            " ".join(CUDA_FLAGS + HOST_FLAGS),
+            sys.version.split()[0],
+        ],
+    )
     directory = builder.build_dir(NAME, key, _status.compiler)
     _status.cache_dir = str(directory)
 
     def build() -> ModuleType:
-        return cpp_extension.load(name=NAME, sources=[str(f) for f in files], extra_cflags=HOST_FLAGS,
-                                  extra_cuda_cflags=CUDA_FLAGS, build_directory=str(directory), verbose=False)
+        return cpp_extension.load(
+            name=NAME,
+            sources=[str(f) for f in files],
+            extra_cflags=HOST_FLAGS,
+            extra_cuda_cflags=CUDA_FLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
 
-    return builder.locked_load(_status, directory, NAME, "the CUDA extension", len(files), "several minutes",
-                               build, _fail)
+    return builder.locked_load(
+        _status, directory, NAME, "the CUDA extension", len(files), "several minutes", build, _fail
+    )
 
 
 def _unavailable(reason: str) -> None:

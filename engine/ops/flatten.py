@@ -51,20 +51,20 @@ def copy_out(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[
         torch_copy_out(src, dsts, offsets, scale)
 
 
-def torch_copy_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int],
-                    scale: float = 1.0) -> None:
+def torch_copy_into(
+    dst: torch.Tensor, srcs: Sequence[torch.Tensor], offsets: Sequence[int], scale: float = 1.0
+) -> None:
     """The pure-torch copy_into (fallback and test reference); takes inputs copy_into has checked."""
     with torch.no_grad():  # the compiled op bypasses autograd too
         for src, offset in zip(srcs, offsets):
-            _copy(dst[offset:offset + src.numel()], src.reshape(-1), scale)
+            _copy(dst[offset : offset + src.numel()], src.reshape(-1), scale)
 
 
-def torch_copy_out(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int],
-                   scale: float = 1.0) -> None:
+def torch_copy_out(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int], scale: float = 1.0) -> None:
     """The pure-torch copy_out (fallback and test reference); takes inputs copy_out has checked."""
     with torch.no_grad():
         for dst, offset in zip(dsts, offsets):
-            _copy(dst.view(-1), src[offset:offset + dst.numel()], scale)
+            _copy(dst.view(-1), src[offset : offset + dst.numel()], scale)
 
 
 def _copy(out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
@@ -75,6 +75,3 @@ def _copy(out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         out.copy_(inp).mul_(scale)
     else:
         out.copy_(inp.float() * scale)  # out of place: inp.float() is inp itself for a float32 input
-
-
-

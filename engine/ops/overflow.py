@@ -34,7 +34,6 @@ def sum_squares_and_overflow(tensors: Sequence[torch.Tensor], scale: float = 1.0
     return torch_sum_squares_and_overflow(tensors, scale)
 
 
-
 def torch_sum_squares_and_overflow(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> tuple[float, bool]:
     """The pure-torch path (fallback and test reference); takes inputs sum_squares_and_overflow checked."""
     if not tensors:

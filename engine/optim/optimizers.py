@@ -74,9 +74,7 @@ def build_optimizer(cfg: OptimizerConfig, param_groups: list[dict[str, Any]]) ->
     torch_cls = _torch_optimizer_classes().get(key)
     if torch_cls is not None:
         return _build_torch(torch_cls, params, param_groups)
-    torch_names = sorted(
-        c.__name__ for k, c in _torch_optimizer_classes().items() if k not in ("adam", "adamw")
-    )
+    torch_names = sorted(c.__name__ for k, c in _torch_optimizer_classes().items() if k not in ("adam", "adamw"))
     known = [*_DEEPSPEED_NAMES, *torch_names]
     raise ConfigError(
         f'optimizer.type "{cfg.type}" is not a known optimizer.{did_you_mean(cfg.type, known)} '
@@ -93,9 +91,7 @@ def _check_no_max_grad_norm(params: Mapping[str, Any]) -> None:
         )
 
 
-def _build_adam(
-    is_adamw: bool, params: dict[str, Any], groups: list[dict[str, Any]]
-) -> torch.optim.Optimizer:
+def _build_adam(is_adamw: bool, params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     name = "AdamW" if is_adamw else "Adam"
     check_param_names(_SECTION, name, params, [*_ADAM_DEFAULTS, *_ADAM_TORCH_SWITCHES])
     merged = {**_ADAM_DEFAULTS, **params}
@@ -109,9 +105,7 @@ def _build_adam(
     if is_adamw and not adam_w_mode:
         # DeepSpeed: "Optimizer name of Adam forces AdamW logic unless adam_w_mode is explicitly set";
         # for the name AdamW the flag is ignored. Keep that, but say so.
-        logger.warning(
-            'optimizer "AdamW" ignores adam_w_mode=false (as DeepSpeed does); use "Adam" for L2 decay.'
-        )
+        logger.warning('optimizer "AdamW" ignores adam_w_mode=false (as DeepSpeed does); use "Adam" for L2 decay.')
         adam_w_mode = True
     bias_correction = check_bool(f"{_SECTION}.bias_correction", merged.pop("bias_correction"))
     check_bool(f"{_SECTION}.torch_adam", merged.pop("torch_adam"))
@@ -186,9 +180,7 @@ def _check_common(merged: dict[str, Any]) -> None:
         merged["betas"] = (float(betas[0]), float(betas[1]))
 
 
-def _construct(
-    cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], **kwargs: Any
-) -> torch.optim.Optimizer:
+def _construct(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
     # torch validates values (negative lr, bad momentum, nesterov without momentum...) with
     # ValueError/TypeError; surface those as config errors naming the section.
     try:

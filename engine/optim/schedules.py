@@ -82,9 +82,7 @@ class BatchSchedule:
 
     def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int = -1) -> None:
         if isinstance(last_batch_iteration, bool) or not isinstance(last_batch_iteration, int):
-            raise ConfigError(
-                f"{_SECTION}.last_batch_iteration must be an integer, got {last_batch_iteration!r}."
-            )
+            raise ConfigError(f"{_SECTION}.last_batch_iteration must be an integer, got {last_batch_iteration!r}.")
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
         self._last_lr: list[float] | None = None
@@ -109,9 +107,7 @@ class BatchSchedule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "last_batch_iteration" not in state_dict:
-            raise KeyError(
-                f"{type(self).__name__} state_dict needs 'last_batch_iteration', got {sorted(state_dict)}"
-            )
+            raise KeyError(f"{type(self).__name__} state_dict needs 'last_batch_iteration', got {sorted(state_dict)}")
         self.last_batch_iteration = int(state_dict["last_batch_iteration"])
         self._apply()  # See [Note: iteration counting, as in DeepSpeed]
 
@@ -162,13 +158,9 @@ class WarmupDecayLR(WarmupLR):
         last_batch_iteration: int = -1,
     ) -> None:
         self.total_num_steps = check_positive_int(f"{_SECTION}.total_num_steps", total_num_steps)
-        super().__init__(
-            optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
-        )
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         if self.total_num_steps < self.warmup_num_steps:
-            logger.warning(
-                "total_num_steps %d is less than warmup_num_steps %d", total_num_steps, warmup_num_steps
-            )
+            logger.warning("total_num_steps %d is less than warmup_num_steps %d", total_num_steps, warmup_num_steps)
 
     def _gamma(self) -> float:
         it = self.last_batch_iteration
@@ -199,9 +191,7 @@ class WarmupCosineLR(BatchSchedule):
         self.cos_min_ratio = check_number(f"{_SECTION}.cos_min_ratio", cos_min_ratio, minimum=0.0)
         self.warmup_num_steps, self.warmup_type = _check_warmup(warmup_num_steps, warmup_type)
         if self.total_num_steps < self.warmup_num_steps:
-            logger.warning(
-                "total_num_steps %d is less than warmup_num_steps %d", total_num_steps, warmup_num_steps
-            )
+            logger.warning("total_num_steps %d is less than warmup_num_steps %d", total_num_steps, warmup_num_steps)
         # See [Note: iteration counting, as in DeepSpeed] for why "initial_lr".
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", float(group["lr"]))
@@ -217,9 +207,7 @@ class WarmupCosineLR(BatchSchedule):
             return self.warmup_min_ratio + gamma * (1.0 - self.warmup_min_ratio)
         # Progress is clamped to 1 so the lr stays at the floor past total_num_steps instead of
         # rising again along the cosine (DeepSpeed's current behaviour).
-        progress = min(
-            1.0, (it - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps)
-        )
+        progress = min(1.0, (it - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
         cosine = (1.0 + math.cos(math.pi * progress)) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 

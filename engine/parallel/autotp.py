@@ -69,8 +69,15 @@ RULES: tuple[tuple[str, Kind], ...] = (
 )
 """The default rules, tried in order after the user's; the first match decides. Unmatched: replicate."""
 
-HEAD_COUNTS = ("n_heads", "n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
-               "num_kv_heads")
+HEAD_COUNTS = (
+    "n_heads",
+    "n_head",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "num_kv_heads",
+)
 """Int attributes (on any module, or on model.config) that count attention heads: each must divide by
 tp_size, or some rank's shard would hold part of a head."""
 
@@ -107,9 +114,12 @@ def plan_autotp(model: nn.Module, tp_size: int, rules: Mapping[str, str] | None 
             kind = "replicate"  # no weight matrix (a norm, a convolution): nothing to shard, keep it whole
         plan.append((name, kind))
     problems += [_cannot_shard(cls, names) for cls, names in foreign.items()]
-    problems += [f"rules: {p.pattern!r} matches no module that holds parameters; check the name against "
-                 f"model.named_modules() (e.g. {_examples(plan)})"
-                 for p, _ in user if not any(p.search(name) for name, _ in plan)]
+    problems += [
+        f"rules: {p.pattern!r} matches no module that holds parameters; check the name against "
+        f"model.named_modules() (e.g. {_examples(plan)})"
+        for p, _ in user
+        if not any(p.search(name) for name, _ in plan)
+    ]
     if tp_size > 1:
         problems += _check_heads(model, tp_size) + _check_fused_heads(model, plan)
     if tp_size > 1 and not problems:  # (a refused module would also read as a missing one here)
@@ -151,18 +161,22 @@ def _param_owners(model: nn.Module) -> dict[int, set[int]]:
 
 def _cannot_shard(cls: type, names: list[str]) -> str:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"{shown}: {cls.__module__}.{cls.__qualname__} matches sharding rules but AutoTP shards only "
-            "torch.nn.Linear itself; convert these layers to nn.Linear (transformers' Conv1D holds the transposed "
-            f"weight: Linear.weight = Conv1D.weight.T), or keep them whole with rules={{{_exact(names[0].split()[0])!r}"
-            ": 'replicate', ...}")
+    return (
+        f"{shown}: {cls.__module__}.{cls.__qualname__} matches sharding rules but AutoTP shards only "
+        "torch.nn.Linear itself; convert these layers to nn.Linear (transformers' Conv1D holds the transposed "
+        f"weight: Linear.weight = Conv1D.weight.T), or keep them whole with rules={{{_exact(names[0].split()[0])!r}"
+        ": 'replicate', ...}"
+    )
 
 
 def _check_linear(name: str, module: nn.Linear, kind: Kind, tp_size: int, owners: dict[int, set[int]]) -> str:
     """'' when `module` can be sharded as `kind`, else the problem in words."""
     tied = [p for p in module.parameters(recurse=False) if owners[id(p)] != {id(module)}]
     if tied:
-        return (f"{name} shares its weight with another module (tied weights); sharding it would untie them: "
-                f"pass rules={{{_exact(name)!r}: 'replicate'}}")
+        return (
+            f"{name} shares its weight with another module (tied weights); sharding it would untie them: "
+            f"pass rules={{{_exact(name)!r}: 'replicate'}}"
+        )
     fix = f"use a tp_size that divides it, or pass rules={{{_exact(name)!r}: 'replicate'}}"
     if kind == "row":
         if module.in_features % tp_size:
@@ -171,8 +185,10 @@ def _check_linear(name: str, module: nn.Linear, kind: Kind, tp_size: int, owners
         if module.out_features % tp_size:
             return f"{name}: out_features {module.out_features} is not divisible by tp_size {tp_size} (column); {fix}"
     elif module.out_features % 3 or (module.out_features // 3) % tp_size:
-        return (f"{name}: out_features {module.out_features} is not 3 parts (q, k, v) each divisible by tp_size "
-                f"{tp_size} (column_fused_qkv); {fix}")
+        return (
+            f"{name}: out_features {module.out_features} is not 3 parts (q, k, v) each divisible by tp_size "
+            f"{tp_size} (column_fused_qkv); {fix}"
+        )
     return ""
 
 
@@ -195,9 +211,11 @@ def _check_heads(model: nn.Module, tp_size: int) -> list[str]:
     for where, attr, value in _head_counts(model):
         if value % tp_size:
             seen.setdefault((attr, value), []).append(f"{where}.{attr}")
-    return [f"{at[0]}{f' (and {len(at) - 1} more)' if len(at) > 1 else ''} = {value} attention heads is not "
-            f"divisible by tp_size {tp_size}: a rank would hold part of a head; use a tp_size that divides {value}"
-            for (_, value), at in seen.items()]
+    return [
+        f"{at[0]}{f' (and {len(at) - 1} more)' if len(at) > 1 else ''} = {value} attention heads is not "
+        f"divisible by tp_size {tp_size}: a rank would hold part of a head; use a tp_size that divides {value}"
+        for (_, value), at in seen.items()
+    ]
 
 
 def _check_fused_heads(model: nn.Module, plan: list[tuple[str, Kind]]) -> list[str]:
@@ -208,23 +226,30 @@ def _check_fused_heads(model: nn.Module, plan: list[tuple[str, Kind]]) -> list[s
     heads = counts.get("num_attention_heads", counts.get("n_heads", counts.get("n_head", counts.get("num_heads"))))
     if not fused or kv is None or heads is None or kv == heads:
         return []
-    return [f"{name}: a fused qkv with {heads} query heads and {kv} key/value heads is not three equal parts, "
-            f"which column_fused_qkv needs; pass rules={{{_exact(name)!r}: 'replicate'}} (or split the layer into "
-            "q_proj, k_proj, v_proj)" for name in fused]
+    return [
+        f"{name}: a fused qkv with {heads} query heads and {kv} key/value heads is not three equal parts, "
+        f"which column_fused_qkv needs; pass rules={{{_exact(name)!r}: 'replicate'}} (or split the layer into "
+        "q_proj, k_proj, v_proj)"
+        for name in fused
+    ]
 
 
 def _check_pairs(plan: list[tuple[str, Kind]], tp_size: int) -> list[str]:
     columns = [n for n, k in plan if k in ("column", "column_fused_qkv")]
     rows = [n for n, k in plan if k == "row"]
     if not columns and not rows:
-        nothing = (f"no module matches a sharding rule, so tp_size {tp_size} would shard nothing (modules: "
-                   f"{_examples(plan)}); pass rules={{regex: 'column' | 'column_fused_qkv' | 'row'}} naming the "
-                   "model's attention and MLP Linears, or use tp_size 1")
+        nothing = (
+            f"no module matches a sharding rule, so tp_size {tp_size} would shard nothing (modules: "
+            f"{_examples(plan)}); pass rules={{regex: 'column' | 'column_fused_qkv' | 'row'}} naming the "
+            "model's attention and MLP Linears, or use tp_size 1"
+        )
         return [nothing]
     if not columns or not rows:
         have, lack = ("column", "row") if columns else ("row", "column")
-        unpaired = (f"the plan has {have} layers ({', '.join((columns or rows)[:3])}) but no {lack} layer: a "
-                    "column layer's split output must feed a row layer; add the missing rule with rules=")
+        unpaired = (
+            f"the plan has {have} layers ({', '.join((columns or rows)[:3])}) but no {lack} layer: a "
+            "column layer's split output must feed a row layer; add the missing rule with rules="
+        )
         return [unpaired]
     return []
 
@@ -239,8 +264,14 @@ def _examples(plan: list[tuple[str, Kind]]) -> str:
 
 
 # ------------------------------------------------------------------ sharding
-def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None, *,
-                  rules: Mapping[str, str] | None = None) -> nn.Module:
+def tp_model_init(
+    model: nn.Module,
+    tp_size: int,
+    dtype: torch.dtype | None = None,
+    config: Any = None,
+    *,
+    rules: Mapping[str, str] | None = None,
+) -> nn.Module:
     """Shard `model` in place for tensor parallelism of `tp_size` by plan_autotp(model, tp_size, rules),
     and return it marked `ds_autotp_parsed` (DeepSpeed's name; `ds_autotp_size` records the size).
 
@@ -253,14 +284,18 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if getattr(model, "ds_autotp_parsed", False):
         done = getattr(model, "ds_autotp_size", None)
         if done != tp_size:
-            raise ConfigError(f"tp_model_init: the model is already sharded for tp_size {done}; it cannot be "
-                              f"resharded for tp_size {tp_size}: build the model again, or pass tp_size {done}")
+            raise ConfigError(
+                f"tp_model_init: the model is already sharded for tp_size {done}; it cannot be "
+                f"resharded for tp_size {tp_size}: build the model again, or pass tp_size {done}"
+            )
         return model
     _check_config(config, tp_size, dtype)
     if model_parallel_is_initialized() and groups().tp_size != tp_size:
-        raise ConfigError(f"tp_model_init(tp_size={tp_size}) but the tensor-parallel groups already have size "
-                          f"{groups().tp_size} (engine.parallel.initialize_model_parallel); pass tp_size "
-                          f"{groups().tp_size}, or call engine.parallel.destroy_model_parallel() first")
+        raise ConfigError(
+            f"tp_model_init(tp_size={tp_size}) but the tensor-parallel groups already have size "
+            f"{groups().tp_size} (engine.parallel.initialize_model_parallel); pass tp_size "
+            f"{groups().tp_size}, or call engine.parallel.destroy_model_parallel() first"
+        )
     plan = plan_autotp(model, tp_size, rules) if tp_size > 1 else []
     made = initialize_model_parallel(tp_size)
     _shard(model, plan, made.tp_group)
@@ -291,8 +326,9 @@ def _shard(model: nn.Module, plan: list[tuple[str, Kind]], group: Any) -> None:
         if kind == "row":
             layer = RowParallelLinear.from_dense(dense, input_is_parallel=True, group=group)
         else:
-            layer = ColumnParallelLinear.from_dense(dense, gather_output=False, group=group,
-                                                    parts=3 if kind == "column_fused_qkv" else 1)
+            layer = ColumnParallelLinear.from_dense(
+                dense, gather_output=False, group=group, parts=3 if kind == "column_fused_qkv" else 1
+            )
         for parent, attr in parents[id(dense)]:
             setattr(parent, attr, layer)
 
@@ -309,13 +345,17 @@ def _check_config(config: Any, tp_size: int, dtype: torch.dtype | None) -> None:
     elif isinstance(config, (Mapping, str, os.PathLike)):
         raw, _ = read_source(dict(config) if isinstance(config, Mapping) else config)
         section = raw.get("tensor_parallel") or {}
-        sizes = {"tensor_parallel.autotp_size": section.get("autotp_size"),
-                 "tensor_parallel.tp.tp_size": (section.get("tp") or {}).get("tp_size")}
+        sizes = {
+            "tensor_parallel.autotp_size": section.get("autotp_size"),
+            "tensor_parallel.tp.tp_size": (section.get("tp") or {}).get("tp_size"),
+        }
         bf16 = (raw.get("bf16") or raw.get("bfloat16") or {}).get("enabled") is True
         wants = torch.bfloat16 if bf16 else torch.float16 if (raw.get("fp16") or {}).get("enabled") is True else None
     else:
-        raise ConfigError(f"tp_model_init: config must be a DeepSpeed config dict or path, or an EngineConfig; "
-                          f"got {type(config).__name__}")
+        raise ConfigError(
+            f"tp_model_init: config must be a DeepSpeed config dict or path, or an EngineConfig; "
+            f"got {type(config).__name__}"
+        )
     for key, size in sizes.items():
         if size is None:
             continue
@@ -324,5 +364,7 @@ def _check_config(config: Any, tp_size: int, dtype: torch.dtype | None) -> None:
         if max(size, 1) != tp_size:
             raise ConfigError(f"tp_model_init(tp_size={tp_size}) but the config's {key} is {size}; make them equal")
     if dtype is not None and wants is not None and dtype != wants:
-        raise ConfigError(f"tp_model_init(dtype={dtype}) but the config trains in {wants}; pass dtype={wants} or "
-                          "change the config's bf16/fp16 section")
+        raise ConfigError(
+            f"tp_model_init(dtype={dtype}) but the config trains in {wants}; pass dtype={wants} or "
+            "change the config's bf16/fp16 section"
+        )

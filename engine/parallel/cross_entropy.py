@@ -66,8 +66,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
-                                 group: ProcessGroup | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Per-token cross-entropy loss (shape of `target`, float32; take .mean() for F.cross_entropy's
     default) of logits split along the last dimension across the tensor-parallel group: this rank
     holds vocabulary entries [r * V/tp, (r+1) * V/tp), as a ColumnParallelLinear(gather_output=False)

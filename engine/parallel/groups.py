@@ -48,8 +48,17 @@ class ParallelGroups:
     def data_parallel_only(cls) -> ParallelGroups:
         """No tensor parallelism: the whole world is the data-parallel group."""
         world, rank = comm.get_world_size(), comm.get_rank()
-        return cls(tp_size=1, dp_size=world, tp_group=None, dp_group=None, tp_rank=0, dp_rank=rank,
-                   tp_ranks=(rank,), dp_ranks=tuple(range(world)), generation=comm.generation())
+        return cls(
+            tp_size=1,
+            dp_size=world,
+            tp_group=None,
+            dp_group=None,
+            tp_rank=0,
+            dp_rank=rank,
+            tp_ranks=(rank,),
+            dp_ranks=tuple(range(world)),
+            generation=comm.generation(),
+        )
 
     def dp_src(self, position: int = 0) -> int:
         """Global rank of the data-parallel group's member at `position` (collectives take global src)."""
@@ -70,9 +79,11 @@ def layout(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list[in
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tensor_model_parallel_size={tp_size!r} must be an int >= 1")
     if world_size % tp_size:
-        raise ConfigError(f"tensor_model_parallel_size {tp_size} does not divide the world size {world_size}; "
-                          f"use a divisor of {world_size} "
-                          f"({', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)})")
+        raise ConfigError(
+            f"tensor_model_parallel_size {tp_size} does not divide the world size {world_size}; "
+            f"use a divisor of {world_size} "
+            f"({', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)})"
+        )
     tp_groups = [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
     dp_groups = [list(range(offset, world_size, tp_size)) for offset in range(tp_size)]
     return tp_groups, dp_groups
@@ -89,18 +100,27 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> ParallelGr
     if _groups is not None:
         if _groups.tp_size == tensor_model_parallel_size:
             return _groups
-        raise ConfigError(f"model parallelism is already initialised with tensor_model_parallel_size "
-                          f"{_groups.tp_size}; call engine.parallel.destroy_model_parallel() before asking for "
-                          f"{tensor_model_parallel_size}")
+        raise ConfigError(
+            f"model parallelism is already initialised with tensor_model_parallel_size "
+            f"{_groups.tp_size}; call engine.parallel.destroy_model_parallel() before asking for "
+            f"{tensor_model_parallel_size}"
+        )
     tp = tensor_model_parallel_size
     # Every rank makes every group in the same order, also those it is not in (torch's rule).
     made_tp = [comm.new_group(ranks, "tp") for ranks in tp_groups] if tp > 1 else [None] * len(tp_groups)
     made_dp = [comm.new_group(ranks, "dp") for ranks in dp_groups] if tp > 1 else [None]
     tp_index, dp_index = rank // tp, rank % tp
-    _groups = ParallelGroups(tp_size=tp, dp_size=world // tp, tp_group=made_tp[tp_index],
-                             dp_group=made_dp[dp_index], tp_rank=rank % tp, dp_rank=rank // tp,
-                             tp_ranks=tuple(tp_groups[tp_index]), dp_ranks=tuple(dp_groups[dp_index]),
-                             generation=comm.generation())
+    _groups = ParallelGroups(
+        tp_size=tp,
+        dp_size=world // tp,
+        tp_group=made_tp[tp_index],
+        dp_group=made_dp[dp_index],
+        tp_rank=rank % tp,
+        dp_rank=rank // tp,
+        tp_ranks=tuple(tp_groups[tp_index]),
+        dp_ranks=tuple(dp_groups[dp_index]),
+        generation=comm.generation(),
+    )
     return _groups
 
 
@@ -124,8 +144,10 @@ def destroy_model_parallel() -> None:
 def groups() -> ParallelGroups:
     _forget_dead_groups()
     if _groups is None:
-        raise RuntimeError("model parallelism is not initialised: call "
-                           "engine.parallel.initialize_model_parallel(tensor_model_parallel_size) on every rank first")
+        raise RuntimeError(
+            "model parallelism is not initialised: call "
+            "engine.parallel.initialize_model_parallel(tensor_model_parallel_size) on every rank first"
+        )
     return _groups
 
 

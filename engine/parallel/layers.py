@@ -103,9 +103,15 @@ def _skip_init(weight: torch.Tensor) -> None:
     """For from_dense: the values are copied in afterwards."""
 
 
-def _dense_linear(input_size: int, output_size: int, bias: bool, init_method: InitMethod | None,
-                  dtype: torch.dtype | None, device: torch.device | str | None,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _dense_linear(
+    input_size: int,
+    output_size: int,
+    bias: bool,
+    init_method: InitMethod | None,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = torch.empty(output_size, input_size, dtype=dtype, device=device)
     full_bias = torch.empty(output_size, dtype=dtype, device=device) if bias else None
     with _drawing_from(generator):
@@ -128,9 +134,17 @@ class _ParallelLinear(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, init_method: InitMethod | None,
-                 dtype: torch.dtype | None, device: torch.device | str | None, generator: torch.Generator | None,
-                 group: ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        init_method: InitMethod | None,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+        generator: torch.Generator | None,
+        group: ProcessGroup | None,
+    ) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, self.tp_rank = size_and_rank(self.group)
@@ -176,17 +190,26 @@ class ColumnParallelLinear(_ParallelLinear):
     split_dim = 0
     # weight: (output_size / tp, input_size), this rank's rows; bias: (output_size / tp,), its slice
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
-                 init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                 group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__(input_size, output_size, bias, init_method, dtype, device, generator, group)
         self.gather_output = gather_output
         self.output_size_per_partition = self.size_per_partition
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, gather_output: bool = True, group: ProcessGroup | None = None, *,
-                   parts: int = 1) -> ColumnParallelLinear:
+    def from_dense(
+        cls, linear: nn.Linear, gather_output: bool = True, group: ProcessGroup | None = None, *, parts: int = 1
+    ) -> ColumnParallelLinear:
         """This rank's rows of an existing nn.Linear (copied; same dtype and device).
 
         parts > 1: the output features are that many equal parts stacked (a fused qkv Linear is
@@ -197,10 +220,20 @@ class ColumnParallelLinear(_ParallelLinear):
         if parts < 1 or linear.out_features % parts:
             raise ConfigError(f"from_dense: out_features {linear.out_features} is not {parts} equal parts")
         if parts > 1 and gather_output:
-            raise ConfigError(f"from_dense: a Linear of {parts} fused parts must keep its output split; pass "
-                              "gather_output=False (gathering would interleave the ranks' parts)")
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, gather_output=gather_output,
-                    init_method=_skip_init, dtype=linear.weight.dtype, device=linear.weight.device, group=group)
+            raise ConfigError(
+                f"from_dense: a Linear of {parts} fused parts must keep its output split; pass "
+                "gather_output=False (gathering would interleave the ranks' parts)"
+            )
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            gather_output=gather_output,
+            init_method=_skip_init,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            group=group,
+        )
         check_divisible(f"out_features / {parts}", linear.out_features // parts, layer.tp_size)
         layer._keep_slice(linear.weight, linear.bias, parts)
         layer._follow(linear)
@@ -211,8 +244,10 @@ class ColumnParallelLinear(_ParallelLinear):
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"input_size={self.input_size}, output_size={self.output_size} (this rank: "
-                f"{self.output_size_per_partition}), bias={self.bias is not None}, gather_output={self.gather_output}")
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size} (this rank: "
+            f"{self.output_size_per_partition}), bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -226,22 +261,38 @@ class RowParallelLinear(_ParallelLinear):
     # weight: (output_size, input_size / tp), this rank's columns; bias: (output_size,), replicated
     # on every TP rank (tensor_model_parallel False)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
-                 init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                 group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__(input_size, output_size, bias, init_method, dtype, device, generator, group)
         self.input_is_parallel = input_is_parallel
         self.input_size_per_partition = self.size_per_partition
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = False,
-                   group: ProcessGroup | None = None) -> RowParallelLinear:
+    def from_dense(
+        cls, linear: nn.Linear, input_is_parallel: bool = False, group: ProcessGroup | None = None
+    ) -> RowParallelLinear:
         """This rank's columns of an existing nn.Linear, and its whole bias (copied)."""
         _check_dense_linear(linear)
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    input_is_parallel=input_is_parallel, init_method=_skip_init, dtype=linear.weight.dtype,
-                    device=linear.weight.device, group=group)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            input_is_parallel=input_is_parallel,
+            init_method=_skip_init,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            group=group,
+        )
         layer._keep_slice(linear.weight, linear.bias)
         layer._follow(linear)
         return layer
@@ -252,9 +303,11 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"input_size={self.input_size} (this rank: {self.input_size_per_partition}), "
-                f"output_size={self.output_size}, bias={self.bias is not None}, "
-                f"input_is_parallel={self.input_is_parallel}")
+        return (
+            f"input_size={self.input_size} (this rank: {self.input_size_per_partition}), "
+            f"output_size={self.output_size}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -265,10 +318,17 @@ class VocabParallelEmbedding(nn.Module):
 
     weight: torch.Tensor  # (num_embeddings / tp, embedding_dim): this rank's vocabulary rows
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 init_method: InitMethod | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                 group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, self.tp_rank = size_and_rank(self.group)
@@ -287,7 +347,7 @@ class VocabParallelEmbedding(nn.Module):
         self._keep_slice(full)
 
     def _keep_slice(self, full: torch.Tensor) -> None:
-        self.weight = nn.Parameter(full.detach()[self.vocab_start:self.vocab_end].clone())
+        self.weight = nn.Parameter(full.detach()[self.vocab_start : self.vocab_end].clone())
         set_tensor_model_parallel_attributes(self.weight, True, 0)
 
     @classmethod
@@ -295,14 +355,26 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's vocabulary rows of an existing nn.Embedding (copied)."""
         if type(embedding) is not nn.Embedding:
             raise ConfigError(f"from_dense expects a torch.nn.Embedding, got {type(embedding).__name__}")
-        unsupported = [name for name, on in (("max_norm", embedding.max_norm is not None),
-                                             ("scale_grad_by_freq", embedding.scale_grad_by_freq),
-                                             ("sparse", embedding.sparse)) if on]
+        unsupported = [
+            name
+            for name, on in (
+                ("max_norm", embedding.max_norm is not None),
+                ("scale_grad_by_freq", embedding.scale_grad_by_freq),
+                ("sparse", embedding.sparse),
+            )
+            if on
+        ]
         if unsupported:
             raise ConfigError(f"VocabParallelEmbedding does not support nn.Embedding's {', '.join(unsupported)}")
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
-                    init_method=_skip_init, dtype=embedding.weight.dtype, device=embedding.weight.device,
-                    group=group)
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            padding_idx=embedding.padding_idx,
+            init_method=_skip_init,
+            dtype=embedding.weight.dtype,
+            device=embedding.weight.device,
+            group=group,
+        )
         layer._keep_slice(embedding.weight)
         return layer
 
@@ -319,5 +391,6 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel_region(rows, self.group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings} (this rank: [{self.vocab_start}, {self.vocab_end})), {self.embedding_dim}"
-                + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""))
+        return f"{self.num_embeddings} (this rank: [{self.vocab_start}, {self.vocab_end})), {self.embedding_dim}" + (
+            f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        )

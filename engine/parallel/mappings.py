@@ -30,8 +30,10 @@ def size_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
 def check_divisible(what: str, value: int, tp_size: int) -> int:
     """value // tp_size, or a ConfigError naming both numbers."""
     if value % tp_size:
-        raise ConfigError(f"{what} {value} is not divisible by the tensor-parallel size {tp_size}; make it a "
-                          f"multiple of {tp_size} or use a tensor_model_parallel_size that divides it")
+        raise ConfigError(
+            f"{what} {value} is not divisible by the tensor-parallel size {tp_size}; make it a "
+            f"multiple of {tp_size} or use a tensor_model_parallel_size that divides it"
+        )
     return value // tp_size
 
 

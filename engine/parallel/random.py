@@ -101,8 +101,10 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Draw from stream `name` inside the block; the default generators are untouched after it."""
         if name not in self._states:
-            raise KeyError(f"RNG tracker has no stream {name!r} (known: {sorted(self._states)}); call "
-                           "engine.parallel.model_parallel_manual_seed(seed) or get_rng_tracker().add(name, seed)")
+            raise KeyError(
+                f"RNG tracker has no stream {name!r} (known: {sorted(self._states)}); call "
+                "engine.parallel.model_parallel_manual_seed(seed) or get_rng_tracker().add(name, seed)"
+            )
         outside = _current_state()
         _install(self._states[name])
         try:

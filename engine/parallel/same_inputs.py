@@ -47,10 +47,15 @@ def check_same_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], parallel: P
     verdict = torch.tensor([float(len(differing))])
     comm.all_reduce(verdict, op=comm.ReduceOp.MAX)
     if verdict.item():
-        where = (f"ranks {differing} got other inputs than rank {parallel.tp_ranks[0]} of their tensor-parallel group "
-                 f"{list(parallel.tp_ranks)}" if differing else "another tensor-parallel group's ranks got different inputs")
+        where = (
+            f"ranks {differing} got other inputs than rank {parallel.tp_ranks[0]} of their tensor-parallel group "
+            f"{list(parallel.tp_ranks)}"
+            if differing
+            else "another tensor-parallel group's ranks got different inputs"
+        )
         raise RuntimeError(
             f"the first forward under tensor parallelism (size {parallel.tp_size}): {where}. Every rank of a "
             "tensor-parallel group must compute on the same batch: shard the data by data-parallel rank "
             f"(engine.parallel.get_data_parallel_rank(), {parallel.dp_size} shards), as the dataloader "
-            "engine.initialize(training_data=...) returns does, not by global rank")
+            "engine.initialize(training_data=...) returns does, not by global rank"
+        )

@@ -21,9 +21,11 @@ NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("av
 """/proc/cpuinfo flags that give native matmuls in each low-precision dtype."""
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_MEASURED = {torch.bfloat16: "a bf16 training step ran about 13x slower than fp32 on an AVX2 machine",
-             torch.float16: "an fp16 matmul ran 35x slower than fp32 (2.8 vs 97.6 GFLOP/s, one thread) on an AMD "
-                            "EPYC with avx512_bf16 but not avx512_fp16"}
+_MEASURED = {
+    torch.bfloat16: "a bf16 training step ran about 13x slower than fp32 on an AVX2 machine",
+    torch.float16: "an fp16 matmul ran 35x slower than fp32 (2.8 vs 97.6 GFLOP/s, one thread) on an AMD "
+    "EPYC with avx512_bf16 but not avx512_fp16",
+}
 """What was measured here, quoted in the warning."""
 
 
@@ -48,11 +50,13 @@ def slow_low_precision(dtype: torch.dtype, flags: set[str] | None = None) -> str
     if not flags or any(flag in flags for flag in NATIVE_FLAGS[dtype]):
         return None
     name = _NAMES[dtype]
-    return (f"{name} compute on this CPU ({platform.processor() or platform.machine()}) has no native "
-            f"{name} matmul ({' or '.join(NATIVE_FLAGS[dtype])} missing from /proc/cpuinfo): torch converts "
-            f"every element, and {_MEASURED[dtype]}. {name} still "
-            f"halves parameter and activation memory; for speed, train in fp32 (remove the {name} section or set "
-            "its enabled to false)")
+    return (
+        f"{name} compute on this CPU ({platform.processor() or platform.machine()}) has no native "
+        f"{name} matmul ({' or '.join(NATIVE_FLAGS[dtype])} missing from /proc/cpuinfo): torch converts "
+        f"every element, and {_MEASURED[dtype]}. {name} still "
+        f"halves parameter and activation memory; for speed, train in fp32 (remove the {name} section or set "
+        "its enabled to false)"
+    )
 
 
 def warn_if_slow(dtype: torch.dtype | None, device: torch.device) -> None:

@@ -27,9 +27,17 @@ if TYPE_CHECKING:
     from engine.zero.norm_scope import NormScope
 
 _DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "torch.float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "torch.float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "torch.bfloat16": torch.bfloat16,
 }
 
 
@@ -56,12 +64,13 @@ class NonFiniteGradientError(RuntimeError):
         super().__init__(
             f"step {step}: the global gradient norm is {norm} on rank {rank} (the norm is all-reduced, so every rank "
             "stops here): the loss or a gradient of this step is NaN or infinite on at least one rank, and "
-            "\"check_for_nan_in_loss_and_grad\": true stops training on it. Nothing was updated: the weights, the "
+            '"check_for_nan_in_loss_and_grad": true stops training on it. Nothing was updated: the weights, the '
             "optimizer state, the LR schedule and the step counters are as before the step and its gradients were "
             "dropped, so the process can save a checkpoint or run the step again. Fix the cause (a NaN or inf in "
             "the inputs or labels, a log or division of zero, a learning rate too high; "
             "torch.autograd.set_detect_anomaly(True) names the operation that produced it), or remove the key to "
-            "skip such steps with a warning instead (counted in engine.skipped_steps)")
+            "skip such steps with a warning instead (counted in engine.skipped_steps)"
+        )
 
 
 class Precision:
@@ -118,8 +127,15 @@ class Precision:
         total = float(sumsq) ** 0.5 * abs(factor)
         return GradNorm(total, overflow=not math.isfinite(total))
 
-    def step_shards(self, rows: list[torch.Tensor], update: Callable[[float], None], *, max_grad_norm: float,
-                    average: float, scope: NormScope) -> tuple[float, bool]:
+    def step_shards(
+        self,
+        rows: list[torch.Tensor],
+        update: Callable[[float], None],
+        *,
+        max_grad_norm: float,
+        average: float,
+        scope: NormScope,
+    ) -> tuple[float, bool]:
         """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
         vote), a skip on an inf/nan norm (the loss scaler's overflow in fp16; in fp32 and bf16 the Engine
         warns or raises NonFiniteGradientError), then `update(coef)` (engine/zero/master_step.py), where coef

@@ -86,14 +86,26 @@ def _counter_mapping() -> dict[Any, Any]:
     return mapping
 
 
-def _cpu_attention_flops(query_shape: Sequence[int], key_shape: Sequence[int], value_shape: Sequence[int],
-                         *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_attention_flops(
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_shape: Sequence[int],
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     return int(flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
-def _cpu_attention_backward_flops(grad_out_shape: Sequence[int], query_shape: Sequence[int],
-                                  key_shape: Sequence[int], value_shape: Sequence[int],
-                                  *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_attention_backward_flops(
+    grad_out_shape: Sequence[int],
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_shape: Sequence[int],
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     return int(flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
 
 
@@ -108,6 +120,7 @@ def _warm_up_counter() -> None:
         with FlopCounterMode(display=False):
             torch.ones(1) + 1
         _counter_warmed = True
+
 
 def _param_count(module: nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
@@ -237,8 +250,12 @@ class FlopsProfiler:
         flops = self._aggregate(self._measured_flops)
         seconds = self._aggregate(lambda m: self._seconds.get(m, 0.0))
         ignored = self._ignored_modules()
-        return {m: ModuleProfile(params=_param_count(m), flops=int(f), macs=int(f) // 2, latency=seconds[m],
-                                 ignored=m in ignored) for m, f in flops.items()}
+        return {
+            m: ModuleProfile(
+                params=_param_count(m), flops=int(f), macs=int(f) // 2, latency=seconds[m], ignored=m in ignored
+            )
+            for m, f in flops.items()
+        }
 
     def _ignored_modules(self) -> set[nn.Module]:
         out: set[nn.Module] = set()
@@ -276,14 +293,22 @@ class FlopsProfiler:
         return params_to_string(params) if as_string else params
 
     # ---------------------------------------------------------------------- printing
-    def print_model_profile(self, profile_step: int = 1, module_depth: int = -1, top_modules: int = 1,
-                            detailed: bool = True, output_file: str | None = None) -> str:
+    def print_model_profile(
+        self,
+        profile_step: int = 1,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        output_file: str | None = None,
+    ) -> str:
         """DeepSpeed's report (report.py): summary, top modules per depth, then (detailed) the module tree
         down to `module_depth` (the model is depth 0; -1: all). Printed to stdout, or written to
         `output_file` (overwritten, as DeepSpeed's), and returned."""
         if not self.started:
-            raise RuntimeError("FlopsProfiler.print_model_profile: no profile; call start_profile(), run the "
-                               "model's forward, then stop_profile() first")
+            raise RuntimeError(
+                "FlopsProfiler.print_model_profile: no profile; call start_profile(), run the "
+                "model's forward, then stop_profile() first"
+            )
         profiles = self._profiles()
         total = profiles[self.model]
         self.flops, self.macs, self.params = total.flops, total.macs, total.params
@@ -294,12 +319,21 @@ class FlopsProfiler:
 
 
 # ----------------------------------------------------------------------------- one call
-def get_model_profile(model: nn.Module, input_shape: tuple[int, ...] | None = None,
-                      args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
-                      print_profile: bool = True, detailed: bool = True, module_depth: int = -1,
-                      top_modules: int = 1, warm_up: int = 1, as_string: bool = True,
-                      output_file: str | None = None, ignore_modules: Iterable[type] | None = None,
-                      mode: str = "forward") -> tuple[Any, Any, Any]:
+def get_model_profile(
+    model: nn.Module,
+    input_shape: tuple[int, ...] | None = None,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    print_profile: bool = True,
+    detailed: bool = True,
+    module_depth: int = -1,
+    top_modules: int = 1,
+    warm_up: int = 1,
+    as_string: bool = True,
+    output_file: str | None = None,
+    ignore_modules: Iterable[type] | None = None,
+    mode: str = "forward",
+) -> tuple[Any, Any, Any]:
     """Profile one forward (or `generate`, mode="generate") of `model` in eval mode under no_grad,
     after `warm_up` unprofiled ones: returns (flops, MACs, params), strings when `as_string`.
     `input_shape` makes the only positional input: torch.ones of that shape in the dtype and on the
@@ -327,8 +361,13 @@ def get_model_profile(model: nn.Module, input_shape: tuple[int, ...] | None = No
         total = prof.module_profile(model)
         flops, macs, params = total.flops, total.macs, total.params
         if print_profile:
-            prof.print_model_profile(profile_step=warm_up, module_depth=module_depth, top_modules=top_modules,
-                                     detailed=detailed, output_file=output_file)
+            prof.print_model_profile(
+                profile_step=warm_up,
+                module_depth=module_depth,
+                top_modules=top_modules,
+                detailed=detailed,
+                output_file=output_file,
+            )
     finally:
         prof.end_profile()
         model.train(was_training)
@@ -337,35 +376,43 @@ def get_model_profile(model: nn.Module, input_shape: tuple[int, ...] | None = No
     return flops, macs, params
 
 
-def _check_profile_inputs(model: nn.Module, input_shape: Any, args: Any, kwargs: Any,
-                          mode: str) -> Callable[..., Any]:
+def _check_profile_inputs(model: nn.Module, input_shape: Any, args: Any, kwargs: Any, mode: str) -> Callable[..., Any]:
     """The callable to profile, after the checks a caller can fail (each names the fix)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"get_model_profile: model must be a torch.nn.Module, got {type(model).__name__}")
     if mode not in ("forward", "generate"):
         raise ValueError(f"get_model_profile: mode must be 'forward' or 'generate', got {mode!r}")
     if args is not None and not isinstance(args, (tuple, list)):
-        raise TypeError(f"get_model_profile: args must be a tuple or list of positional inputs, got "
-                        f"{type(args).__name__}; for one tensor x pass args=(x,)")
+        raise TypeError(
+            f"get_model_profile: args must be a tuple or list of positional inputs, got "
+            f"{type(args).__name__}; for one tensor x pass args=(x,)"
+        )
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"get_model_profile: kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
     if input_shape is not None:
         if args:
-            raise ValueError("get_model_profile: give input_shape or args, not both: input_shape builds the "
-                             "only positional input (torch.ones(input_shape)); drop one of them")
+            raise ValueError(
+                "get_model_profile: give input_shape or args, not both: input_shape builds the "
+                "only positional input (torch.ones(input_shape)); drop one of them"
+            )
         if not isinstance(input_shape, tuple):
-            raise TypeError(f"get_model_profile: input_shape must be a tuple such as (batch, features), got "
-                            f"{type(input_shape).__name__} {input_shape!r}; pass tuple(input_shape)")
+            raise TypeError(
+                f"get_model_profile: input_shape must be a tuple such as (batch, features), got "
+                f"{type(input_shape).__name__} {input_shape!r}; pass tuple(input_shape)"
+            )
         if not input_shape or not all(isinstance(n, int) and n > 0 for n in input_shape):
-            raise ValueError(f"get_model_profile: input_shape must hold one or more positive ints, got "
-                             f"{input_shape!r}")
+            raise ValueError(f"get_model_profile: input_shape must hold one or more positive ints, got {input_shape!r}")
     elif not args and not kwargs:
-        raise ValueError("get_model_profile: no input for the model: pass input_shape=(batch, ...) for one "
-                         "tensor input, or args=(...) and/or kwargs={...}")
+        raise ValueError(
+            "get_model_profile: no input for the model: pass input_shape=(batch, ...) for one "
+            "tensor input, or args=(...) and/or kwargs={...}"
+        )
     if mode == "generate":
         generate = getattr(model, "generate", None)
         if not callable(generate):
-            raise ValueError(f"get_model_profile: mode='generate' needs model.generate, which "
-                             f"{type(model).__name__} has not; use mode='forward'")
+            raise ValueError(
+                f"get_model_profile: mode='generate' needs model.generate, which "
+                f"{type(model).__name__} has not; use mode='forward'"
+            )
         return generate
     return model

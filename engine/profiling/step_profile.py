@@ -26,7 +26,9 @@ class StepProfile:
         self._engine = engine
         self._config = config
         self._dtype, self._device = dtype, device
-        self._profiler = FlopsProfiler(engine.module, ds_engine=engine, recompute_fwd_factor=config.recompute_fwd_factor)
+        self._profiler = FlopsProfiler(
+            engine.module, ds_engine=engine, recompute_fwd_factor=config.recompute_fwd_factor
+        )
         self._phase = "waiting"  # -> forward -> backward -> step -> done
         self._backward_started = 0.0
         self.flops_per_step: float | None = None
@@ -36,8 +38,12 @@ class StepProfile:
 
     def before_forward(self, global_steps: int, first_micro_step: bool) -> None:
         """An evaluation forward (no grad) at that step is not the training step's: it is skipped."""
-        if (self._phase == "waiting" and global_steps == self._config.profile_step and first_micro_step
-                and torch.is_grad_enabled()):
+        if (
+            self._phase == "waiting"
+            and global_steps == self._config.profile_step
+            and first_micro_step
+            and torch.is_grad_enabled()
+        ):
             self._profiler.start_profile()
             self._phase = "forward"
 
@@ -63,9 +69,13 @@ class StepProfile:
         self._phase = "done"
         self._profiler.timings["step"] = step_seconds
         config = self._config
-        self._profiler.print_model_profile(profile_step=config.profile_step, module_depth=config.module_depth,
-                                           top_modules=config.top_modules, detailed=config.detailed,
-                                           output_file=config.output_file)
+        self._profiler.print_model_profile(
+            profile_step=config.profile_step,
+            module_depth=config.module_depth,
+            top_modules=config.top_modules,
+            detailed=config.detailed,
+            output_file=config.output_file,
+        )
         forward = float(self._profiler.get_total_flops())
         self.flops_per_step = forward * (3 + config.recompute_fwd_factor) * micro_steps_per_step
         self.peak_flops = measured_peak_flops(self._dtype, str(self._device))

@@ -29,6 +29,7 @@ class ZeroStage(Protocol):
 
     stage: int
     """zero_optimization.stage this object implements (0-3)."""
+
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """None for an evaluation-only engine (the Engine refuses backward and step before they get here)."""

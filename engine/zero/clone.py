@@ -32,8 +32,14 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str | None = 
 def _same_view(tensor: torch.Tensor) -> Hashable:
     if tensor.numel() == 0 or tensor.device.type == "meta":
         return id(tensor)  # no memory to share
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-            tensor.dtype, tensor.device)
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+    )
 
 
 def _clone(item: Any, device: torch.device | None, seen: dict[Hashable, torch.Tensor]) -> Any:

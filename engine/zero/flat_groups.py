@@ -18,6 +18,7 @@ from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 
 logger = get_logger()
 
+
 @dataclass
 class FlatGroup:
     """One optimizer param group's parameters of one dtype, laid out flat."""
@@ -55,8 +56,11 @@ class FlatGroup:
     def shard_view(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slices of a flat (padded_numel) buffer as one (num_buckets, slice) view."""
         lay = self.layout
-        return buffer.as_strided((lay.num_buckets, lay.slice_numel), (lay.bucket_numel, 1),
-                                 buffer.storage_offset() + self.rank * lay.slice_numel)
+        return buffer.as_strided(
+            (lay.num_buckets, lay.slice_numel),
+            (lay.bucket_numel, 1),
+            buffer.storage_offset() + self.rank * lay.slice_numel,
+        )
 
     def bucket(self, buffer: torch.Tensor, b: int) -> torch.Tensor:
         start, end = self.layout.bucket_range(b)
@@ -67,8 +71,11 @@ class FlatGroup:
         bucket's row cast to the parameter dtype in one parallel pass (engine/ops/flatten.py)."""
         if self.owns_master:
             lay = self.layout
-            copy_into(self.flat, list(self.master.unbind(0)),
-                      [lay.bucket_range(b)[0] + self.rank * lay.slice_numel for b in range(lay.num_buckets)])
+            copy_into(
+                self.flat,
+                list(self.master.unbind(0)),
+                [lay.bucket_range(b)[0] + self.rank * lay.slice_numel for b in range(lay.num_buckets)],
+            )
 
 
 def refresh_params(groups: list[FlatGroup]) -> None:
@@ -83,8 +90,9 @@ def arrival_order(module: torch.nn.Module) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(reversed(trainable))}
 
 
-def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
-                      bucket_size: int) -> list[FlatGroup]:
+def build_flat_groups(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int, bucket_size: int
+) -> list[FlatGroup]:
     """Move every trainable parameter of the optimizer into flat buffers (in arrival order), one group per
     optimizer param group and dtype, each with an fp32 master of this rank's shard (the stage gives
     each its gradient shard)."""
@@ -95,25 +103,40 @@ def build_flat_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         params = sorted((p for p in opt_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
         for dtype in dict.fromkeys(p.dtype for p in params):
             members = [p for p in params if p.dtype == dtype]
-            groups.append(_flatten(len(groups), gi, members, [names.get(id(p), "?") for p in members],
-                                   world_size=world_size, rank=rank, bucket_size=bucket_size))
+            groups.append(
+                _flatten(
+                    len(groups),
+                    gi,
+                    members,
+                    [names.get(id(p), "?") for p in members],
+                    world_size=world_size,
+                    rank=rank,
+                    bucket_size=bucket_size,
+                )
+            )
     return groups
 
 
-def bind_optimizer_to_shards(optimizer: torch.optim.Optimizer, groups: list[FlatGroup],
-                             config: EngineConfig) -> MasterStep:
+def bind_optimizer_to_shards(
+    optimizer: torch.optim.Optimizer, groups: list[FlatGroup], config: EngineConfig
+) -> MasterStep:
     """Stages 1-2: each optimizer param group steps its flat groups' fp32 shards (engine.initialize
     checks that the optimizer is elementwise: config/run_checks.py). The step writes each updated
     shard into this rank's slices of the low-precision parameter buffer (engine/zero/master_step.py)."""
-    bind_shards(optimizer, [[g.master for g in groups if g.opt_group == gi]
-                            for gi in range(len(optimizer.param_groups))])
-    return MasterStep(optimizer, [MasterTarget(g.master, g.shard_grad, g.shard_view(g.flat) if g.owns_master else None)
-                                  for g in groups], offload=offload_enabled(config),
-                      refresh=lambda: refresh_params(groups))
+    bind_shards(
+        optimizer, [[g.master for g in groups if g.opt_group == gi] for gi in range(len(optimizer.param_groups))]
+    )
+    return MasterStep(
+        optimizer,
+        [MasterTarget(g.master, g.shard_grad, g.shard_view(g.flat) if g.owns_master else None) for g in groups],
+        offload=offload_enabled(config),
+        refresh=lambda: refresh_params(groups),
+    )
 
 
-def bind_optimizer_per_parameter(optimizer: torch.optim.Optimizer, groups: list[FlatGroup],
-                                 config: EngineConfig) -> tuple[list[list[torch.Tensor]], MasterStep]:
+def bind_optimizer_per_parameter(
+    optimizer: torch.optim.Optimizer, groups: list[FlatGroup], config: EngineConfig
+) -> tuple[list[list[torch.Tensor]], MasterStep]:
     """Stage 0: each optimizer param group steps one fp32 master view per parameter (its gradient a view
     of the gradient rows), so per-tensor optimizers (LAMB's trust ratio) see each tensor whole. Needs
     groups laid out with one slice per bucket (every rank holds the whole master). Returns each
@@ -126,17 +149,24 @@ def bind_optimizer_per_parameter(optimizer: torch.optim.Optimizer, groups: list[
         master, grads, flat = g.master.view(-1), g.shard_grad.view(-1), g.flat.view(-1)
         views = []
         for p, span in zip(g.params, g.layout.params):
-            view = master[span.offset:span.end].view(p.shape)
-            targets.append(MasterTarget(view, grads[span.offset:span.end].view(p.shape),
-                                        flat[span.offset:span.end].view(p.shape) if g.owns_master else None))
+            view = master[span.offset : span.end].view(p.shape)
+            targets.append(
+                MasterTarget(
+                    view,
+                    grads[span.offset : span.end].view(p.shape),
+                    flat[span.offset : span.end].view(p.shape) if g.owns_master else None,
+                )
+            )
             views.append(view)
             view_of[id(p)] = view
         per_group.append(views)
     # In each param group the user's order (optimizer.param_groups[i]["params"][k] is the k-th they passed).
-    bind_shards(optimizer, [[view_of[id(p)] for p in group["params"] if id(p) in view_of]
-                            for group in optimizer.param_groups])
-    return per_group, MasterStep(optimizer, targets, offload=offload_enabled(config),
-                                 refresh=lambda: refresh_params(groups))
+    bind_shards(
+        optimizer, [[view_of[id(p)] for p in group["params"] if id(p) in view_of] for group in optimizer.param_groups]
+    )
+    return per_group, MasterStep(
+        optimizer, targets, offload=offload_enabled(config), refresh=lambda: refresh_params(groups)
+    )
 
 
 def bind_shards(optimizer: torch.optim.Optimizer, shards: list[list[torch.Tensor]]) -> None:
@@ -156,25 +186,45 @@ def bind_shards(optimizer: torch.optim.Optimizer, shards: list[list[torch.Tensor
     for gi, group in enumerate(optimizer.param_groups):
         if group.get("fused") and not all(p.is_contiguous() for p in group["params"]):
             group["fused"] = False
-            logger.info("optimizer param group %d: fused=True turned off (its shard is a strided view of the "
-                        "flat buffer, which torch's fused kernels mis-handle); torch's per-tensor path runs it", gi)
+            logger.info(
+                "optimizer param group %d: fused=True turned off (its shard is a strided view of the "
+                "flat buffer, which torch's fused kernels mis-handle); torch's per-tensor path runs it",
+                gi,
+            )
 
 
-def _flatten(index: int, opt_group: int, params: list[torch.nn.Parameter], names: list[str], *, world_size: int,
-             rank: int, bucket_size: int) -> FlatGroup:
+def _flatten(
+    index: int,
+    opt_group: int,
+    params: list[torch.nn.Parameter],
+    names: list[str],
+    *,
+    world_size: int,
+    rank: int,
+    bucket_size: int,
+) -> FlatGroup:
     dtype, device = params[0].dtype, params[0].device
-    layout = build_layout([p.shape for p in params], world_size=world_size, bucket_size=bucket_size,
-                          element_size=params[0].element_size())
+    layout = build_layout(
+        [p.shape for p in params], world_size=world_size, bucket_size=bucket_size, element_size=params[0].element_size()
+    )
     flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
     with torch.no_grad():
         for p, span in zip(params, layout.params):
-            view = flat[span.offset:span.end].view_as(p)
+            view = flat[span.offset : span.end].view_as(p)
             view.copy_(p.data)
             p.data = view
-    group = FlatGroup(index, opt_group, params, names, layout, rank, flat,
-                      master=flat,  # placeholder, set below
-                      shard_grad=torch.empty(0, device=device),  # the stage's _allocate_gradients sets it
-                      grad_written=[False] * layout.num_buckets)
+    group = FlatGroup(
+        index,
+        opt_group,
+        params,
+        names,
+        layout,
+        rank,
+        flat,
+        master=flat,  # placeholder, set below
+        shard_grad=torch.empty(0, device=device),  # the stage's _allocate_gradients sets it
+        grad_written=[False] * layout.num_buckets,
+    )
     mine = group.shard_view(flat)
     group.master = mine if dtype == torch.float32 else mine.to(torch.float32).contiguous()
     return group

@@ -23,8 +23,12 @@ from engine.zero.owners import UnitHandle
 
 
 @contextlib.contextmanager
-def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
-                       fwd_module: object = None, enabled: bool = True) -> Iterator[None]:
+def GatheredParameters(
+    params: torch.Tensor | Iterable[torch.Tensor],
+    modifier_rank: int | None = None,
+    fwd_module: object = None,
+    enabled: bool = True,
+) -> Iterator[None]:
     """Gather the units holding `params`; with modifier_rank, broadcast that rank's values on exit and
     write each rank's slice back into its shard (and fp32 master)."""
     del fwd_module  # DeepSpeed uses it to register external parameters; gathered units need no registry

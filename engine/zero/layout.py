@@ -195,8 +195,10 @@ def contiguous_pieces(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         return [[t.reshape(-1)] for t in tensors]
     if all(t.dim() == 2 and t.stride(1) == 1 for t in tensors):
         return [list(t.unbind(0)) for t in tensors]
-    raise ValueError(f"tensors of shape {tuple(tensors[0].shape)} and strides {[t.stride() for t in tensors]} have "
-                     "no contiguous rows")
+    raise ValueError(
+        f"tensors of shape {tuple(tensors[0].shape)} and strides {[t.stride() for t in tensors]} have "
+        "no contiguous rows"
+    )
 
 
 def align_elements(element_size: int) -> int:
@@ -204,8 +206,9 @@ def align_elements(element_size: int) -> int:
     return max(1, ALIGN_BYTES // element_size)
 
 
-def build_layout(shapes: Sequence[Iterable[int]], *, world_size: int, bucket_size: int,
-                 element_size: int) -> GroupLayout:
+def build_layout(
+    shapes: Sequence[Iterable[int]], *, world_size: int, bucket_size: int, element_size: int
+) -> GroupLayout:
     """Lay out parameters of the given shapes (in arrival order) for world_size ranks.
 
     bucket_size is the target elements per bucket (reduce_bucket_size): ceil(total / bucket_size)

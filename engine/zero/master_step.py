@@ -64,7 +64,8 @@ def _refuse_direct_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
             f"step() was called on the {type(optimizer).__name__} given to engine.initialize(); the engine "
             "owns it now (its parameters are the engine's fp32 masters, and a step needs the gradients reduced "
             "across ranks, unscaled and clipped first), so nothing was updated. Call engine.step(), or step() "
-            "on the optimizer engine.initialize() returned, which takes the whole ZeRO step")
+            "on the optimizer engine.initialize() returned, which takes the whole ZeRO step"
+        )
 
 
 def guard_direct_step(optimizer: torch.optim.Optimizer) -> None:
@@ -108,8 +109,14 @@ def _adam_mode(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple
 
 
 class MasterStep:
-    def __init__(self, optimizer: torch.optim.Optimizer, targets: list[MasterTarget], *, offload: bool,
-                 refresh: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        targets: list[MasterTarget],
+        *,
+        offload: bool,
+        refresh: Callable[[], None] | None = None,
+    ) -> None:
         """`refresh`: after the plain path, write the updated masters into the low-precision parameters
         (the stage's own cast, one call per group); None when no target has a low-precision copy."""
         self.optimizer = optimizer
@@ -145,8 +152,9 @@ class MasterStep:
         for p in group["params"]:
             target, state = self.targets[id(p)], adam_state(self.optimizer.state[p], p)
             lp = [target.lp] if target.lp is not None else []
-            master, grad, avg, sq, *lp_pieces = contiguous_pieces([target.master, target.grad, state["exp_avg"],
-                                                         state["exp_avg_sq"], *lp])
+            master, grad, avg, sq, *lp_pieces = contiguous_pieces(
+                [target.master, target.grad, state["exp_avg"], state["exp_avg_sq"], *lp]
+            )
             entries.append(AdamEntry(master, grad, avg, sq, lp_pieces[0] if lp_pieces else None, state["step"]))
         adam_step_entries(entries, group, adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=coef)
 

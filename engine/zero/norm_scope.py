@@ -75,5 +75,5 @@ def counted_rows(shard_grad: torch.Tensor, runs: Runs, slice_numel: int) -> list
     if runs is None:
         return rows
     if len(rows) == 1:  # the shard is one contiguous run
-        return [rows[0][start:start + n] for start, n in runs]
-    return [rows[start // slice_numel][start % slice_numel:start % slice_numel + n] for start, n in runs]
+        return [rows[0][start : start + n] for start, n in runs]
+    return [rows[start // slice_numel][start % slice_numel : start % slice_numel + n] for start, n in runs]

@@ -64,7 +64,8 @@ def check_not_held(module: torch.nn.Module) -> None:
                 "destroy() on the other engine first, or give initialize a separate copy of the model. TRL's "
                 "DPOTrainer(precompute_ref_log_probs=True) does this at stage 3 (its log-prob pass wraps the "
                 "policy in an inference engine that it keeps): set precompute_ref_log_probs=False (a separate "
-                "reference model, TRL's default) or train at ZeRO stage 2")
+                "reference model, TRL's default) or train at ZeRO stage 2"
+            )
 
 
 def set_masters(param: torch.Tensor, owner: MasterOwner | None) -> None:

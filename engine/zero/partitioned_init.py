@@ -60,14 +60,20 @@ _orig_torch_arange = torch.arange
 _orig_torch_eye = torch.eye
 _orig_torch_randn = torch.randn
 _CONSTRUCTORS: dict[str, Callable[..., torch.Tensor]] = {
-    "tensor": _orig_torch_tensor, "empty": _orig_torch_empty, "zeros": _orig_torch_zeros,
-    "ones": _orig_torch_ones, "full": _orig_torch_full, "arange": _orig_torch_arange,
-    "eye": _orig_torch_eye, "randn": _orig_torch_randn,
+    "tensor": _orig_torch_tensor,
+    "empty": _orig_torch_empty,
+    "zeros": _orig_torch_zeros,
+    "ones": _orig_torch_ones,
+    "full": _orig_torch_full,
+    "arange": _orig_torch_arange,
+    "eye": _orig_torch_eye,
+    "randn": _orig_torch_randn,
 }
 
 
-def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None,
-                                           target_device: torch.device | None = None) -> Callable[..., torch.Tensor]:
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None, target_device: torch.device | None = None
+) -> Callable[..., torch.Tensor]:
     """`fn` (a torch tensor constructor) making floating-point tensors in `target_fp_dtype` and, when
     no device is given, on `target_device`. A dtype the caller names is kept; `out=` is left alone."""
 
@@ -76,8 +82,13 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
             kwargs["device"] = target_device
         named_dtype = kwargs.get("dtype") is not None
         tensor = fn(*args, **kwargs)
-        if (target_fp_dtype is not None and not named_dtype and "out" not in kwargs
-                and tensor.is_floating_point() and tensor.dtype != target_fp_dtype):
+        if (
+            target_fp_dtype is not None
+            and not named_dtype
+            and "out" not in kwargs
+            and tensor.is_floating_point()
+            and tensor.dtype != target_fp_dtype
+        ):
             tensor.data = tensor.data.to(target_fp_dtype)  # in place of .to(): a leaf stays a leaf (requires_grad=)
         return tensor
 
@@ -135,7 +146,7 @@ def partition(params: Iterable[torch.Tensor], dtype: torch.dtype | None = None, 
         return
     device = _collective_device()
     if device is not None:  # NCCL moves device tensors only: partition where the collectives run, as
-        for p in whole:     # DeepSpeed's Init does on its local_device (found on an H200: a CPU gather failed)
+        for p in whole:  # DeepSpeed's Init does on its local_device (found on an H200: a CPU gather failed)
             p.data = p.data.to(device)
     if src is not None:
         comm.broadcast_coalesced([p.data for p in whole], src=src)
@@ -147,8 +158,8 @@ def partition(params: Iterable[torch.Tensor], dtype: torch.dtype | None = None, 
         if dtype is not None:
             flat = flat.to(dtype)
         shard = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-        mine = flat[rank * size:min((rank + 1) * size, numel)]
-        shard[:mine.numel()].copy_(mine)
+        mine = flat[rank * size : min((rank + 1) * size, numel)]
+        shard[: mine.numel()].copy_(mine)
         set_full_shape(p, tuple(p.shape))
         setattr(p, _SHARD, shard)
         p.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
@@ -192,7 +203,7 @@ def full_value(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     shape = full_shape(param)
     full = torch.empty(shard.numel() * comm.get_world_size(), dtype=shard.dtype, device=shard.device)
     comm.all_gather(full, shard)
-    value = full[:math.prod(shape)].view(shape)
+    value = full[: math.prod(shape)].view(shape)
     return value if dtype is None else value.to(dtype)
 
 
@@ -252,22 +263,38 @@ class Init:
     """ids of modules whose outermost __init__ is running."""
     _dtype: ClassVar[torch.dtype | None] = None
 
-    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
-                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
-                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
-                 dtype: torch.dtype | None = None, mpu: Any = None, **unsupported: Any) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        **unsupported: Any,
+    ) -> None:
         del mem_efficient_linear, pin_memory  # no effect here: no special linear, CPU memory is not pinned
         if unsupported:
             raise TypeError(f"engine.zero.Init: unsupported argument(s) {sorted(unsupported)}")
         if data_parallel_group is not None or mpu is not None:
-            raise ValueError("engine.zero.Init: data_parallel_group/mpu are not supported; parameters are "
-                             "partitioned over the default process group")
+            raise ValueError(
+                "engine.zero.Init: data_parallel_group/mpu are not supported; parameters are "
+                "partitioned over the default process group"
+            )
         if remote_device not in (None, "cpu"):
-            raise ValueError(f"engine.zero.Init: remote_device={remote_device!r} is not supported (parameters "
-                             "stay on the device they are built on); use None")
+            raise ValueError(
+                f"engine.zero.Init: remote_device={remote_device!r} is not supported (parameters "
+                "stay on the device they are built on); use None"
+            )
         if remote_device == "cpu" and enabled and _collective_device() is not None:
-            raise ValueError("engine.zero.Init: remote_device='cpu' on a GPU is not supported yet (it has not run "
-                             "on one); use None: the partitions live on the GPU")
+            raise ValueError(
+                "engine.zero.Init: remote_device='cpu' on a GPU is not supported yet (it has not run "
+                "on one); use None: the partitions live on the GPU"
+            )
         self.enabled = enabled
         self.dtype = dtype
         source = config_dict_or_path if config_dict_or_path is not None else config
@@ -327,8 +354,11 @@ class Init:
             for name, constructor in _CONSTRUCTORS.items():
                 # A global looked up at each __enter__, never bound at import: transformers replaces the
                 # module attribute around Init (see the module docstring). Keywords, as it reads them.
-                setattr(torch, name, zero_wrapper_for_fp_tensor_constructor(
-                    constructor, target_fp_dtype=cls._dtype, target_device=None))
+                setattr(
+                    torch,
+                    name,
+                    zero_wrapper_for_fp_tensor_constructor(constructor, target_fp_dtype=cls._dtype, target_device=None),
+                )
             cls._wrapped_constructors = True
 
     @classmethod

@@ -41,12 +41,34 @@ class ZeroParamStatus(enum.Enum):
 _NAME, _RELEASED, _PARTITION_NUMEL = "_zero_name", "_zero_released", "_zero_partition_numel"
 
 # Reading these does not touch the (missing) values.
-_METADATA = frozenset({
-    "__get__", "__set__", "numel", "nelement", "size", "dim", "element_size", "is_floating_point", "is_complex",
-    "is_contiguous", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "__hash__",
-    "__reduce_ex__", "__deepcopy__", "__setstate__", "data_ptr", "untyped_storage", "_is_view", "type",
-    "get_device", "is_shared", "share_memory_",
-})
+_METADATA = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "numel",
+        "nelement",
+        "size",
+        "dim",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "requires_grad_",
+        "__hash__",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "__setstate__",
+        "data_ptr",
+        "untyped_storage",
+        "_is_view",
+        "type",
+        "get_device",
+        "is_shared",
+        "share_memory_",
+    }
+)
 
 
 class ZeroParameter(torch.nn.Parameter):
@@ -68,8 +90,9 @@ class ZeroParameter(torch.nn.Parameter):
         return numel
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         with DisableTorchFunctionSubclass():
             if not cls._warned and getattr(func, "__name__", "") not in _METADATA:
                 for arg in args:
@@ -88,7 +111,9 @@ class ZeroParameter(torch.nn.Parameter):
             f"{getattr(func, '__name__', func)} outside forward while partitioned; here it holds no data "
             "(numel() == 0). Read it inside `with engine.zero.GatheredParameters(param):`, or take the "
             "whole model with engine.consolidated_state_dict(). (Warned once per process.)",
-            ReleasedParameterWarning, stacklevel=3)
+            ReleasedParameterWarning,
+            stacklevel=3,
+        )
 
 
 def adopt(param: torch.nn.Parameter, name: str, partition_numel: int) -> None:

@@ -50,20 +50,28 @@ class PendingReduce:
     """Where this rank's reduced slice landed, when not straight into the row."""
 
 
-def start(data: torch.Tensor, row: torch.Tensor, *, written: bool, rank: int, averaging: Averaging,
-          scatter: bool = True, key: int = 0, real: int | None = None,
-          group: comm.ProcessGroup | None = None) -> PendingReduce:
+def start(
+    data: torch.Tensor,
+    row: torch.Tensor,
+    *,
+    written: bool,
+    rank: int,
+    averaging: Averaging,
+    scatter: bool = True,
+    key: int = 0,
+    real: int | None = None,
+    group: comm.ProcessGroup | None = None,
+) -> PendingReduce:
     """Start reducing `data` (a whole bucket, every rank's slice) over `group` (the data-parallel group;
     None: the world) towards `row` (this rank's slice; `rank` is its position in the group).
     scatter=False all-reduces the bucket instead (one slice, or reduce_scatter: false), and then only
     its first `real` elements (default all): the layout's padding, zero on every rank, need not travel."""
     if averaging.before != 1.0:
         data.mul_(averaging.before)
-    mine = data[rank * row.numel():(rank + 1) * row.numel()]
+    mine = data[rank * row.numel() : (rank + 1) * row.numel()]
     if not scatter:
         return PendingReduce(comm.all_reduce(data if real is None else data[:real], async_op=True, group=group), mine)
-    return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written, group=group),
-                         None)
+    return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written, group=group), None)
 
 
 def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: str) -> None:
@@ -77,5 +85,10 @@ def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: st
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype and a.is_contiguous() \
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.numel() == b.numel()
+        and a.dtype == b.dtype
+        and a.is_contiguous()
         and b.is_contiguous()
+    )

@@ -14,15 +14,23 @@ from engine.zero.norm_scope import NormScope
 from engine.zero.shard_reduce import Averaging
 
 
-def step_on_gradients(precision: Precision, norm_rows: Callable[[], list[torch.Tensor]], *,
-                      stale: Iterable[torch.Tensor], averaging: Averaging, max_grad_norm: float, scope: NormScope,
-                      update: Callable[[float], None]) -> StepOutcome:
+def step_on_gradients(
+    precision: Precision,
+    norm_rows: Callable[[], list[torch.Tensor]],
+    *,
+    stale: Iterable[torch.Tensor],
+    averaging: Averaging,
+    max_grad_norm: float,
+    scope: NormScope,
+    update: Callable[[float], None],
+) -> StepOutcome:
     """`norm_rows()`: the pieces of the gradient buffers the optimizer step reads (summed over ranks but
     not yet averaged) that this rank counts in the global norm, added up over `scope`
     (engine/zero/norm_scope.py); `stale`: the parts of the buffers no gradient reached this window
     (zeroed first); `update(coef)`: the step."""
     for rows in stale:
         rows.zero_()
-    norm, applied = precision.step_shards(norm_rows(), update, max_grad_norm=max_grad_norm, average=averaging.after,
-                                          scope=scope)
+    norm, applied = precision.step_shards(
+        norm_rows(), update, max_grad_norm=max_grad_norm, average=averaging.after, scope=scope
+    )
     return StepOutcome(norm, applied)

@@ -34,8 +34,14 @@ def split_slice(whole: torch.Tensor, rank: int, size: int, dim: int, stride: int
     return torch.cat([chunk.chunk(size, dim=dim)[rank] for chunk in whole.chunk(stride, dim=dim)], dim=dim)
 
 
-def whole_state_dict(state: Mapping[str, torch.Tensor], parallel: ParallelGroups, device: torch.device | None,
-                     *, like: Mapping[str, torch.Tensor] | None = None, copied: bool = False) -> dict[str, torch.Tensor]:
+def whole_state_dict(
+    state: Mapping[str, torch.Tensor],
+    parallel: ParallelGroups,
+    device: torch.device | None,
+    *,
+    like: Mapping[str, torch.Tensor] | None = None,
+    copied: bool = False,
+) -> dict[str, torch.Tensor]:
     """`state` (this rank's) with tensor-parallel slices joined, on global rank 0; {} elsewhere. Every rank
     calls it; the ranks of data-parallel position 0 (rank 0's tensor-parallel group) gather.
 
@@ -53,8 +59,9 @@ def whole_state_dict(state: Mapping[str, torch.Tensor], parallel: ParallelGroups
             if is_tensor_parallel(attrs):
                 if id(tensor) not in joined:
                     parts = comm.all_gather_list(tensor.detach(), group=parallel.tp_group)
-                    joined[id(tensor)] = join_slices(parts, int(getattr(attrs, "partition_dim", 0)),
-                                                     int(getattr(attrs, "partition_stride", 1)))
+                    joined[id(tensor)] = join_slices(
+                        parts, int(getattr(attrs, "partition_dim", 0)), int(getattr(attrs, "partition_stride", 1))
+                    )
                 out[name] = joined[id(tensor)]
             else:
                 out[name] = tensor

@@ -12,8 +12,9 @@ from engine.ops.accumulate import accumulate, torch_accumulate
 
 
 @pytest.mark.parametrize(("dst_dtype", "src_dtype"), PAIRS, ids=[f"{d}+={s}".replace("torch.", "") for d, s in PAIRS])
-def test_cuda_op_matches_the_cpu_torch_path_bitwise(dst_dtype: torch.dtype, src_dtype: torch.dtype,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_op_matches_the_cpu_torch_path_bitwise(
+    dst_dtype: torch.dtype, src_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(builder.ENV_MODE, "require")
     cuda_builder.reset_for_tests()
     try:
@@ -23,9 +24,9 @@ def test_cuda_op_matches_the_cpu_torch_path_bitwise(dst_dtype: torch.dtype, src_
                 for scale in SCALES:
                     dst_buf, _, src = operands(n, dst_dtype, src_dtype, offsets, seed=n)
                     want_buf = dst_buf.clone()
-                    torch_accumulate(want_buf[offsets[0]:offsets[0] + n], src, scale)
+                    torch_accumulate(want_buf[offsets[0] : offsets[0] + n], src, scale)
                     got_buf = dst_buf.cuda()
-                    accumulate(got_buf[offsets[0]:offsets[0] + n], src.cuda(), scale)
+                    accumulate(got_buf[offsets[0] : offsets[0] + n], src.cuda(), scale)
                     assert torch.equal(bits(got_buf.cpu()), bits(want_buf)), (n, offsets, scale)
     finally:
         cuda_builder.reset_for_tests()

@@ -60,8 +60,10 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     view = INT_VIEW[actual.dtype]
     mismatch = (actual.cpu().view(view) != expected.cpu().view(view)).nonzero()
-    assert mismatch.numel() == 0, (f"{mismatch.numel()} elements differ, first at {mismatch[0].tolist()}: "
-                                   f"{actual.cpu().flatten()[mismatch[0, 0]]} vs {expected.flatten()[mismatch[0, 0]]}")
+    assert mismatch.numel() == 0, (
+        f"{mismatch.numel()} elements differ, first at {mismatch[0].tolist()}: "
+        f"{actual.cpu().flatten()[mismatch[0, 0]]} vs {expected.flatten()[mismatch[0, 0]]}"
+    )
 
 
 def layout(sizes: list[int]) -> tuple[list[int], int]:
@@ -84,7 +86,7 @@ def test_copy_into_is_bitwise_torch(ext, src_dtype, dst_dtype, scale) -> None:
     offsets, total = layout(SIZES)
     expected = torch.full((total,), 7.0, dtype=dst_dtype)  # gaps keep their 7
     for src, offset in zip(srcs, offsets):
-        expected[offset: offset + src.numel()] = (src.float().flatten() * scale).to(dst_dtype)
+        expected[offset : offset + src.numel()] = (src.float().flatten() * scale).to(dst_dtype)
 
     dst = torch.full((total,), 7.0, dtype=dst_dtype, device="cuda")
     ext.copy_into(dst, [s.cuda() for s in srcs], offsets, scale)
@@ -102,7 +104,7 @@ def test_copy_out_is_bitwise_torch(ext, src_dtype, dst_dtype, scale) -> None:
     offsets, total = layout(SIZES)
     src = values(total, seed=1, dtype=src_dtype)
     dsts = [torch.zeros(n, dtype=dst_dtype) for n in SIZES]
-    expected = [(src[o: o + n].float() * scale).to(dst_dtype) for o, n in zip(offsets, SIZES)]
+    expected = [(src[o : o + n].float() * scale).to(dst_dtype) for o, n in zip(offsets, SIZES)]
 
     on_gpu = [d.cuda() for d in dsts]
     ext.copy_out(src.cuda(), on_gpu, offsets, scale)
@@ -153,8 +155,10 @@ def test_copy_checks_its_arguments(ext) -> None:
 
 
 def mixed_tensors(seed: int) -> list[torch.Tensor]:
-    return [values(n, seed=seed + i, dtype=dtype, finite=True)
-            for i, (n, dtype) in enumerate(zip(SIZES, itertools.cycle(DTYPES)))]
+    return [
+        values(n, seed=seed + i, dtype=dtype, finite=True)
+        for i, (n, dtype) in enumerate(zip(SIZES, itertools.cycle(DTYPES)))
+    ]
 
 
 @pytest.mark.parametrize("scale", [1.0, 1 / 1024, 0.3])
@@ -244,8 +248,22 @@ def test_adam_matches_torch_optim_over_100_steps(ext, grad_dtype, adamw_mode, lp
         for r, g in zip(reference, grads):
             r.grad = g.float() * GRAD_SCALE
         optimizer.step()
-        ext.adam_step(params, grads, exp_avgs, exp_avg_sqs, lp_params, LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY,
-                      adamw_mode, step, True, GRAD_SCALE)
+        ext.adam_step(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            lp_params,
+            LR,
+            BETAS[0],
+            BETAS[1],
+            EPS,
+            WEIGHT_DECAY,
+            adamw_mode,
+            step,
+            True,
+            GRAD_SCALE,
+        )
     for p, m, v, r in zip(params, exp_avgs, exp_avg_sqs, reference):
         torch.testing.assert_close(p, r.detach(), **TOLERANCE)
         torch.testing.assert_close(m, optimizer.state[r]["exp_avg"], **TOLERANCE)
@@ -263,8 +281,22 @@ def test_adam_without_bias_correction(ext, adamw_mode) -> None:
     expected_state = [[torch.zeros_like(p) for p in params] for _ in range(2)]
     for step in range(1, 21):
         grads = [torch.randn(n, device="cuda", generator=generator).to(torch.bfloat16) for n in ADAM_SIZES]
-        ext.adam_step(params, grads, state[0], state[1], [], LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, adamw_mode,
-                      step, False, GRAD_SCALE)
+        ext.adam_step(
+            params,
+            grads,
+            state[0],
+            state[1],
+            [],
+            LR,
+            BETAS[0],
+            BETAS[1],
+            EPS,
+            WEIGHT_DECAY,
+            adamw_mode,
+            step,
+            False,
+            GRAD_SCALE,
+        )
         reference_adam(expected, grads, expected_state[0], expected_state[1], adamw_mode, step, False)
     for actual, want in zip(params + state[0] + state[1], expected + expected_state[0] + expected_state[1]):
         torch.testing.assert_close(actual, want, **TOLERANCE)
@@ -279,11 +311,39 @@ def test_adam_matches_the_cpu_extension(ext) -> None:
     gpu_state = [[torch.zeros_like(p) for p in gpu_params] for _ in range(2)]
     for step in range(1, 11):
         grads = [torch.randn(n, generator=generator).to(torch.float16) for n in ADAM_SIZES]
-        ext.adam_step(gpu_params, [g.cuda() for g in grads], gpu_state[0], gpu_state[1], [], LR, BETAS[0], BETAS[1],
-                      EPS, WEIGHT_DECAY, True, step, True, GRAD_SCALE)
+        ext.adam_step(
+            gpu_params,
+            [g.cuda() for g in grads],
+            gpu_state[0],
+            gpu_state[1],
+            [],
+            LR,
+            BETAS[0],
+            BETAS[1],
+            EPS,
+            WEIGHT_DECAY,
+            True,
+            step,
+            True,
+            GRAD_SCALE,
+        )
         if cpu_adam is not None:
-            cpu_adam(params, grads, cpu_state[0], cpu_state[1], [], LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, True,
-                     step, True, GRAD_SCALE)
+            cpu_adam(
+                params,
+                grads,
+                cpu_state[0],
+                cpu_state[1],
+                [],
+                LR,
+                BETAS[0],
+                BETAS[1],
+                EPS,
+                WEIGHT_DECAY,
+                True,
+                step,
+                True,
+                GRAD_SCALE,
+            )
         else:  # no CPU extension op (yet): the naive path stands in for it
             reference_adam(params, grads, cpu_state[0], cpu_state[1], True, step, True)
     for actual, want in zip(gpu_params + gpu_state[0] + gpu_state[1], params + cpu_state[0] + cpu_state[1]):
@@ -326,6 +386,7 @@ def test_engine_ops_send_cuda_tensors_to_the_cuda_module(ext, monkeypatch) -> No
     assert not overflowed and math.isclose(total, float((src.double() ** 2).sum()), rel_tol=1e-9)
     p, g = src.clone(), values(1000, 2).cuda()
     m, v = torch.zeros_like(p), torch.zeros_like(p)
-    adam.adam_step([p], [g], [m], [v], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                   adamw_mode=True, step=1)
+    adam.adam_step(
+        [p], [g], [m], [v], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True, step=1
+    )
     assert not torch.equal(p, src)

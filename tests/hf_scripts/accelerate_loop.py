@@ -54,8 +54,13 @@ def ds_config(stage: int, config_optimizer: bool) -> dict[str, Any]:
     if stage == 3:
         # Threshold 0: every parameter is partitioned (the default would keep this tiny model whole);
         # gathering at save is what accelerator.get_state_dict needs at stage 3.
-        zero.update({"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": BUCKET,
-                     "stage3_gather_16bit_weights_on_model_save": True})
+        zero.update(
+            {
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": BUCKET,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
@@ -64,10 +69,19 @@ def ds_config(stage: int, config_optimizer: bool) -> dict[str, Any]:
         "zero_optimization": zero,
     }
     if config_optimizer:  # built by the engine; DummyOptim/DummyScheduler stand for them in the loop
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
-                                                           "betas": list(BETAS), "eps": EPS}}
-        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                              "warmup_num_steps": "auto", "warmup_type": "linear"}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "weight_decay": "auto", "betas": list(BETAS), "eps": EPS},
+        }
+        config["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "warmup_type": "linear",
+            },
+        }
     return config
 
 
@@ -90,7 +104,8 @@ class Loop:
             optimizer: Any = DummyOptim(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
             scheduler: Any = DummyScheduler(optimizer, warmup_num_steps=WARMUP_STEPS)
             self.model, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
-                model, optimizer, loader, scheduler)
+                model, optimizer, loader, scheduler
+            )
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
             self.model, self.optimizer, self.loader = accelerator.prepare(model, optimizer, loader)
@@ -102,13 +117,15 @@ class Loop:
         from engine.engine import Engine  # deepspeed.DeepSpeedEngine is this class
 
         params = list(self.model.module.parameters())
-        return {"engine_type": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
-                "is_engine": isinstance(self.model, Engine),  # not DDP: prepare went through deepspeed.initialize
-                "stage": self.model.zero_optimization_stage(),
-                "params": len(params),
-                # Stage 3 outside forward: a partitioned parameter is empty, its full shape kept in ds_shape.
-                "partitioned": sum(hasattr(p, "ds_shape") and p.numel() == 0 for p in params),
-                "config": self.accelerator.deepspeed_config}
+        return {
+            "engine_type": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "is_engine": isinstance(self.model, Engine),  # not DDP: prepare went through deepspeed.initialize
+            "stage": self.model.zero_optimization_stage(),
+            "params": len(params),
+            # Stage 3 outside forward: a partitioned parameter is empty, its full shape kept in ds_shape.
+            "partitioned": sum(hasattr(p, "ds_shape") and p.numel() == 0 for p in params),
+            "config": self.accelerator.deepspeed_config,
+        }
 
     def train(self, first: int, last: int, save_dir: Path | None = None) -> None:
         """Steps first..last-1 (0-based); `save_state(save_dir)` after step args.save_at - 1."""
@@ -165,8 +182,11 @@ def engine_destroyed(model: Any) -> bool:
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--config_optimizer", action="store_true",
-                        help="optimizer and WarmupLR in the config, DummyOptim/DummyScheduler in the loop")
+    parser.add_argument(
+        "--config_optimizer",
+        action="store_true",
+        help="optimizer and WarmupLR in the config, DummyOptim/DummyScheduler in the loop",
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save_at", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="per rank")
@@ -186,11 +206,15 @@ def main() -> None:
     # PartialState(cpu=True) first (gloo, the real world size), then an Accelerator without cpu=True,
     # which passing a deepspeed_plugin turns into DeepSpeed (it sets ACCELERATE_USE_DEEPSPEED=true).
     PartialState(cpu=True)
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(args.stage,
-                                                                                    args.config_optimizer)))
+    accelerator = Accelerator(
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, args.config_optimizer))
+    )
     world = accelerator.num_processes
-    report: dict[str, Any] = {"distributed_type": str(accelerator.distributed_type), "num_processes": world,
-                              "deepspeed": accelerator.distributed_type == DistributedType.DEEPSPEED}
+    report: dict[str, Any] = {
+        "distributed_type": str(accelerator.distributed_type),
+        "num_processes": world,
+        "deepspeed": accelerator.distributed_type == DistributedType.DEEPSPEED,
+    }
     files: dict[str, dict[str, torch.Tensor] | None] = {}
     if not args.resume_only:
         first = Loop(accelerator, args, SEED)

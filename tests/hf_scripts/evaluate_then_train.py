@@ -21,8 +21,16 @@ class Windows(torch.utils.data.Dataset):
 
 
 def main(config: str, out: str) -> None:
-    args = TrainingArguments(output_dir=out, deepspeed=config, use_cpu=True, max_steps=2, report_to="none",
-                             per_device_train_batch_size=4, per_device_eval_batch_size=4, save_strategy="no")
+    args = TrainingArguments(
+        output_dir=out,
+        deepspeed=config,
+        use_cpu=True,
+        max_steps=2,
+        report_to="none",
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        save_strategy="no",
+    )
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=16, n_embd=32, n_layer=1, n_head=2))
     trainer = Trainer(model=model, args=args, train_dataset=Windows(), eval_dataset=Windows())
     trainer.evaluate()

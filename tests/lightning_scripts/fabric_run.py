@@ -54,8 +54,9 @@ def batches(fabric: Fabric) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out[:STEPS]
 
 
-def run(strategy: Any, precision: str = "32-true", *, seed: int = SEED, save: Path | None = None,
-        load: Path | None = None) -> dict[str, Any]:
+def run(
+    strategy: Any, precision: str = "32-true", *, seed: int = SEED, save: Path | None = None, load: Path | None = None
+) -> dict[str, Any]:
     """Train from step 0 (saving after SAVE_AT steps when `save`), or from the checkpoint `load`; the
     losses of the steps taken and, after a load, the step counter it restored."""
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
@@ -69,7 +70,7 @@ def run(strategy: Any, precision: str = "32-true", *, seed: int = SEED, save: Pa
     if load is not None:
         fabric.load(load, state)
     result: dict[str, Any] = {"losses": [], "start": state["step"]}
-    for x, y in batches(fabric)[state["step"]:]:
+    for x, y in batches(fabric)[state["step"] :]:
         loss = nn.functional.mse_loss(model(x).float(), y.float())
         fabric.backward(loss)
         if not isinstance(strategy, CPUFabricDeepSpeedStrategy):

@@ -80,8 +80,9 @@ class Regressor(pl.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self(x).float(), y.float()), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr,
-                                      weight_decay=0.01)
+        optimizer = torch.optim.AdamW(
+            [p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr, weight_decay=0.01
+        )
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
@@ -95,9 +96,14 @@ class SummaryProbe(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         summary = DeepSpeedSummary(pl_module, max_depth=-1)
         columns = dict(summary._get_summary_data())  # the table Lightning prints
-        self.seen = {"total": summary.total_parameters, "trainable": summary.trainable_parameters,
-                     "layers": columns["Name"],
-                     "per_device": columns["Params per Device"], "params": columns["Params"], "text": str(summary)}
+        self.seen = {
+            "total": summary.total_parameters,
+            "trainable": summary.trainable_parameters,
+            "layers": columns["Name"],
+            "per_device": columns["Params per Device"],
+            "params": columns["Params"],
+            "text": str(summary),
+        }
 
 
 def loader() -> DataLoader:
@@ -106,15 +112,32 @@ def loader() -> DataLoader:
     return DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
-def fit(strategy: Any, *, precision: str = "32-true", epochs: int = EPOCHS, accumulate: int = 1,
-        ckpt_path: str | None = None, callbacks: list[pl.Callback] | None = None) -> tuple[pl.Trainer, Regressor]:
+def fit(
+    strategy: Any,
+    *,
+    precision: str = "32-true",
+    epochs: int = EPOCHS,
+    accumulate: int = 1,
+    ckpt_path: str | None = None,
+    callbacks: list[pl.Callback] | None = None,
+) -> tuple[pl.Trainer, Regressor]:
     """Clipping only without accumulation: with accumulate_grad_batches=k Lightning divides the loss by k
     and DeepSpeed's backward divides it again (real DeepSpeed too), so the norm the engine clips is
     1/k of DDP's; AdamW itself does not see the scale."""
     model = Regressor()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_epochs=epochs,
-                         accumulate_grad_batches=accumulate, gradient_clip_val=CLIP if accumulate == 1 else None,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision=precision,
+        max_epochs=epochs,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=CLIP if accumulate == 1 else None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=callbacks,
+    )
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
     return trainer, model
 
@@ -130,8 +153,14 @@ def deepspeed(stage: int, **kwargs: Any) -> CPUDeepSpeedStrategy:
         return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo", **kwargs)
     # As users write a stage-3 config: threshold 0 partitions every parameter (the default would keep this
     # tiny model whole on every rank).
-    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": BUCKET, "stage3_prefetch_bucket_size": BUCKET}}
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": BUCKET,
+            "stage3_prefetch_bucket_size": BUCKET,
+        }
+    }
     return CPUDeepSpeedStrategy(config=config, process_group_backend="gloo", **kwargs)
 
 
@@ -166,8 +195,10 @@ def main(out: Path) -> None:
         report["converted_keys"] = sorted(converted)
         restored = Regressor.load_from_checkpoint(out / "final.pt", strict=False)
         report["restored_equals_converted"] = all(
-            torch.equal(value, converted["state_dict"][name]) for name, value in restored.state_dict().items()
-            if name in converted["state_dict"])
+            torch.equal(value, converted["state_dict"][name])
+            for name, value in restored.state_dict().items()
+            if name in converted["state_dict"]
+        )
     dist.barrier()
 
     for stage in (1, 2, 3):

@@ -47,10 +47,19 @@ def save_init(folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tokenizer()
-    config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(SEED)
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -72,8 +81,9 @@ def dpo_data() -> Any:
 
     rng = random.Random(SEED + 1)
     rows = [(words(rng, 2), words(rng, rng.randint(1, 3)), words(rng, rng.randint(1, 3))) for _ in range(SAMPLES)]
-    return Dataset.from_dict({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows],
-                              "rejected": [r[2] for r in rows]})
+    return Dataset.from_dict(
+        {"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows], "rejected": [r[2] for r in rows]}
+    )
 
 
 def on_disk(data: Any, folder: Path) -> Any:
@@ -92,14 +102,27 @@ def on_disk(data: Any, folder: Path) -> Any:
 def common_args(out: Path, deepspeed: str | None) -> dict[str, Any]:
     """What every trainer shares: 4 steps of 4 examples per rank, logged every step, fp32 (TRL's default is
     bf16), seed fixed."""
-    return {"output_dir": str(out), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
-            "max_steps": 4, "learning_rate": 1e-2, "lr_scheduler_type": "constant", "logging_steps": 1,
-            "report_to": "none", "save_strategy": "no", "disable_tqdm": True, "seed": SEED, "data_seed": SEED,
-            "deepspeed": deepspeed, "dataloader_num_workers": 0, "bf16": False,
-            # On a CPU machine Accelerate counts one process unless told use_cpu (then gloo, DDP without DeepSpeed),
-            # and with DeepSpeed its batch arithmetic would disagree with the engine's world size (as for
-            # examples/hf_trainer.py).
-            "use_cpu": True}
+    return {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 4,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "seed": SEED,
+        "data_seed": SEED,
+        "deepspeed": deepspeed,
+        "dataloader_num_workers": 0,
+        "bf16": False,
+        # On a CPU machine Accelerate counts one process unless told use_cpu (then gloo, DDP without DeepSpeed),
+        # and with DeepSpeed its batch arithmetic would disagree with the engine's world size (as for
+        # examples/hf_trainer.py).
+        "use_cpu": True,
+    }
 
 
 def wrapping(model: Any) -> dict[str, Any]:
@@ -139,8 +162,11 @@ def run_sft(model: str, out: Path, deepspeed: str | None) -> dict[str, Any]:
     args = SFTConfig(**common_args(out, deepspeed), max_length=48)
     trainer = SFTTrainer(model=model, args=args, train_dataset=sft_data())
     trainer.train()
-    return {"log_history": trainer.state.log_history, "model": wrapping(trainer.model_wrapped),
-            "lm_head_statuses": sorted(set(LM_HEAD_STATUSES))}
+    return {
+        "log_history": trainer.state.log_history,
+        "model": wrapping(trainer.model_wrapped),
+        "lm_head_statuses": sorted(set(LM_HEAD_STATUSES)),
+    }
 
 
 def run_dpo(model: str, out: Path, deepspeed: str | None, precompute: bool = False) -> dict[str, Any]:
@@ -150,8 +176,11 @@ def run_dpo(model: str, out: Path, deepspeed: str | None, precompute: bool = Fal
     # GatheredParameters of both engines, modifier_rank=0), so steps 3-4 also check that write.
     # precompute_ref_log_probs: no reference model; TRL wraps the policy itself in an inference engine
     # (prepare_deepspeed) for a pass over the data before training wraps it again.
-    options = ({"precompute_ref_log_probs": True} if precompute else
-               {"sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5})
+    options = (
+        {"precompute_ref_log_probs": True}
+        if precompute
+        else {"sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5}
+    )
     args = DPOConfig(**common_args(out, deepspeed), max_length=48, beta=0.5, **options)
     data = dpo_data()
     if precompute:  # TRL writes the precomputed log-probs into the data set's cache folder on rank 0 for all ranks
@@ -162,8 +191,12 @@ def run_dpo(model: str, out: Path, deepspeed: str | None, precompute: bool = Fal
         trainer.train()
     except UnsupportedFeatureError as e:  # precompute at ZeRO-3: the policy held by the log-prob pass's engine
         return {"refused": str(e)}
-    return {"log_history": trainer.state.log_history, "model": wrapping(trainer.model_wrapped), "ref_model": ref,
-            "lm_head_statuses": sorted(set(LM_HEAD_STATUSES))}
+    return {
+        "log_history": trainer.state.log_history,
+        "model": wrapping(trainer.model_wrapped),
+        "ref_model": ref,
+        "lm_head_statuses": sorted(set(LM_HEAD_STATUSES)),
+    }
 
 
 def reward_length(completions: list[str], **_: Any) -> list[float]:
@@ -178,8 +211,12 @@ def run_grpo(model: str, out: Path, deepspeed: str | None, gather: bool) -> dict
 
     rng = random.Random(SEED + 2)
     data = Dataset.from_dict({"prompt": [words(rng, 2) for _ in range(SAMPLES)]})
-    args = GRPOConfig(**{**common_args(out, deepspeed), "max_steps": 2}, num_generations=4,
-                      max_completion_length=8, ds3_gather_for_generation=gather)
+    args = GRPOConfig(
+        **{**common_args(out, deepspeed), "max_steps": 2},
+        num_generations=4,
+        max_completion_length=8,
+        ds3_gather_for_generation=gather,
+    )
     trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward_length, train_dataset=data)
     try:
         trainer.train()

@@ -15,8 +15,12 @@ RANK = int(os.environ["RANK"])
 
 
 def config(**extra: object) -> dict:
-    return {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": 1}, **extra}
+    return {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 1},
+        **extra,
+    }
 
 
 def outcome(cfg: dict) -> str:
@@ -40,6 +44,15 @@ for _ in range(3):
     # Refused on rank 1 only, before any collective: rank 0 must hear of it instead of hanging.
     results.append(outcome(config(train_batch_sizee=4) if RANK == 1 else config()))
     results.append(outcome(config()))
-print(json.dumps({"rank": RANK, "results": results, "group_left": torch.distributed.is_initialized(),
-                  "config_error_is_value_error": issubclass(ConfigError, ValueError)}), flush=True)
+print(
+    json.dumps(
+        {
+            "rank": RANK,
+            "results": results,
+            "group_left": torch.distributed.is_initialized(),
+            "config_error_is_value_error": issubclass(ConfigError, ValueError),
+        }
+    ),
+    flush=True,
+)
 sys.exit(0)

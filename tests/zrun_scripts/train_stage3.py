@@ -21,9 +21,14 @@ def main() -> None:
                 h = torch.tanh(block(h))
             return h
 
-    eng, *_ = engine.initialize(model=Net(), config={
-        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3}})
+    eng, *_ = engine.initialize(
+        model=Net(),
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3},
+        },
+    )
     for _ in range(3):
         eng.backward(eng(torch.randn(4, 8)).square().mean())
         eng.step()

@@ -8,7 +8,8 @@ try:
 except ImportError as _err:  # the engine is installed from its repository, not by this package
     raise ImportError(
         "this `deepspeed` is zero-engine's compatibility package and needs zero-engine itself: "
-        "pip install -e <zero-engine checkout> (then pip install <checkout>/compat/deepspeed)") from _err
+        "pip install -e <zero-engine checkout> (then pip install <checkout>/compat/deepspeed)"
+    ) from _err
 
 from deepspeed import accelerator, checkpoint, checkpointing, comm, ops, runtime, utils, zero
 from engine import add_config_arguments, init_distributed, initialize

@@ -37,17 +37,42 @@ Pieces = dict[str, list[dict[str, Any]]]
 """Parameter name -> its pieces in one rank's file: {"offset", "master" | "model", "exp_avg", ...}."""
 
 # The keys of DeepSpeed's own in a model-states file; the others are the client_state it was given.
-DEEPSPEED_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "csr_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "iteration", "universal_checkpoint_info"})
+DEEPSPEED_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "csr_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+        "iteration",
+        "universal_checkpoint_info",
+    }
+)
 # torch's switches for how an optimizer step runs in DeepSpeed's process: no part of the training state.
 _RUN_SWITCHES = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
 
 def model_states_name(stage3_rank: int | None) -> str:
-    return "mp_rank_00_model_states.pt" if stage3_rank is None else f"zero_pp_rank_{stage3_rank}_mp_rank_00_model_states.pt"
+    return (
+        "mp_rank_00_model_states.pt"
+        if stage3_rank is None
+        else f"zero_pp_rank_{stage3_rank}_mp_rank_00_model_states.pt"
+    )
 
 
 def optim_states_name(rank: int, bf16: bool) -> str:
@@ -57,7 +82,8 @@ def optim_states_name(rank: int, bf16: bool) -> str:
 def is_deepspeed_tag_dir(tag_dir: str) -> bool:
     """A tag directory written by DeepSpeed (its model-states file, no manifest of the engine's)."""
     return not os.path.exists(os.path.join(tag_dir, "manifest.json")) and any(
-        os.path.isfile(os.path.join(tag_dir, model_states_name(r))) for r in (None, 0))
+        os.path.isfile(os.path.join(tag_dir, model_states_name(r))) for r in (None, 0)
+    )
 
 
 @dataclass
@@ -99,7 +125,9 @@ def convert(tag_dir: str) -> Converted:
     shapes = _param_shapes(head, tag_dir)
     frozen_shapes = {n: list(s) for n, s in (head.get("frozen_param_shapes") or {}).items()}
     if stage3:
-        rank_heads = [head] + [load_deepspeed_file(os.path.join(tag_dir, model_states_name(r))) for r in range(1, world)]
+        rank_heads = [head] + [
+            load_deepspeed_file(os.path.join(tag_dir, model_states_name(r))) for r in range(1, world)
+        ]
         pieces, scalars, groups = _stage3_pieces(tag_dir, optim, shapes)
         frozen = _stage3_frozen(rank_heads, frozen_shapes, world)
     else:
@@ -108,32 +136,50 @@ def convert(tag_dir: str) -> Converted:
         whole.update({n: module[n] for n in frozen_shapes if n in module})
     params = {n: list(s) for group in shapes for n, s in group.items()} | frozen_shapes
     trainable = {n for group in shapes for n in group}
-    return Converted(world, stage, params, trainable, pieces, frozen, scalars, whole,
-                     _head(head, groups, _loss_scaler(osd.get("loss_scaler"), head)), _aliases(head))
+    return Converted(
+        world,
+        stage,
+        params,
+        trainable,
+        pieces,
+        frozen,
+        scalars,
+        whole,
+        _head(head, groups, _loss_scaler(osd.get("loss_scaler"), head)),
+        _aliases(head),
+    )
 
 
 def _check_supported(tag_dir: str, head: dict[str, Any]) -> None:
     mp = head.get("mp_world_size", 1)
     if mp != 1 or os.path.exists(os.path.join(tag_dir, "mp_rank_01_model_states.pt")):
-        raise CheckpointError(f"{tag_dir} was saved by DeepSpeed with tensor (model) parallel size {mp}; this engine "
-                              "reads DeepSpeed checkpoints saved without tensor parallelism only (mp_world_size 1)")
+        raise CheckpointError(
+            f"{tag_dir} was saved by DeepSpeed with tensor (model) parallel size {mp}; this engine "
+            "reads DeepSpeed checkpoints saved without tensor parallelism only (mp_world_size 1)"
+        )
     if any(name.startswith("layer_") for name in os.listdir(tag_dir)):
-        raise CheckpointError(f"{tag_dir} was saved by DeepSpeed's pipeline engine (layer_*-model_states.pt files), "
-                              "which this engine does not read")
+        raise CheckpointError(
+            f"{tag_dir} was saved by DeepSpeed's pipeline engine (layer_*-model_states.pt files), "
+            "which this engine does not read"
+        )
 
 
 def _int(data: dict[str, Any], key: str, where: str) -> int:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"{where}: DeepSpeed's model states have {key}={value!r}, not a positive integer; the "
-                              "checkpoint is corrupted or not DeepSpeed's")
+        raise CheckpointError(
+            f"{where}: DeepSpeed's model states have {key}={value!r}, not a positive integer; the "
+            "checkpoint is corrupted or not DeepSpeed's"
+        )
     return value
 
 
 def _mapping(value: Any, key: str, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise CheckpointError(f"{where}: DeepSpeed's {key!r} is a {type(value).__name__}, not a dict; the checkpoint "
-                              "is corrupted or from a DeepSpeed version this engine does not read")
+        raise CheckpointError(
+            f"{where}: DeepSpeed's {key!r} is a {type(value).__name__}, not a dict; the checkpoint "
+            "is corrupted or from a DeepSpeed version this engine does not read"
+        )
     return value
 
 
@@ -142,17 +188,21 @@ def _optim_states(tag_dir: str, rank: int, world: int) -> dict[str, Any]:
     names = [optim_states_name(rank, bf16) for bf16 in (False, True)]
     found = next((n for n in names if os.path.isfile(os.path.join(tag_dir, n))), None)
     if found is None:
-        raise CheckpointError(f"{tag_dir}: the optimizer states of data-parallel rank {rank} ({names[0]} or "
-                              f"{names[1]}) are missing; DeepSpeed saved this checkpoint at {world} data-parallel "
-                              "ranks (dp_world_size) and each wrote one; copy the whole tag directory")
+        raise CheckpointError(
+            f"{tag_dir}: the optimizer states of data-parallel rank {rank} ({names[0]} or "
+            f"{names[1]}) are missing; DeepSpeed saved this checkpoint at {world} data-parallel "
+            "ranks (dp_world_size) and each wrote one; copy the whole tag directory"
+        )
     return load_deepspeed_file(os.path.join(tag_dir, found))
 
 
 def _param_shapes(head: dict[str, Any], tag_dir: str) -> list[dict[str, list[int]]]:
     shapes = head.get("param_shapes")
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
-        raise CheckpointError(f"{tag_dir}: DeepSpeed's param_shapes is {type(shapes).__name__}, not a list of dicts "
-                              "per optimizer group; the checkpoint is corrupted")
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed's param_shapes is {type(shapes).__name__}, not a list of dicts "
+            "per optimizer group; the checkpoint is corrupted"
+        )
     return [{n: list(s) for n, s in group.items()} for group in shapes]
 
 
@@ -172,14 +222,15 @@ def _like_partition(value: Any, numel: int) -> bool:
 
 
 def _piece(offset: int, flat: torch.Tensor, moments: dict[str, torch.Tensor], lo: int, n: int) -> dict[str, Any]:
-    entry = {"offset": offset, "master": flat[lo:lo + n].float()}
-    entry.update({k: v[lo:lo + n].float() for k, v in moments.items()})
+    entry = {"offset": offset, "master": flat[lo : lo + n].float()}
+    entry.update({k: v[lo : lo + n].float() for k, v in moments.items()})
     return entry
 
 
 # ------------------------------------------------------------------------------------- stages 1-2
-def _stage12_pieces(tag_dir: str, optim: list[dict[str, Any]], shapes: list[dict[str, list[int]]]
-                    ) -> tuple[list[Pieces], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+def _stage12_pieces(
+    tag_dir: str, optim: list[dict[str, Any]], shapes: list[dict[str, list[int]]]
+) -> tuple[list[Pieces], dict[int, dict[str, Any]], list[dict[str, Any]]]:
     """See [Note: where DeepSpeed's partitions put a parameter]."""
     osds = [o["optimizer_state_dict"] for o in optim]
     partitions = [_list(o, "single_partition_of_fp32_groups", tag_dir) for o in osds]
@@ -214,14 +265,17 @@ def _spans(group: dict[str, list[int]], paddings: list[int]) -> list[tuple[str, 
 def _list(osd: dict[str, Any], key: str, tag_dir: str) -> list[torch.Tensor]:
     value = osd.get(key)
     if not isinstance(value, list) or not all(torch.is_tensor(t) for t in value):
-        raise CheckpointError(f"{tag_dir}: DeepSpeed's optimizer state has no list of tensors {key!r}; the checkpoint "
-                              "is corrupted or from a DeepSpeed version this engine does not read")
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed's optimizer state has no list of tensors {key!r}; the checkpoint "
+            "is corrupted or from a DeepSpeed version this engine does not read"
+        )
     return value
 
 
 # ---------------------------------------------------------------------------------------- stage 3
-def _stage3_pieces(tag_dir: str, optim: list[dict[str, Any]], shapes: list[dict[str, list[int]]]
-                   ) -> tuple[list[Pieces], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+def _stage3_pieces(
+    tag_dir: str, optim: list[dict[str, Any]], shapes: list[dict[str, list[int]]]
+) -> tuple[list[Pieces], dict[int, dict[str, Any]], list[dict[str, Any]]]:
     """See [Note: where DeepSpeed's partitions put a parameter]."""
     world = len(optim)
     order = [(n, math.prod(s)) for group in shapes for n, s in group.items()]
@@ -241,8 +295,10 @@ def _stage3_pieces(tag_dir: str, optim: list[dict[str, Any]], shapes: list[dict[
                 group, offset = group + 1, offset - flats[group].numel()
             held = max(0, min(cut, numel - r * cut))  # the last ranks' cuts are (partly) padding
             if group >= len(flats) or offset + cut > flats[group].numel():
-                raise CheckpointError(f"{tag_dir}: rank {r}'s fp32 partition is too short for parameter {name!r} "
-                                      "(param_shapes lists more than the file holds); the checkpoint is corrupted")
+                raise CheckpointError(
+                    f"{tag_dir}: rank {r}'s fp32 partition is too short for parameter {name!r} "
+                    "(param_shapes lists more than the file holds); the checkpoint is corrupted"
+                )
             if held:
                 pieces[r].setdefault(name, []).append(_piece(r * cut, flats[group], moments[group], offset, held))
             offset += cut
@@ -265,24 +321,29 @@ def _stage3_frozen(rank_heads: list[dict[str, Any]], shapes: dict[str, list[int]
 
 
 # ---------------------------------------------------------------------------------------- stage 0
-def _convert_stage0(tag_dir: str, head: dict[str, Any], module: dict[str, Any], whole: dict[str, torch.Tensor],
-                    world: int) -> Converted:
+def _convert_stage0(
+    tag_dir: str, head: dict[str, Any], module: dict[str, Any], whole: dict[str, torch.Tensor], world: int
+) -> Converted:
     """Stage 0: the model file holds the module and the torch optimizer's own state dict, whose
     parameters are numbered in the order the optimizer was given them: module.parameters()'s order."""
     names = [n for n in module if n not in whole]
     opt = head.get("optimizer")
     if isinstance(opt, dict) and ("fp32_groups_flat" in opt or "optimizer_state_dict" in opt):
-        raise CheckpointError(f"{tag_dir} was saved by DeepSpeed at stage 0 with fp16 or bf16 (its FP16_Optimizer's "
-                              "flat fp32 groups); this engine reads stage 0 checkpoints in fp32 only, and stages 1-3 "
-                              "in every precision")
+        raise CheckpointError(
+            f"{tag_dir} was saved by DeepSpeed at stage 0 with fp16 or bf16 (its FP16_Optimizer's "
+            "flat fp32 groups); this engine reads stage 0 checkpoints in fp32 only, and stages 1-3 "
+            "in every precision"
+        )
     state: dict[int, dict[str, Any]] = opt.get("state", {}) if isinstance(opt, dict) else {}
     groups = opt.get("param_groups", []) if isinstance(opt, dict) else []
     numbered = [i for g in groups for i in g.get("params", [])]
     if numbered and len(numbered) != len(names):
-        raise CheckpointError(f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {len(numbered)} parameters, the module "
-                              f"{len(names)}; the engine maps them by position, which needs the optimizer to have been "
-                              "given every parameter of the module (deepspeed.initialize(model_parameters="
-                              "model.parameters()))")
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {len(numbered)} parameters, the module "
+            f"{len(names)}; the engine maps them by position, which needs the optimizer to have been "
+            "given every parameter of the module (deepspeed.initialize(model_parameters="
+            "model.parameters()))"
+        )
     pieces: Pieces = {}
     scalars: dict[int, dict[str, Any]] = {}
     index = {i: g for g, group in enumerate(groups) for i in group.get("params", [])}
@@ -293,8 +354,18 @@ def _convert_stage0(tag_dir: str, head: dict[str, Any], module: dict[str, Any], 
         pieces[name] = [_piece(0, flat, _moments(s, flat.numel()), 0, flat.numel())]
     rest: list[Pieces] = [{} for _ in range(world - 1)]
     shapes = {n: list(module[n].shape) for n in names}
-    return Converted(world, 0, shapes, set(names), [pieces, *rest], [{} for _ in range(world)], scalars, whole,
-                     _head(head, groups, None), _aliases(head))
+    return Converted(
+        world,
+        0,
+        shapes,
+        set(names),
+        [pieces, *rest],
+        [{} for _ in range(world)],
+        scalars,
+        whole,
+        _head(head, groups, None),
+        _aliases(head),
+    )
 
 
 # ------------------------------------------------------------------------------------------- head
@@ -304,9 +375,12 @@ def _head(head: dict[str, Any], groups: list[dict[str, Any]], loss_scaler: dict[
     config = config if isinstance(config, dict) else {}
     steps = int(head.get("global_steps", 0))
     return {
-        "engine": {"global_steps": steps, "global_samples": int(head.get("global_samples", 0)),
-                   "skipped_steps": int(head.get("skipped_steps", 0)),
-                   "micro_steps": steps * int(config.get("gradient_accumulation_steps", 1) or 1)},
+        "engine": {
+            "global_steps": steps,
+            "global_samples": int(head.get("global_samples", 0)),
+            "skipped_steps": int(head.get("skipped_steps", 0)),
+            "micro_steps": steps * int(config.get("gradient_accumulation_steps", 1) or 1),
+        },
         "lr_scheduler": head.get("lr_scheduler"),
         "loss_scaler": loss_scaler,
         "param_groups": [{k: v for k, v in g.items() if k not in _RUN_SWITCHES} for g in groups],
@@ -320,10 +394,14 @@ def _loss_scaler(saved: Any, head: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(saved, DeepSpeedObject):
         return None
     dynamic = bool(saved.get("dynamic", False))
-    return {"dynamic": dynamic, "scale": float(saved.get("cur_scale", 1.0)), "iterations": int(saved.get("cur_iter", 0)),
-            "skipped_steps": int(head.get("skipped_steps", 0)),
-            "last_overflow_iter": int(saved.get("last_overflow_iter", -1) if dynamic else -1),
-            "hysteresis_left": int(saved.get("cur_hysteresis", 1) if dynamic else 1)}
+    return {
+        "dynamic": dynamic,
+        "scale": float(saved.get("cur_scale", 1.0)),
+        "iterations": int(saved.get("cur_iter", 0)),
+        "skipped_steps": int(head.get("skipped_steps", 0)),
+        "last_overflow_iter": int(saved.get("last_overflow_iter", -1) if dynamic else -1),
+        "hysteresis_left": int(saved.get("cur_hysteresis", 1) if dynamic else 1),
+    }
 
 
 def _aliases(head: dict[str, Any]) -> dict[str, str]:

@@ -38,9 +38,11 @@ class DeepSpeedReader(PieceReader):
             here = list(full_shape(p))
             there = saved.get(self.converted.aliases.get(name, name))
             if there is not None and there != here:
-                raise CheckpointError(f"DeepSpeed checkpoint {self.tag_dir} is of another model: parameter {name!r} "
-                                      f"has shape {there} there and {here} here; load it into the model it was "
-                                      "saved from")
+                raise CheckpointError(
+                    f"DeepSpeed checkpoint {self.tag_dir} is of another model: parameter {name!r} "
+                    f"has shape {there} there and {here} here; load it into the model it was "
+                    "saved from"
+                )
 
 
 def open_reader(tag_dir: str, module: torch.nn.Module) -> PieceReader:
@@ -64,8 +66,15 @@ def _manifest(c: Converted) -> dict[str, Any]:
         rows.append(row)
     params = {n: {"shape": s, "dtype": "float32", "trainable": n in c.trainable} for n, s in c.params.items()}
     _check_complete(c, rows)
-    return {"format_version": 1, "world_size": c.world_size, "stage": c.stage, "params": params, "pieces": rows,
-            "aliases": c.aliases, "exclude_frozen_parameters": False}
+    return {
+        "format_version": 1,
+        "world_size": c.world_size,
+        "stage": c.stage,
+        "params": params,
+        "pieces": rows,
+        "aliases": c.aliases,
+        "exclude_frozen_parameters": False,
+    }
 
 
 def _check_complete(c: Converted, rows: list[list[tuple[str, str, int, int]]]) -> None:
@@ -78,9 +87,11 @@ def _check_complete(c: Converted, rows: list[list[tuple[str, str, int, int]]]) -
                 held[name] = held.get(name, 0) + numel
     for name in sorted(c.trainable):
         if held.get(name, 0) != math.prod(c.params[name]):
-            raise CheckpointError(f"DeepSpeed checkpoint: the optimizer files hold {held.get(name, 0)} elements of "
-                                  f"parameter {name!r}, its shape {c.params[name]} has {math.prod(c.params[name])}; "
-                                  "the checkpoint is corrupted or incomplete")
+            raise CheckpointError(
+                f"DeepSpeed checkpoint: the optimizer files hold {held.get(name, 0)} elements of "
+                f"parameter {name!r}, its shape {c.params[name]} has {math.prod(c.params[name])}; "
+                "the checkpoint is corrupted or incomplete"
+            )
 
 
 def _files(c: Converted) -> dict[str, dict[str, Any]]:

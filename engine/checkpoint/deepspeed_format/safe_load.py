@@ -83,18 +83,24 @@ def load_deepspeed_file(path: str) -> dict[str, Any]:
     """One DeepSpeed file, memory-mapped, DeepSpeed's objects as stand-ins. A missing, truncated or
     refused file is a CheckpointError naming it (and, when refused, the global it holds)."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing; the DeepSpeed checkpoint is incomplete (a rank's file was not "
-                              "written or not copied); load another tag")
+        raise CheckpointError(
+            f"{path} is missing; the DeepSpeed checkpoint is incomplete (a rank's file was not "
+            "written or not copied); load another tag"
+        )
     try:
         with torch.serialization.safe_globals(list(_STAND_INS)):
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{path} holds an object this engine does not read from a DeepSpeed checkpoint "
-                              f"({_refused_global(err)}); it was not loaded and nothing in it was run. The "
-                              f"objects read are DeepSpeed's {', '.join(name for _, name in _STAND_INS)}") from None
+        raise CheckpointError(
+            f"{path} holds an object this engine does not read from a DeepSpeed checkpoint "
+            f"({_refused_global(err)}); it was not loaded and nothing in it was run. The "
+            f"objects read are DeepSpeed's {', '.join(name for _, name in _STAND_INS)}"
+        ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(f"{path} cannot be read ({os.path.getsize(path)} bytes): {str(err).splitlines()[0]}; the "
-                              "file is truncated or corrupted; load another tag") from None
+        raise CheckpointError(
+            f"{path} cannot be read ({os.path.getsize(path)} bytes): {str(err).splitlines()[0]}; the "
+            "file is truncated or corrupted; load another tag"
+        ) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not a DeepSpeed checkpoint state dict")
     return data

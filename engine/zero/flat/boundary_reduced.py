@@ -24,8 +24,14 @@ from engine.zero.flat.stage import Bucket, FlatStage
 
 
 class BoundaryReducedStage(FlatStage):
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: EngineConfig,
+        precision: Precision,
+        parallel: ParallelGroups | None = None,
+    ) -> None:
         self._grad_flat: dict[int, torch.Tensor] = {}
         self._view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat gradient buffer
         super().__init__(module, optimizer, config, precision, parallel)
@@ -34,12 +40,13 @@ class BoundaryReducedStage(FlatStage):
 
     def _allocate_gradients(self) -> None:
         for g in self.groups:
-            flat = torch.zeros(g.layout.padded_numel, dtype=self.precision.grad_accum_dtype(g.dtype),
-                               device=g.flat.device)
+            flat = torch.zeros(
+                g.layout.padded_numel, dtype=self.precision.grad_accum_dtype(g.dtype), device=g.flat.device
+            )
             self._grad_flat[g.index] = flat
             g.shard_grad = g.shard_view(flat)  # the reduction lands in place in these slices
             for p, span in zip(g.params, g.layout.params):
-                self._view[id(p)] = flat[span.offset:span.end].view(p.shape)
+                self._view[id(p)] = flat[span.offset : span.end].view(p.shape)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         g, i = self._where[id(param)]
@@ -93,7 +100,8 @@ class BoundaryReducedStage(FlatStage):
             raise RuntimeError(
                 "backward() ran again at an accumulation boundary whose gradients were already reduced; call "
                 "engine.step() after each boundary backward (or raise gradient_accumulation_steps to accumulate "
-                "more micro-batches)")
+                "more micro-batches)"
+            )
         self._reduce_in_backward = boundary and sync
 
     def finish_backward(self) -> None:

@@ -35,13 +35,21 @@ def bucket_bytes(link: comm.LinkSpeed) -> int:
 def reason(link: comm.LinkSpeed) -> str:
     """Why bucket_bytes(link) is what it is, for the log line."""
     if link.rejected is not None:
-        return (f"the link measurement was implausible ({link.rejected}), so the fallback "
-                f"{FALLBACK_BUCKET_BYTES >> 20} MiB")
+        return (
+            f"the link measurement was implausible ({link.rejected}), so the fallback {FALLBACK_BUCKET_BYTES >> 20} MiB"
+        )
     raw = link.latency_s * link.bandwidth_Bps * (1 - LATENCY_SHARE) / LATENCY_SHARE
-    bound = (f", raised to the {MIN_BUCKET_BYTES >> 20} MiB minimum" if raw < MIN_BUCKET_BYTES else
-             f", cut to the {MAX_BUCKET_BYTES >> 20} MiB maximum" if raw > MAX_BUCKET_BYTES else "")
-    return (f"from the measured link: latency {link.latency_s * 1e6:.0f} us, {link.bandwidth_Bps / 1e9:.2f} GB/s "
-            f"per rank ({(1 - LATENCY_SHARE) / LATENCY_SHARE:.0f}x the latency's worth of bytes{bound})")
+    bound = (
+        f", raised to the {MIN_BUCKET_BYTES >> 20} MiB minimum"
+        if raw < MIN_BUCKET_BYTES
+        else f", cut to the {MAX_BUCKET_BYTES >> 20} MiB maximum"
+        if raw > MAX_BUCKET_BYTES
+        else ""
+    )
+    return (
+        f"from the measured link: latency {link.latency_s * 1e6:.0f} us, {link.bandwidth_Bps / 1e9:.2f} GB/s "
+        f"per rank ({(1 - LATENCY_SHARE) / LATENCY_SHARE:.0f}x the latency's worth of bytes{bound})"
+    )
 
 
 def resolve(zero: ZeroConfig, element_size: int, dp_size: int, *, gathers: bool = True) -> tuple[int, int]:
@@ -61,6 +69,12 @@ def resolve(zero: ZeroConfig, element_size: int, dp_size: int, *, gathers: bool 
     chosen = (reduce or measured, gather or measured)
     if comm.get_rank() == 0:
         unset = [k for k, v in (("reduce_bucket_size", reduce), ("allgather_bucket_size", gather)) if v is None]
-        logger.info("bucket size %d elements (%.1f MiB) for %s: %s; set zero_optimization.%s to choose", measured,
-                    measured * element_size / 2**20, " and ".join(unset), reason(link), unset[0])
+        logger.info(
+            "bucket size %d elements (%.1f MiB) for %s: %s; set zero_optimization.%s to choose",
+            measured,
+            measured * element_size / 2**20,
+            " and ".join(unset),
+            reason(link),
+            unset[0],
+        )
     return chosen

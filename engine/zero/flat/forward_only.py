@@ -43,8 +43,10 @@ class ForwardOnly:
         """Every parameter whole, as a frozen record (no optimizer state); the first rank of each
         data-parallel group writes (rank 0 without tensor parallelism)."""
         write = self.parallel.dp_rank == 0
-        return [ShardRecord(p, [NamedPiece(name, 0, 0, p.numel())], None, write)
-                for name, p in self._module.named_parameters()]
+        return [
+            ShardRecord(p, [NamedPiece(name, 0, 0, p.numel())], None, write)
+            for name, p in self._module.named_parameters()
+        ]
 
     def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
         return whole_state_dict(self._module.state_dict(keep_vars=True), self.parallel, device)

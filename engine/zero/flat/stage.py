@@ -89,8 +89,14 @@ class FlatStage:
     """Each rank owns one slice of every bucket (stages 1-2), or keeps the whole of it (stage 0). Read
     here only, to lay the groups out and to choose reduce-scatter or all-reduce."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: EngineConfig,
+        precision: Precision,
+        parallel: ParallelGroups | None = None,
+    ) -> None:
         self.optimizer = optimizer  # never None: the flat stages always train
         self.precision = precision
         self.module = module
@@ -106,10 +112,12 @@ class FlatStage:
         self._scatter = self.partitioned and zero.reduce_scatter
         self._allgather_partitions = zero.allgather_partitions
         wire_size = max((precision.wire_dtype(p.dtype).itemsize for p in module.parameters()), default=4)
-        reduce_size, self._allgather_limit = bucket_sizes.resolve(zero, wire_size, self.parallel.dp_size,
-                                                                  gathers=self.partitioned)
-        self.groups: list[FlatGroup] = build_flat_groups(module, optimizer, world_size=shards, rank=self._rank,
-                                                         bucket_size=reduce_size)
+        reduce_size, self._allgather_limit = bucket_sizes.resolve(
+            zero, wire_size, self.parallel.dp_size, gathers=self.partitioned
+        )
+        self.groups: list[FlatGroup] = build_flat_groups(
+            module, optimizer, world_size=shards, rank=self._rank, bucket_size=reduce_size
+        )
         self._allocate_gradients()
         self._bind_optimizer(config)
         self._norm_scope = NormScope.of(self.parallel, partitioned=shards > 1)
@@ -180,11 +188,14 @@ class FlatStage:
         if bk.data is not None:
             return bk.data
         while self.pool.in_use >= self._max_buffers:
-            in_flight = next((x for x in self.buckets[:self._launcher.next] if x.pending is not None), None)
+            in_flight = next((x for x in self.buckets[: self._launcher.next] if x.pending is not None), None)
             if in_flight is None:
                 if not self._grew:
-                    logger.debug("stage %d: gradients arrive out of bucket order; bucket pool grows beyond %d",
-                                 self.stage, self._max_buffers)
+                    logger.debug(
+                        "stage %d: gradients arrive out of bucket order; bucket pool grows beyond %d",
+                        self.stage,
+                        self._max_buffers,
+                    )
                     self._grew = True
                 break
             self._finish(in_flight)
@@ -207,15 +218,27 @@ class FlatStage:
         g = bk.group
         start, end = g.layout.bucket_range(bk.b)
         bk.pending = shard_reduce.start(
-            bk.data, g.shard_grad[bk.b], written=g.grad_written[bk.b], rank=self._rank, averaging=self._averaging,
-            scatter=self._scatter, key=bk.order, real=min(end, g.layout.numel) - start, group=self._group)
+            bk.data,
+            g.shard_grad[bk.b],
+            written=g.grad_written[bk.b],
+            rank=self._rank,
+            averaging=self._averaging,
+            scatter=self._scatter,
+            key=bk.order,
+            real=min(end, g.layout.numel) - start,
+            group=self._group,
+        )
 
     def _finish(self, bk: Bucket) -> None:
         if bk.pending is None:
             return
         g = bk.group
-        shard_reduce.finish(bk.pending, g.shard_grad[bk.b], written=g.grad_written[bk.b],
-                            what=f"gradient reduction of bucket {bk.order} (group {g.index}, bucket {bk.b})")
+        shard_reduce.finish(
+            bk.pending,
+            g.shard_grad[bk.b],
+            written=g.grad_written[bk.b],
+            what=f"gradient reduction of bucket {bk.order} (group {g.index}, bucket {bk.b})",
+        )
         bk.pending = None
         g.grad_written[bk.b] = True
         if bk.pooled:
@@ -238,8 +261,9 @@ class FlatStage:
         """A gradient of parameter i arrived after bucket bk was sent (see the Note)."""
         buf = self._late.get(bk.order)
         if buf is None:
-            buf = self._late[bk.order] = torch.zeros(bk.group.layout.bucket_numel, dtype=self.wire_dtype(bk.group),
-                                                     device=grad.device)
+            buf = self._late[bk.order] = torch.zeros(
+                bk.group.layout.bucket_numel, dtype=self.wire_dtype(bk.group), device=grad.device
+            )
         in_bucket, in_param = bk.portion(i)
         buf[in_bucket].add_(grad.reshape(-1)[in_param])
 
@@ -257,8 +281,9 @@ class FlatStage:
             bk = self.buckets[order]
             late = self._late.pop(order, None)
             if late is None:
-                late = torch.zeros(bk.group.layout.bucket_numel, dtype=self.wire_dtype(bk.group),
-                                   device=bk.group.flat.device)
+                late = torch.zeros(
+                    bk.group.layout.bucket_numel, dtype=self.wire_dtype(bk.group), device=bk.group.flat.device
+                )
             bk.data, bk.pooled = late, False
             self._start_reduction(bk)
             self._finish(bk)
@@ -284,16 +309,25 @@ class FlatStage:
         self._flush()
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
         outcome = shard_step.step_on_gradients(
-            self.precision, self._norm_rows, stale=stale, averaging=self._averaging, max_grad_norm=max_grad_norm,
-            scope=self._norm_scope, update=self.master_step.step)
+            self.precision,
+            self._norm_rows,
+            stale=stale,
+            averaging=self._averaging,
+            max_grad_norm=max_grad_norm,
+            scope=self._norm_scope,
+            update=self.master_step.step,
+        )
         if outcome.applied:
             self._gather_params()
         self.zero_grad()
         return outcome
 
     def _norm_rows(self) -> list[torch.Tensor]:
-        return [row for g, runs in zip(self.groups, self._norm_runs)
-                for row in counted_rows(g.shard_grad, runs, g.layout.slice_numel)]
+        return [
+            row
+            for g, runs in zip(self.groups, self._norm_runs)
+            for row in counted_rows(g.shard_grad, runs, g.layout.slice_numel)
+        ]
 
     def refresh_masters(self) -> None:
         """Parameters were changed by the user (the same on every rank): copy them into the fp32 masters."""
@@ -311,12 +345,18 @@ class FlatStage:
             g, lay = bk.group, bk.group.layout
             full = g.bucket(g.flat, bk.b)
             if self._allgather_partitions:
-                mine = full[self._rank * lay.slice_numel:(self._rank + 1) * lay.slice_numel]
+                mine = full[self._rank * lay.slice_numel : (self._rank + 1) * lay.slice_numel]
                 in_flight.append(comm.all_gather(full, mine, async_op=True, group=self._group))
             else:  # DeepSpeed's allgather_partitions=false: one broadcast per owner
                 for r in range(self._shards):
-                    in_flight.append(comm.broadcast(full[r * lay.slice_numel:(r + 1) * lay.slice_numel],
-                                                    src=self.parallel.dp_src(r), async_op=True, group=self._group))
+                    in_flight.append(
+                        comm.broadcast(
+                            full[r * lay.slice_numel : (r + 1) * lay.slice_numel],
+                            src=self.parallel.dp_src(r),
+                            async_op=True,
+                            group=self._group,
+                        )
+                    )
             in_flight_numel += lay.bucket_numel
             if in_flight_numel >= self._allgather_limit:  # allgather_bucket_size bounds what is in flight
                 for work in in_flight:
@@ -335,8 +375,7 @@ class FlatStage:
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """Each flat group's fp32 master shard (every rank writes its own)."""
-        return [ShardRecord(g.master, layout_pieces(g.layout, g.rank, g.names), g.opt_group, True)
-                for g in self.groups]
+        return [ShardRecord(g.master, layout_pieces(g.layout, g.rank, g.names), g.opt_group, True) for g in self.groups]
 
     def consolidated_state_dict(self, device: torch.device | None) -> dict[str, torch.Tensor]:
         """Every rank holds whole parameters (its tensor-parallel slices of them): rank 0 copies the
@@ -357,8 +396,12 @@ class FlatStage:
                     total += storage.nbytes()
             return total
 
-        state = [v for p in self._optimizer_params() for v in self.optimizer.state.get(p, {}).values()
-                 if torch.is_tensor(v) and v.dim() > 0]
+        state = [
+            v
+            for p in self._optimizer_params()
+            for v in self.optimizer.state.get(p, {}).values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ]
         return {
             "params": nbytes([g.flat for g in self.groups]),
             "master": nbytes([g.master for g in self.groups]),

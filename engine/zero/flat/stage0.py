@@ -36,7 +36,8 @@ class Stage0(BoundaryReducedStage):
             "accumulation boundary, after its bucket was already sent for reduction (reentrant activation "
             "checkpointing or a second backward over the same graph). Run the extra backward on a non-boundary "
             "micro-step, use non-reentrant checkpointing, or use zero_optimization.stage 1 or 2, which reduce "
-            "such late gradients at the step")
+            "such late gradients at the step"
+        )
 
     def _reduce_late(self) -> None:
         pass  # none accepted
@@ -45,5 +46,8 @@ class Stage0(BoundaryReducedStage):
         """One record per parameter (the optimizer's state is per parameter); the first rank of each
         data-parallel group writes (rank 0 without tensor parallelism), as its members hold the same values."""
         write = self.parallel.dp_rank == 0
-        return [ShardRecord(master, [NamedPiece(name, 0, 0, master.numel())], g.opt_group, write)
-                for g, masters in zip(self.groups, self._masters) for master, name in zip(masters, g.names)]
+        return [
+            ShardRecord(master, [NamedPiece(name, 0, 0, master.numel())], g.opt_group, write)
+            for g, masters in zip(self.groups, self._masters)
+            for master, name in zip(masters, g.names)
+        ]

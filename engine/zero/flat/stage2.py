@@ -26,16 +26,25 @@ class Stage2(FlatStage):
     stage = 2
     partitioned = True
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: EngineConfig,
-                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: EngineConfig,
+        precision: Precision,
+        parallel: ParallelGroups | None = None,
+    ) -> None:
         super().__init__(module, optimizer, config, precision, parallel)
         self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
 
     def _allocate_gradients(self) -> None:
         # Only the shard's rows; bucket buffers come from the pool as gradients arrive.
         for g in self.groups:
-            g.shard_grad = torch.zeros((g.layout.num_buckets, g.layout.slice_numel),
-                                       dtype=self.precision.grad_accum_dtype(g.dtype), device=g.flat.device)
+            g.shard_grad = torch.zeros(
+                (g.layout.num_buckets, g.layout.slice_numel),
+                dtype=self.precision.grad_accum_dtype(g.dtype),
+                device=g.flat.device,
+            )
 
     # ------------------------------------------------------------------------------- hooks
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -62,17 +71,18 @@ class Stage2(FlatStage):
             data[in_bucket].copy_(flat_grad[in_param])
             if unsynced is not None:
                 span = g.layout.params[i]
-                data[in_bucket].add_(unsynced[span.offset:span.end][in_param])
+                data[in_bucket].add_(unsynced[span.offset : span.end][in_param])
             self._mark_ready(bk, i)
 
     def _accumulate_unsynced(self, group: int, i: int, grad: torch.Tensor) -> None:
         g = self.groups[group]
         buf = self._unsynced.get(group)
         if buf is None:
-            buf = self._unsynced[group] = torch.zeros(g.layout.padded_numel, device=g.flat.device,
-                                                      dtype=self.precision.grad_accum_dtype(g.dtype))
+            buf = self._unsynced[group] = torch.zeros(
+                g.layout.padded_numel, device=g.flat.device, dtype=self.precision.grad_accum_dtype(g.dtype)
+            )
         span = g.layout.params[i]
-        buf[span.offset:span.end].add_(grad.reshape(-1))
+        buf[span.offset : span.end].add_(grad.reshape(-1))
 
     def _fill(self, bk: Bucket) -> None:
         data = self._acquire(bk)
@@ -86,7 +96,7 @@ class Stage2(FlatStage):
                 data[in_bucket].zero_()
             else:
                 span = g.layout.params[i]
-                data[in_bucket].copy_(unsynced[span.offset:span.end][in_param])
+                data[in_bucket].copy_(unsynced[span.offset : span.end][in_param])
         start, _ = g.layout.bucket_range(bk.b)
         pad_from = max(0, g.layout.numel - start)
         if pad_from < data.numel():

@@ -51,8 +51,16 @@ def _nbytes(t: torch.Tensor) -> int:
 class UnitGathers:
     """Gathers and releases units, and starts the prefetches the plan asks for."""
 
-    def __init__(self, units: Sequence[Unit], plan: PrefetchPlan, memory: Stage3Memory, rank: int,
-                 where: Callable[[], str], *, group: comm.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        plan: PrefetchPlan,
+        memory: Stage3Memory,
+        rank: int,
+        where: Callable[[], str],
+        *,
+        group: comm.ProcessGroup | None = None,
+    ) -> None:
         self.units = units
         self.plan = plan
         self._memory = memory
@@ -109,7 +117,7 @@ class UnitGathers:
         for g in unit.groups:
             full = _full(g)
             for p, span, shape in zip(g.params, g.layout.params, g.shapes):
-                p.data = full[span.offset:span.end].view(shape)
+                p.data = full[span.offset : span.end].view(shape)
                 released.set_released(p, False)
         unit.state = UnitState.GATHERED
         self._follow_trace(unit)
@@ -136,8 +144,9 @@ class UnitGathers:
                 self._in_flight[index] = self._start(self.units[index])
                 self.prefetched += 1
         elif match is TraceMatch.DIVERGED:
-            logger.debug("stage 3: unit %s gathered out of the recorded order; gathering on demand and "
-                         "re-recording", unit.name)
+            logger.debug(
+                "stage 3: unit %s gathered out of the recorded order; gathering on demand and re-recording", unit.name
+            )
 
     def drop_prefetched(self) -> None:
         """GATHERING -> PARTITIONED for gathers nobody used: wait for them (collectives cannot be

@@ -32,9 +32,18 @@ waited for and its bucket recycled."""
 class UnitGradients:
     """Gradient buckets of every unit and their reduction in the fixed unit order."""
 
-    def __init__(self, units: Sequence[Unit], memory: Stage3Memory, precision: Precision,
-                 averaging: shard_reduce.Averaging, rank: int, *, release: Callable[[Unit], None],
-                 where: Callable[[], str], group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        memory: Stage3Memory,
+        precision: Precision,
+        averaging: shard_reduce.Averaging,
+        rank: int,
+        *,
+        release: Callable[[Unit], None],
+        where: Callable[[], str],
+        group: ProcessGroup | None = None,
+    ) -> None:
         self.units = units
         self._memory = memory
         self._precision = precision
@@ -61,13 +70,14 @@ class UnitGradients:
             return
         param.grad = None
         if g.grad_bucket is None:
-            g.grad_bucket = self._memory.bucket(g.layout.padded_numel, self._precision.wire_dtype(grad.dtype),
-                                                grad.device, unit.name)
+            g.grad_bucket = self._memory.bucket(
+                g.layout.padded_numel, self._precision.wire_dtype(grad.dtype), grad.device, unit.name
+            )
         span = g.layout.params[i]
         if i in g.arrived:
-            g.grad_bucket[span.offset:span.end].add_(grad.reshape(-1))
+            g.grad_bucket[span.offset : span.end].add_(grad.reshape(-1))
         else:
-            g.grad_bucket[span.offset:span.end].copy_(grad.reshape(-1))
+            g.grad_bucket[span.offset : span.end].copy_(grad.reshape(-1))
             g.arrived.add(i)
         if self._complete(unit):
             self._order.launch_ready()
@@ -80,16 +90,24 @@ class UnitGradients:
         for g in unit.trainable:
             bucket = g.grad_bucket
             if bucket is None:  # no gradient on this rank: contribute zeros
-                bucket = self._memory.bucket(g.layout.padded_numel, self._precision.wire_dtype(g.dtype), g.device,
-                                             unit.name).zero_()
+                bucket = self._memory.bucket(
+                    g.layout.padded_numel, self._precision.wire_dtype(g.dtype), g.device, unit.name
+                ).zero_()
                 g.grad_bucket = bucket
             else:  # a pooled buffer: whatever no gradient was written to must be zero (padding included)
                 for i, span in enumerate(g.layout.params):
                     if i not in g.arrived:
-                        bucket[span.offset:span.end].zero_()
-                bucket[g.layout.numel:].zero_()
-            g.pending = shard_reduce.start(bucket, g.shard_grad, written=g.grad_written, rank=self._rank,
-                                           averaging=self._averaging, key=unit.index, group=self._group)
+                        bucket[span.offset : span.end].zero_()
+                bucket[g.layout.numel :].zero_()
+            g.pending = shard_reduce.start(
+                bucket,
+                g.shard_grad,
+                written=g.grad_written,
+                rank=self._rank,
+                averaging=self._averaging,
+                key=unit.index,
+                group=self._group,
+            )
             self._reducing.append(g)
         unit.grads_sent = True
         self._release(unit)
@@ -102,8 +120,12 @@ class UnitGradients:
         """Wait for the group's reduce-scatter and recycle its bucket."""
         if g.pending is None:
             return
-        shard_reduce.finish(g.pending, g.shard_grad, written=g.grad_written,
-                            what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})")
+        shard_reduce.finish(
+            g.pending,
+            g.shard_grad,
+            written=g.grad_written,
+            what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})",
+        )
         g.pending = None
         g.grad_written = True
         g.arrived.clear()

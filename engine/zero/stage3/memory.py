@@ -75,12 +75,14 @@ def auto_capacity(units: Sequence[UnitBytes], max_live_bytes: int, reduces_in_fl
 class Stage3Memory:
     """Gathered buffers and gradient buckets for one Stage3, from an arena or the default allocator."""
 
-    def __init__(self, capacity_bytes: int, device: torch.device, bucket_capacity: int, rank: int, *,
-                 auto: bool) -> None:
+    def __init__(
+        self, capacity_bytes: int, device: torch.device, bucket_capacity: int, rank: int, *, auto: bool
+    ) -> None:
         self.rank = rank
         self.auto = auto
-        self.arena = Arena(capacity_bytes, config_key=CONFIG_KEY) if capacity_bytes > 0 and device.type == "cpu" \
-            else None
+        self.arena = (
+            Arena(capacity_bytes, config_key=CONFIG_KEY) if capacity_bytes > 0 and device.type == "cpu" else None
+        )
         self._pool = BucketPool(bucket_capacity)
         self.bucket_bytes = 0
         self.peak_bucket_bytes = 0
@@ -110,10 +112,14 @@ class Stage3Memory:
         try:
             return self.arena.allocate((numel,), dtype)
         except RuntimeError as err:
-            sized = "sized automatically from the units and stage3_max_live_parameters" if self.auto \
+            sized = (
+                "sized automatically from the units and stage3_max_live_parameters"
+                if self.auto
                 else "set by the config"
-            raise RuntimeError(f"rank {self.rank}, {what}: {err} The arena was {sized}; {CONFIG_KEY} = 0 "
-                               "allocates without one.") from None
+            )
+            raise RuntimeError(
+                f"rank {self.rank}, {what}: {err} The arena was {sized}; {CONFIG_KEY} = 0 allocates without one."
+            ) from None
 
     def report(self) -> dict[str, int]:
         """Bytes for memory_report: the arena's capacity and peak use, and the buckets' share."""

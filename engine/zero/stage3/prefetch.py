@@ -41,8 +41,15 @@ class TraceMatch(enum.Enum):
 class PrefetchPlan:
     """The unit order of the last micro-step and where this micro-step is in it. See [Note: prefetch]."""
 
-    def __init__(self, numels: Sequence[int], *, prefetch_numel: int, max_live_numel: int, max_reuse_numel: int,
-                 persist_below: int) -> None:
+    def __init__(
+        self,
+        numels: Sequence[int],
+        *,
+        prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_numel: int,
+        persist_below: int,
+    ) -> None:
         self.numels: tuple[int, ...] = tuple(numels)
         """Elements of each unit's gathered buffers (padded), by unit index."""
         self.prefetch_numel = prefetch_numel
@@ -91,7 +98,7 @@ class PrefetchPlan:
         budget = self.prefetch_numel
         live_numel = self.live_numel(live)
         chosen: list[int] = []
-        for index in self.trace[self.pos:]:
+        for index in self.trace[self.pos :]:
             if index in live or index in chosen:
                 continue
             numel = self.numels[index]
@@ -121,7 +128,7 @@ class PrefetchPlan:
             return False
         between: set[int] = set()  # distinct units used before its next use
         between_numel = 0
-        for other in self.trace[self.pos:]:
+        for other in self.trace[self.pos :]:
             if other == index:
                 return True
             if other not in between:

@@ -47,8 +47,14 @@ from engine.zero.tp_state import whole_state_dict
 class Stage3:
     stage = 3
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig,
-                 precision: Precision, parallel: ParallelGroups | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        config: EngineConfig,
+        precision: Precision,
+        parallel: ParallelGroups | None = None,
+    ) -> None:
         # Without an optimizer (ZeRO inference: HF evaluates before training this way) every parameter
         # is sharded as a frozen one: gathered unit by unit for forward, never updated. The Engine
         # refuses backward and step.
@@ -64,25 +70,42 @@ class Stage3:
         self.steps = 0  # optimizer steps and backwards so far, to say where in training an error happened
         self.backwards = 0
 
-        self.units: list[Unit] = build_units(module, optimizer, config.zero.leaf_module,
-                                             config.zero.stage3_module_granularity_threshold,
-                                             world=self.parallel.dp_size, rank=self._rank,
-                                             grad_dtype=precision.grad_accum_dtype)
+        self.units: list[Unit] = build_units(
+            module,
+            optimizer,
+            config.zero.leaf_module,
+            config.zero.stage3_module_granularity_threshold,
+            world=self.parallel.dp_size,
+            rank=self._rank,
+            grad_dtype=precision.grad_accum_dtype,
+        )
         for unit in self.units:
-            handle = owners.UnitHandle(gather=partial(self.gather_for_user, unit),
-                                       release=partial(self.release_for_user, unit),
-                                       scatter_from=partial(self.scatter_from, unit), status=unit.ds_status)
+            handle = owners.UnitHandle(
+                gather=partial(self.gather_for_user, unit),
+                release=partial(self.release_for_user, unit),
+                scatter_from=partial(self.scatter_from, unit),
+                status=unit.ds_status,
+            )
             for g in unit.groups:
                 for p in g.params:
                     owners.set_unit(p, handle)  # for engine.zero.GatheredParameters
         trainable = [g for u in self.units for g in u.trainable]
         if optimizer is not None:
-            bind_shards(optimizer, [[g.master for g in trainable if g.opt_group == gi]
-                                    for gi in range(len(optimizer.param_groups))])
+            bind_shards(
+                optimizer,
+                [[g.master for g in trainable if g.opt_group == gi] for gi in range(len(optimizer.param_groups))],
+            )
         # The masters are the only persistent copy of trainable parameters (or the fp32 shard itself):
         # gathering casts, so the step has no low-precision copy to write.
-        self.master_step = MasterStep(optimizer, [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
-                                      offload=offload_enabled(config)) if optimizer is not None else None
+        self.master_step = (
+            MasterStep(
+                optimizer,
+                [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
+                offload=offload_enabled(config),
+            )
+            if optimizer is not None
+            else None
+        )
         self._norm_scope = NormScope.of(self.parallel, partitioned=True)
         self._norm_runs = [(g, counted_runs(g.layout, self._rank, g.params, self.parallel)) for g in trainable]
         """Each trainable group with the runs of its gradient shard this rank counts in the global norm."""
@@ -90,15 +113,27 @@ class Stage3:
         zero = config.zero
         # Which units to prefetch or keep (pure bookkeeping); the gathers and the gradient reduction
         # that act on the units; the memory both take their buffers from.
-        self._plan = PrefetchPlan([u.numel for u in self.units], prefetch_numel=zero.stage3_prefetch_bucket_size,
-                                  max_live_numel=zero.stage3_max_live_parameters,
-                                  max_reuse_numel=zero.stage3_max_reuse_distance,
-                                  persist_below=zero.stage3_param_persistence_threshold)
+        self._plan = PrefetchPlan(
+            [u.numel for u in self.units],
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_numel=zero.stage3_max_reuse_distance,
+            persist_below=zero.stage3_param_persistence_threshold,
+        )
         self._memory = self._build_memory(config)
-        self._gathers = UnitGathers(self.units, self._plan, self._memory, self._rank, self._where_in_training,
-                                    group=self._group)
-        self._grads = UnitGradients(self.units, self._memory, precision, self._averaging, self._rank,
-                                    release=self._gathers.release, where=self._where_in_training, group=self._group)
+        self._gathers = UnitGathers(
+            self.units, self._plan, self._memory, self._rank, self._where_in_training, group=self._group
+        )
+        self._grads = UnitGradients(
+            self.units,
+            self._memory,
+            precision,
+            self._averaging,
+            self._rank,
+            release=self._gathers.release,
+            where=self._where_in_training,
+            group=self._group,
+        )
         self._handles = self._register_hooks(module)
         self._linear_installed = zero.memory_efficient_linear
         if self._linear_installed:
@@ -110,21 +145,25 @@ class Stage3:
         ("auto": from the units), or the default allocator (0, the default, or not a CPU model)."""
         groups = [g for u in self.units for g in u.groups]
         device = groups[0].device if groups else torch.device("cpu")
-        needs = [UnitBytes(gathered=sum(g.layout.padded_numel * g.dtype.itemsize for g in u.groups),
-                           buckets=sum(g.layout.padded_numel * self.precision.wire_dtype(g.dtype).itemsize
-                                       for g in u.trainable),
-                           persistent=self._plan.persistent(u.index), root=not u.modules)
-                 for u in self.units]
+        needs = [
+            UnitBytes(
+                gathered=sum(g.layout.padded_numel * g.dtype.itemsize for g in u.groups),
+                buckets=sum(g.layout.padded_numel * self.precision.wire_dtype(g.dtype).itemsize for g in u.trainable),
+                persistent=self._plan.persistent(u.index),
+                root=not u.modules,
+            )
+            for u in self.units
+        ]
         widest = max((g.dtype.itemsize for g in groups), default=4)
         requested = config.zero.stage3_arena_bytes
         auto = requested == ARENA_AUTO
-        capacity = auto_capacity(needs, self._plan.max_live_numel * widest, MAX_REDUCES_IN_FLIGHT) if auto \
-            else requested
+        capacity = (
+            auto_capacity(needs, self._plan.max_live_numel * widest, MAX_REDUCES_IN_FLIGHT) if auto else requested
+        )
         # Without the arena, gradient buckets are recycled by a pool whose buffers all have the size
         # of the largest block, so units of any size share them.
         blocks = [u for u in self.units if u.modules] or self.units
-        return Stage3Memory(capacity, device, max((u.numel for u in blocks), default=0), comm.get_rank(),
-                            auto=auto)
+        return Stage3Memory(capacity, device, max((u.numel for u in blocks), default=0), comm.get_rank(), auto=auto)
 
     def _register_hooks(self, module: torch.nn.Module) -> list[RemovableHandle]:
         gathers = self._gathers
@@ -136,8 +175,11 @@ class Stage3:
         for unit in self.units:
             for member in unit.modules:
                 handles.append(member.register_forward_pre_hook(lambda _m, _i, unit=unit: gathers.gather(unit)))
-                handles.append(member.register_forward_hook(
-                    lambda m, _i, out, unit=unit: gathers.after_forward(unit, out, last=m is unit.modules[-1])))
+                handles.append(
+                    member.register_forward_hook(
+                        lambda m, _i, out, unit=unit: gathers.after_forward(unit, out, last=m is unit.modules[-1])
+                    )
+                )
         for unit in self.units:
             for g in unit.trainable:
                 for p in g.params:
@@ -150,9 +192,11 @@ class Stage3:
     # ------------------------------------------------------------------------ stage interface
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
         if not sync:
-            raise RuntimeError("engine.no_sync() is not supported at zero_optimization.stage 3 (gradients are "
-                               "partitioned as they are produced, as in DeepSpeed); use gradient_accumulation_steps "
-                               "to accumulate micro-batches")
+            raise RuntimeError(
+                "engine.no_sync() is not supported at zero_optimization.stage 3 (gradients are "
+                "partitioned as they are produced, as in DeepSpeed); use gradient_accumulation_steps "
+                "to accumulate micro-batches"
+            )
 
     def finish_backward(self) -> None:
         self._grads.flush()
@@ -167,9 +211,15 @@ class Stage3:
         self._gathers.drop_prefetched()
         # Norm, clipping, the optimizer step on the shards (rows no reduction wrote are zeroed first).
         assert self.master_step is not None
-        outcome = step_on_gradients(self.precision, self._norm_rows, stale=self._grads.stale_rows(),
-                                    averaging=self._averaging, max_grad_norm=max_grad_norm,
-                                    scope=self._norm_scope, update=self.master_step.step)
+        outcome = step_on_gradients(
+            self.precision,
+            self._norm_rows,
+            stale=self._grads.stale_rows(),
+            averaging=self._averaging,
+            max_grad_norm=max_grad_norm,
+            scope=self._norm_scope,
+            update=self.master_step.step,
+        )
         # A new accumulation window.
         self.zero_grad()
         self.steps += 1
@@ -188,8 +238,12 @@ class Stage3:
         groups = [g for u in self.units for g in u.groups]
         trainable = [g for u in self.units for g in u.trainable]
         opt_state = self.optimizer.state if self.optimizer is not None else {}
-        state = sum(nbytes(v) for g in trainable
-                    for v in opt_state.get(g.master, {}).values() if torch.is_tensor(v) and v.dim() > 0)
+        state = sum(
+            nbytes(v)
+            for g in trainable
+            for v in opt_state.get(g.master, {}).values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
         return {
             "params": sum(nbytes(g.shard) for g in groups),
             "master": sum(nbytes(g.master) for g in trainable if g.shard is None),
@@ -264,8 +318,11 @@ class Stage3:
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """Every group's shard on this rank: fp32 masters of trainable groups, frozen shards as they are."""
-        return [ShardRecord(g.stored(), layout_pieces(g.layout, self._rank, g.names), g.opt_group, True)
-                for u in self.units for g in u.groups]
+        return [
+            ShardRecord(g.stored(), layout_pieces(g.layout, self._rank, g.names), g.opt_group, True)
+            for u in self.units
+            for g in u.groups
+        ]
 
     def destroy(self) -> None:
         """Give the module back whole (every parameter gathered into its own storage), then drop

@@ -50,8 +50,10 @@ def set_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list
     classes = tuple(classes)
     marked = [m for m in model.modules() if isinstance(m, classes)]
     if not marked:
-        raise ValueError(f"set_z3_leaf_modules: no submodule of {type(model).__name__} is an instance of "
-                         f"{[c.__name__ for c in classes]}")
+        raise ValueError(
+            f"set_z3_leaf_modules: no submodule of {type(model).__name__} is an instance of "
+            f"{[c.__name__ for c in classes]}"
+        )
     for m in marked:
         setattr(m, _LEAF, True)
     return marked
@@ -78,9 +80,14 @@ def leaf_test(leaf_module: Mapping[str, Iterable[str]] | None) -> LeafTest:
 
     def test(name: str, module: torch.nn.Module) -> bool:
         cls = type(module)
-        return (getattr(module, _LEAF, False) or cls.__name__ in classes
-                or f"{cls.__module__}.{cls.__qualname__}" in classes or name in names
-                or bool(suffixes) and name.endswith(suffixes))
+        return (
+            getattr(module, _LEAF, False)
+            or cls.__name__ in classes
+            or f"{cls.__module__}.{cls.__qualname__}" in classes
+            or name in names
+            or bool(suffixes)
+            and name.endswith(suffixes)
+        )
 
     return test
 
@@ -93,9 +100,12 @@ def _blocks(model: torch.nn.Module, is_leaf: LeafTest) -> list[tuple[str, torch.
     found: list[tuple[str, torch.nn.Module]] = []
     for name, module in model.named_modules():
         children = list(module.named_children())
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(children) >= 2 \
-                and len({type(c) for _, c in children}) == 1 \
-                and any(full_numel(p) for _, c in children for p in c.parameters()):
+        if (
+            isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
+            and len(children) >= 2
+            and len({type(c) for _, c in children}) == 1
+            and any(full_numel(p) for _, c in children for p in c.parameters())
+        ):
             found += [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in children]
     return _outermost(found)
 
@@ -108,7 +118,9 @@ def _outermost(found: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torc
     return kept
 
 
-def _merge_small(blocks: list[tuple[str, torch.nn.Module]], merge_below: int) -> list[list[tuple[str, torch.nn.Module]]]:
+def _merge_small(
+    blocks: list[tuple[str, torch.nn.Module]], merge_below: int
+) -> list[list[tuple[str, torch.nn.Module]]]:
     """Runs of consecutive sibling blocks (e.g. blocks.3, blocks.4) each under `merge_below` elements,
     merged until a run reaches that size: one all-gather and one reduce-scatter for the run instead
     of one per block, when each collective costs ~1 ms of latency whatever its size."""
@@ -122,8 +134,14 @@ def _merge_small(blocks: list[tuple[str, torch.nn.Module]], merge_below: int) ->
 
     for name, module in blocks:
         run = runs[-1] if runs else None
-        if run is not None and merge_below > 0 and numel(module) < merge_below and parent(run[0][0]) == parent(name) \
-                and all(numel(m) < merge_below for _, m in run) and sum(numel(m) for _, m in run) < merge_below:
+        if (
+            run is not None
+            and merge_below > 0
+            and numel(module) < merge_below
+            and parent(run[0][0]) == parent(name)
+            and all(numel(m) < merge_below for _, m in run)
+            and sum(numel(m) for _, m in run) < merge_below
+        ):
             run.append((name, module))
         else:
             runs.append([(name, module)])
@@ -148,8 +166,11 @@ def plan_units(model: torch.nn.Module, is_leaf: LeafTest | None = None, merge_be
     for i, (_, block) in enumerate(blocks):
         for p in block.parameters():
             owners.setdefault(id(p), set()).add(i)
-    outside = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
-               if not any(n == b or n.startswith(b + ".") for b, _ in blocks)}
+    outside = {
+        id(p)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if not any(n == b or n.startswith(b + ".") for b, _ in blocks)
+    }
     root = UnitPlan("<root>", [])
     units = [UnitPlan(_run_name(run), [m for _, m in run]) for run in runs]
     for p in model.parameters():  # each parameter once, in registration order

@@ -37,9 +37,11 @@ class UnitState(enum.Enum):
     """The full buffers hold the whole unit and every parameter's `.data` is a view into them."""
 
 
-_DS_STATUS = {UnitState.PARTITIONED: released.ZeroParamStatus.NOT_AVAILABLE,
-              UnitState.GATHERING: released.ZeroParamStatus.INFLIGHT,
-              UnitState.GATHERED: released.ZeroParamStatus.AVAILABLE}
+_DS_STATUS = {
+    UnitState.PARTITIONED: released.ZeroParamStatus.NOT_AVAILABLE,
+    UnitState.GATHERING: released.ZeroParamStatus.INFLIGHT,
+    UnitState.GATHERED: released.ZeroParamStatus.AVAILABLE,
+}
 
 
 @dataclass(kw_only=True)
@@ -127,9 +129,16 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.shape)
 
 
-def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                leaf_module: Mapping[str, Iterable[str]] | None, merge_below: int, *, world: int,
-                rank: int, grad_dtype: Callable[[torch.dtype], torch.dtype]) -> list[Unit]:
+def build_units(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    leaf_module: Mapping[str, Iterable[str]] | None,
+    merge_below: int,
+    *,
+    world: int,
+    rank: int,
+    grad_dtype: Callable[[torch.dtype], torch.dtype],
+) -> list[Unit]:
     """Plan the units (engine/zero/stage3/unit_plan.py) and shard each: afterwards every parameter is empty and
     this rank holds its slices (parameters built under engine.zero.Init are re-laid from their own
     partition, all-gathering one parameter at a time). Gradient shards are in grad_dtype(param dtype)."""
@@ -137,16 +146,26 @@ def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     group_of = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"] if p.requires_grad}
     is_leaf = leaf_test(leaf_module)
     if leaf_module:
-        run_checks.check_leaf_module(leaf_module, type(module).__name__,
-                                     any(is_leaf(n, m) for n, m in module.named_modules() if m is not module))
+        run_checks.check_leaf_module(
+            leaf_module, type(module).__name__, any(is_leaf(n, m) for n, m in module.named_modules() if m is not module)
+        )
     units: list[Unit] = []
     for plan in plan_units(module, is_leaf, merge_below=merge_below):
         keys: dict[tuple[int | None, torch.dtype], list[int]] = {}
         for i, p in enumerate(plan.params):
             keys.setdefault((group_of.get(id(p)), p.dtype), []).append(i)
-        groups = [shard_group([plan.params[i] for i in idx], [plan.param_names[i] for i in idx], opt_group,
-                              unit_name=plan.name, world=world, rank=rank, grad_dtype=grad_dtype(dtype))
-                  for (opt_group, dtype), idx in keys.items()]
+        groups = [
+            shard_group(
+                [plan.params[i] for i in idx],
+                [plan.param_names[i] for i in idx],
+                opt_group,
+                unit_name=plan.name,
+                world=world,
+                rank=rank,
+                grad_dtype=grad_dtype(dtype),
+            )
+            for (opt_group, dtype), idx in keys.items()
+        ]
         units.append(Unit(len(units), plan.name, plan.modules, groups))
     return units
 
@@ -154,12 +173,21 @@ def build_units(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 def unit_layout(shapes: list[tuple[int, ...]], *, world_size: int, element_size: int) -> GroupLayout:
     """A stage-3 group's layout: one bucket holding all its parameters, one slice per rank (also what
     engine.estimate counts)."""
-    return build_layout(shapes, world_size=world_size, bucket_size=max(1, sum(math.prod(s) for s in shapes)),
-                        element_size=element_size)
+    return build_layout(
+        shapes, world_size=world_size, bucket_size=max(1, sum(math.prod(s) for s in shapes)), element_size=element_size
+    )
 
 
-def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: int | None, *, unit_name: str,
-                world: int, rank: int, grad_dtype: torch.dtype) -> ShardedGroup:
+def shard_group(
+    params: list[torch.nn.Parameter],
+    names: list[str],
+    opt_group: int | None,
+    *,
+    unit_name: str,
+    world: int,
+    rank: int,
+    grad_dtype: torch.dtype,
+) -> ShardedGroup:
     """Lay `params` (one dtype) out flat, keep this rank's slice, and leave each parameter empty."""
     shapes = [full_shape(p) for p in params]
     for p, shape in zip(params, shapes):
@@ -172,7 +200,7 @@ def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: i
     for p, span in zip(params, layout.params):
         # Built under engine.zero.Init: re-laid from its own partition (one parameter at a time).
         value = partitioned_init.full_value(p, dtype).to(device) if partitioned_init.is_partitioned(p) else p.data
-        flat[span.offset:span.end].copy_(value.reshape(-1))
+        flat[span.offset : span.end].copy_(value.reshape(-1))
         del value
     start, end = layout.slice_range(0, rank)
     shard = flat[start:end].clone()
@@ -183,10 +211,28 @@ def shard_group(params: list[torch.nn.Parameter], names: list[str], opt_group: i
             partitioned_init.drop_shard(p)
         released.adopt(p, name, partition_numel=max(0, min(end, span.end) - max(start, span.offset)))
     if opt_group is None:
-        return ShardedGroup(params=params, names=names, shapes=shapes, layout=layout, shard=shard, dtype=dtype,
-                            device=device, unit_name=unit_name)
+        return ShardedGroup(
+            params=params,
+            names=names,
+            shapes=shapes,
+            layout=layout,
+            shard=shard,
+            dtype=dtype,
+            device=device,
+            unit_name=unit_name,
+        )
     master = shard if dtype == torch.float32 else shard.to(torch.float32)
     shard_grad = torch.zeros(layout.slice_numel, dtype=grad_dtype, device=device)
-    return TrainableGroup(params=params, names=names, shapes=shapes, layout=layout,
-                          shard=shard if dtype == torch.float32 else None, opt_group=opt_group, dtype=dtype,
-                          device=device, unit_name=unit_name, master=master, shard_grad=shard_grad)
+    return TrainableGroup(
+        params=params,
+        names=names,
+        shapes=shapes,
+        layout=layout,
+        shard=shard if dtype == torch.float32 else None,
+        opt_group=opt_group,
+        dtype=dtype,
+        device=device,
+        unit_name=unit_name,
+        master=master,
+        shard_grad=shard_grad,
+    )

@@ -38,9 +38,14 @@ IN, HIDDEN, MID, OUT = 11, 23, 19, 5  # odd sizes: the flat partitions end in pa
 # name -> (zero stage, precision). Stage 0 keeps the optimizer in the model file; stages 1-3 write
 # zero_pp_rank_* files, bf16_-prefixed under bf16; stage 1 under bf16 is DeepSpeed's BF16_Optimizer.
 CASES: dict[str, tuple[int, str]] = {
-    "stage0_fp32": (0, "fp32"), "stage1_fp32": (1, "fp32"), "stage2_fp32": (2, "fp32"),
-    "stage3_fp32": (3, "fp32"), "stage1_bf16": (1, "bf16"), "stage2_bf16": (2, "bf16"),
-    "stage3_bf16": (3, "bf16"), "stage2_fp16": (2, "fp16"),
+    "stage0_fp32": (0, "fp32"),
+    "stage1_fp32": (1, "fp32"),
+    "stage2_fp32": (2, "fp32"),
+    "stage3_fp32": (3, "fp32"),
+    "stage1_bf16": (1, "bf16"),
+    "stage2_bf16": (2, "bf16"),
+    "stage3_bf16": (3, "bf16"),
+    "stage2_fp16": (2, "fp16"),
 }
 
 
@@ -74,26 +79,38 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def rank_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = global_batch(step)
     micro = GLOBAL_BATCH // world
-    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+    return x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
 
 
 def ds_config(stage: int, precision: str) -> dict[str, Any]:
     """DeepSpeed's config for a case. torch_adam: torch.optim.AdamW (DeepSpeed's FusedAdam needs a build)."""
     config: dict[str, Any] = {
-        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0, "steps_per_print": 1000,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                  "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                                     "warmup_num_steps": 6}},
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 6},
+        },
         "zero_optimization": {"stage": stage},
     }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if precision == "fp16":
         # A small window so the scale grows before the save: the saved loss-scaler state is not the initial one.
-        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2,
-                          "min_loss_scale": 1}
+        config["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": 8,
+            "loss_scale_window": 2,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     return config
 
 
@@ -130,8 +147,14 @@ def _reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
 def _stage0_reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Stage 0 in fp32 has no fragment mapping: the masters are the module's parameters themselves."""
     state = engine.basic_optimizer.state
-    return {name: {"master": p.detach().clone(), "exp_avg": state[p]["exp_avg"].clone(),
-                   "exp_avg_sq": state[p]["exp_avg_sq"].clone()} for name, p in engine.module.named_parameters()}
+    return {
+        name: {
+            "master": p.detach().clone(),
+            "exp_avg": state[p]["exp_avg"].clone(),
+            "exp_avg_sq": state[p]["exp_avg_sq"].clone(),
+        }
+        for name, p in engine.module.named_parameters()
+    }
 
 
 def _drop_copied_scripts(ckpt: str) -> None:
@@ -170,8 +193,9 @@ def _run_case(name: str, stage: int, precision: str) -> None:
     dist.barrier()
 
     model = make_model(seed=0)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(stage, precision))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(stage, precision)
+    )
     before = [_train_step(engine, step, precision) for step in range(SAVE_AT)]
     reference = _stage0_reference(engine) if stage == 0 else _reference(engine)
     engine.save_checkpoint(ckpt, client_state={"epoch": 3, "note": name, "best": torch.tensor([0.25])})
@@ -188,24 +212,41 @@ def _run_case(name: str, stage: int, precision: str) -> None:
     engine.destroy()
 
     fresh = make_model(seed=99)
-    resumed, _, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(),
-                                            config=ds_config(stage, precision))
+    resumed, _, _, _ = deepspeed.initialize(
+        model=fresh, model_parameters=fresh.parameters(), config=ds_config(stage, precision)
+    )
     _, client = resumed.load_checkpoint(ckpt)
     after = [_train_step(resumed, SAVE_AT + k, precision) for k in range(RESUME_STEPS)]
     if rank == 0:
         torch.save(reference, os.path.join(folder, "reference.pt"))
-        expected = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "stage": stage,
-                    "precision": precision, "world_size": WORLD, "config": ds_config(stage, precision),
-                    "global_steps": resumed.global_steps, "losses_before_save": before,
-                    "resumed_losses": after, "client_state_epoch": client.get("epoch")}
+        expected = {
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+            "stage": stage,
+            "precision": precision,
+            "world_size": WORLD,
+            "config": ds_config(stage, precision),
+            "global_steps": resumed.global_steps,
+            "losses_before_save": before,
+            "resumed_losses": after,
+            "client_state_epoch": client.get("epoch"),
+        }
         with open(os.path.join(folder, "expected.json"), "w") as f:
             json.dump(expected, f, indent=1)
     resumed.destroy()
 
 
 def _rank_main(rank: int, port: int, names: list[str]) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-                       "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "LOCAL_WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(1)
     import deepspeed
 

@@ -115,8 +115,12 @@ def main() -> None:
     for i, cfg in enumerate(_configs()):
         pattern = _pattern(rng, rng.randint(20, 60), densities[i % len(densities)], bursty=i % 3 == 2)
         cases.append({"config": cfg, "pattern": pattern, **_run(cfg, pattern)})
-    header = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "seed": SEED,
-              "made_by": "tests/data/loss_scaler/make_sequences.py"}
+    header = {
+        "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__,
+        "seed": SEED,
+        "made_by": "tests/data/loss_scaler/make_sequences.py",
+    }
     body = ",\n".join(json.dumps(case) for case in cases)  # one case a line keeps the file short and diffable
     OUT.write_text(json.dumps(header)[:-1] + ', "cases": [\n' + body + "\n]}\n")
     print(f"wrote {len(cases)} cases to {OUT} ({OUT.stat().st_size} bytes)")

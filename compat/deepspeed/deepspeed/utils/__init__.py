@@ -6,5 +6,12 @@ from deepspeed.utils.logging import logger
 from engine.comm import is_initialized
 from engine.zero import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
 
-__all__ = ["get_z3_leaf_modules", "is_initialized", "logger", "logging", "set_z3_leaf_modules",
-           "unset_z3_leaf_modules", "zero_to_fp32"]
+__all__ = [
+    "get_z3_leaf_modules",
+    "is_initialized",
+    "logger",
+    "logging",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "zero_to_fp32",
+]

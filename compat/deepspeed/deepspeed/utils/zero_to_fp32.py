@@ -11,5 +11,11 @@ from engine.checkpoint.zero_to_fp32 import (
     load_state_dict_from_zero_checkpoint,
 )
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "get_model_state_file", "get_model_state_files", "get_optim_files", "load_state_dict_from_zero_checkpoint"]
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_file",
+    "get_model_state_files",
+    "get_optim_files",
+    "load_state_dict_from_zero_checkpoint",
+]
