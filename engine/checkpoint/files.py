@@ -300,9 +300,11 @@ def _check_slices(manifest: dict[str, Any], path: str, held: dict[str, int]) -> 
 
 
 def unpickling_reason(err: Exception) -> str:
-    """The line of torch's weights_only message that names the refused global, not its preamble."""
-    lines = str(err).splitlines()
-    named = [line.strip() for line in lines if "WeightsUnpickler error" in line or "Unsupported global" in line]
+    """The line of torch's weights_only message that names the refused global (torch 2.13 words it
+    "Trying to load unsupported GLOBAL posix.system ...", older ones "Unsupported global: ..."), not the
+    preamble about torch.load's default."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    named = [line for line in lines if "global" in line.lower() or "WeightsUnpickler error" in line]
     return (named or lines or [type(err).__name__])[0]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.files import CheckpointError, unpickling_reason
 
 
 class DeepSpeedObject:
@@ -70,15 +70,6 @@ _STAND_INS: list[tuple[Any, str]] = [
 ]
 
 
-def _refused_global(err: Exception) -> str:
-    """The line of torch's weights_only message that names what it refused (torch 2.13 words it
-    "Trying to load unsupported GLOBAL posix.system ...", older ones "Unsupported global: ..."), not the
-    preamble about torch.load's default."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    named = [line for line in lines if "global" in line.lower() or "WeightsUnpickler error" in line]
-    return (named or lines or [type(err).__name__])[0]
-
-
 def load_deepspeed_file(path: str) -> dict[str, Any]:
     """One DeepSpeed file, memory-mapped, DeepSpeed's objects as stand-ins. A missing, truncated or
     refused file is a CheckpointError naming it (and, when refused, the global it holds)."""
@@ -93,7 +84,7 @@ def load_deepspeed_file(path: str) -> dict[str, Any]:
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"{path} holds an object this engine does not read from a DeepSpeed checkpoint "
-            f"({_refused_global(err)}); it was not loaded and nothing in it was run. The "
+            f"({unpickling_reason(err)}); it was not loaded and nothing in it was run. The "
             f"objects read are DeepSpeed's {', '.join(name for _, name in _STAND_INS)}"
         ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
