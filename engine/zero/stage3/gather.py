@@ -59,9 +59,13 @@ class UnitGathers:
         rank: int,
         where: Callable[[], str],
         *,
+        grads_sent: Callable[[Unit], bool],
         group: comm.ProcessGroup | None = None,
     ) -> None:
         self.units = units
+        self.grads_sent = grads_sent
+        """Whether a unit's gradients of this backward were sent (grads.UnitGradients.sent): its outputs'
+        backward then needs no gather."""
         self.plan = plan
         self._memory = memory
         self._rank = rank
@@ -70,8 +74,9 @@ class UnitGathers:
         self._where = where
         """Where training is (optimizer step, backward), for errors."""
         self._in_flight: dict[int, list[comm.Handle]] = {}
-        """Unit index -> the async all-gathers of a prefetched (GATHERING) unit, in launch order: a use
-        waits for its unit's, the end of a micro-step for those nobody used."""
+        """Unit index -> the async all-gathers of a GATHERING unit, in launch order: a use waits for
+        its unit's, the end of a micro-step for those nobody used. Data of that state, not a record of
+        it: the unit's state says whether it is GATHERING."""
         self.prefetched = 0
         """All-gathers started ahead of use, over the stage's life."""
         self.gathered_bytes = 0
@@ -101,7 +106,8 @@ class UnitGathers:
             works.append(work)
             self.gathered_bytes += _nbytes(full)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        unit.state = UnitState.GATHERING
+        unit.move(UnitState.GATHERING)
+        self._in_flight[unit.index] = works
         return works
 
     def gather(self, unit: Unit) -> None:
@@ -109,17 +115,16 @@ class UnitGathers:
         if unit.state is UnitState.GATHERED:  # kept since its last use: still a use in the recorded order
             self._follow_trace(unit)
             return
-        works = self._in_flight.pop(unit.index, None)
-        if works is None:
-            works = self._start(unit)
-        for work in works:
+        if unit.state is UnitState.PARTITIONED:
+            self._start(unit)
+        for work in self._in_flight.pop(unit.index):
             comm.wait(work, f"all-gather of stage-3 unit {unit.name!r} ({self._where()})")
         for g in unit.groups:
             full = _full(g)
             for p, span, shape in zip(g.params, g.layout.params, g.shapes):
                 p.data = full[span.offset : span.end].view(shape)
                 released.set_released(p, False)
-        unit.state = UnitState.GATHERED
+        unit.move(UnitState.GATHERED)
         self._follow_trace(unit)
 
     def release(self, unit: Unit) -> None:
@@ -133,7 +138,7 @@ class UnitGathers:
                 released.set_released(p, True)
             self.gathered_bytes -= _nbytes(_full(g))
             g.full = None
-        unit.state = UnitState.PARTITIONED
+        unit.move(UnitState.PARTITIONED)
 
     # -------------------------------------------------------------------------------- prefetch
     def _follow_trace(self, unit: Unit) -> None:
@@ -141,7 +146,7 @@ class UnitGathers:
         match = self.plan.record(unit.index, in_training=torch.is_grad_enabled() or in_backward())
         if match is TraceMatch.FOLLOWED:
             for index in self.plan.to_prefetch(self.live()):
-                self._in_flight[index] = self._start(self.units[index])
+                self._start(self.units[index])
                 self.prefetched += 1
         elif match is TraceMatch.DIVERGED:
             logger.debug(
@@ -151,15 +156,16 @@ class UnitGathers:
     def drop_prefetched(self) -> None:
         """GATHERING -> PARTITIONED for gathers nobody used: wait for them (collectives cannot be
         cancelled) and free their buffers."""
-        for index, works in list(self._in_flight.items()):
-            for work in works:
+        for unit in self.units:
+            if unit.state is not UnitState.GATHERING:
+                continue
+            for work in self._in_flight.pop(unit.index):
                 comm.wait(work, "a prefetched all-gather nobody used")
-            unit = self.units[index]
             for g in unit.groups:
                 self.gathered_bytes -= _nbytes(_full(g))
                 g.full = None
-            unit.state = UnitState.PARTITIONED
-        self._in_flight.clear()
+            unit.move(UnitState.PARTITIONED)
+        assert not self._in_flight, "stage 3: all-gathers in flight for units that are not GATHERING"
 
     def start_micro_step(self) -> None:
         """The model's forward begins: a new micro-step in the recorded order (unless this is a forward
@@ -193,7 +199,6 @@ class UnitGathers:
         wrapped = _GatherBeforeBackward.apply(self, unit, *(flat[i] for i in positions))
         for i, t in zip(positions, wrapped):
             flat[i] = t
-        unit.grads_sent = False
         return tree_unflatten(flat, spec)
 
 
@@ -212,6 +217,6 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        if not ctx.unit.grads_sent:
+        if not ctx.gathers.grads_sent(ctx.unit):
             ctx.gathers.gather(ctx.unit)
         return (None, None, *grads)

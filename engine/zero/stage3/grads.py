@@ -8,6 +8,8 @@ fp32 shard gradient (shard_reduce: averaging, accumulation over micro-steps) and
 Units are reduced strictly in reverse forward order (the last block, whose backward ends first, goes
 first, the root last): see [Note: launch order] in engine/zero/ordered_launch.py. At the end of
 backward the rest are reduced in that order, complete or not (what is missing contributes zeros).
+Each trainable group's gradients move through GradState (engine/zero/stage3/units.py): the one record
+of whether its bucket is filling, in flight, or reduced into this window's shard gradient.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from engine.precision import Precision
 from engine.zero import shard_reduce
 from engine.zero.ordered_launch import LaunchInOrder
 from engine.zero.stage3.memory import Stage3Memory
-from engine.zero.stage3.units import TrainableGroup, Unit
+from engine.zero.stage3.units import GradState, TrainableGroup, Unit
 
 MAX_REDUCES_IN_FLIGHT = 2
 """Gradient reduce-scatters (one per unit, optimizer group and dtype) in flight before the oldest is
@@ -59,6 +61,8 @@ class UnitGradients:
         """id(parameter) -> its unit, group and index in the group."""
         self._order = LaunchInOrder(list(reversed(units)), complete=self._complete, launch=self._launch)
         """Units reduced in reverse forward order, the same on every rank."""
+        self._position = {u.index: k for k, u in enumerate(reversed(units))}
+        """Unit index -> its position in `_order`."""
         self._reducing: deque[TrainableGroup] = deque()
         """Groups whose reduce-scatter is in flight, oldest first."""
 
@@ -69,10 +73,12 @@ class UnitGradients:
         if grad is None:
             return
         param.grad = None
-        if g.grad_bucket is None:
+        if not g.filling:  # the first of this backward: EMPTY -> FILLING or REDUCED -> ACCUMULATING
             g.grad_bucket = self._memory.bucket(
                 g.layout.padded_numel, self._precision.wire_dtype(grad.dtype), grad.device, unit.name
             )
+            g.move_grads(GradState.ACCUMULATING if g.grad_written else GradState.FILLING)
+        assert g.grad_bucket is not None
         span = g.layout.params[i]
         if i in g.arrived:
             g.grad_bucket[span.offset : span.end].add_(grad.reshape(-1))
@@ -82,6 +88,12 @@ class UnitGradients:
         if self._complete(unit):
             self._order.launch_ready()
 
+    def sent(self, unit: Unit) -> bool:
+        """The unit's gradients of this backward were sent to be reduced (and the unit released): a
+        later backward hook of its outputs must not gather it again. The launch order is the one
+        record of it; it restarts at the end of every backward (flush)."""
+        return self._order.launched(self._position[unit.index])
+
     def _complete(self, unit: Unit) -> bool:
         return all(len(g.arrived) == len(g.params) for g in unit.trainable)
 
@@ -89,27 +101,29 @@ class UnitGradients:
         """Start reduce-scattering the unit's buckets, then release the unit."""
         for g in unit.trainable:
             bucket = g.grad_bucket
-            if bucket is None:  # no gradient on this rank: contribute zeros
+            if not g.filling:  # no gradient on this rank: contribute zeros
                 bucket = self._memory.bucket(
                     g.layout.padded_numel, self._precision.wire_dtype(g.dtype), g.device, unit.name
                 ).zero_()
                 g.grad_bucket = bucket
             else:  # a pooled buffer: whatever no gradient was written to must be zero (padding included)
+                assert bucket is not None
                 for i, span in enumerate(g.layout.params):
                     if i not in g.arrived:
                         bucket[span.offset : span.end].zero_()
                 bucket[g.layout.numel :].zero_()
+            written = g.grad_written
             g.pending = shard_reduce.start(
                 bucket,
                 g.shard_grad,
-                written=g.grad_written,
+                written=written,
                 rank=self._rank,
                 averaging=self._averaging,
                 key=unit.index,
                 group=self._group,
             )
+            g.move_grads(GradState.ADDING if written else GradState.REDUCING)
             self._reducing.append(g)
-        unit.grads_sent = True
         self._release(unit)
         # At most MAX_REDUCES_IN_FLIGHT groups' buckets stay alive: the rest of the backward overlaps
         # them, and the bucket memory is a few units', not the model's.
@@ -117,19 +131,20 @@ class UnitGradients:
             self._finish(self._reducing.popleft())
 
     def _finish(self, g: TrainableGroup) -> None:
-        """Wait for the group's reduce-scatter and recycle its bucket."""
-        if g.pending is None:
+        """Wait for the group's reduce-scatter and recycle its bucket: REDUCING/ADDING -> REDUCED."""
+        if not g.in_flight:
             return
+        assert g.pending is not None
         shard_reduce.finish(
             g.pending,
             g.shard_grad,
-            written=g.grad_written,
+            written=g.grad_state is GradState.ADDING,
             what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})",
         )
         g.pending = None
-        g.grad_written = True
         g.arrived.clear()
         self._recycle_bucket(g)
+        g.move_grads(GradState.REDUCED)
 
     def _recycle_bucket(self, g: TrainableGroup) -> None:
         if g.grad_bucket is not None:
@@ -137,7 +152,7 @@ class UnitGradients:
             g.grad_bucket = None
 
     def _pending(self) -> bool:
-        return any(g.arrived for u in self.units for g in u.trainable)
+        return any(g.filling for u in self.units for g in u.trainable)
 
     def flush(self) -> None:
         """End of a backward (or a step): reduce every unit not reduced yet in this backward, wait for
@@ -160,15 +175,15 @@ class UnitGradients:
         return [g.shard_grad for u in self.units for g in u.trainable if not g.grad_written]
 
     def zero_grad(self) -> None:
-        """A new accumulation window: nothing in flight, no bucket held, no gradient written."""
+        """A new accumulation window: nothing in flight, no bucket held, no gradient written (EMPTY)."""
         for u in self.units:
             for g in u.trainable:
                 if g.pending is not None:
                     g.pending.work.wait()
                     g.pending = None
                 self._recycle_bucket(g)
-                g.grad_written = False
                 g.arrived.clear()
+                g.move_grads(GradState.EMPTY)
                 for p in g.params:
                     p.grad = None
         self._reducing.clear()

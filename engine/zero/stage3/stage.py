@@ -121,17 +121,23 @@ class Stage3:
             persist_below=zero.stage3_param_persistence_threshold,
         )
         self._memory = self._build_memory(config)
-        self._gathers = UnitGathers(
-            self.units, self._plan, self._memory, self._rank, self._where_in_training, group=self._group
-        )
         self._grads = UnitGradients(
             self.units,
             self._memory,
             precision,
             self._averaging,
             self._rank,
-            release=self._gathers.release,
+            release=lambda unit: self._gathers.release(unit),
             where=self._where_in_training,
+            group=self._group,
+        )
+        self._gathers = UnitGathers(
+            self.units,
+            self._plan,
+            self._memory,
+            self._rank,
+            self._where_in_training,
+            grads_sent=self._grads.sent,
             group=self._group,
         )
         self._handles = self._register_hooks(module)
@@ -347,7 +353,7 @@ class Stage3:
                 g.full = None
                 if isinstance(g, TrainableGroup):
                     g.master.grad = None
-            unit.state = UnitState.PARTITIONED
+            unit.move(UnitState.PARTITIONED)
         self.units.clear()
         self._norm_runs.clear()
         self._grads.clear()

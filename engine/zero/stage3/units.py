@@ -3,8 +3,11 @@
 Each gather unit (which parameters: engine/zero/stage3/unit_plan.py) keeps, per optimizer param group and dtype,
 one group in the shared flat layout (engine/zero/layout.py) with a single bucket: rank r stores slice
 r (its *shard*, which in fp32 is also the optimizer's master), one all-gather fetches the whole unit
-and one reduce-scatter returns its gradients. A unit is in one `UnitState` at a time; gathering and
-releasing it is engine/zero/stage3/gather.py's, reducing its gradients engine/zero/stage3/grads.py's.
+and one reduce-scatter returns its gradients. A unit is in one `UnitState` at a time and each of its
+trainable groups in one `GradState`; both move only through `move()`, which refuses a transition not in
+the table (a bug in the engine, named with the unit and both states, instead of a silent wrong
+gradient or a hang). Gathering and releasing a unit is engine/zero/stage3/gather.py's, reducing its
+gradients engine/zero/stage3/grads.py's.
 
 Between uses a parameter's `.data` is empty; its full shape is kept in the group (`shapes`) and, for
 Hugging Face and DeepSpeed-aware code, in `param.ds_shape` / `param.ds_numel`.
@@ -16,6 +19,7 @@ import enum
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +39,63 @@ class UnitState(enum.Enum):
     parameters are still empty until its use waits for them (see [Note: prefetch])."""
     GATHERED = "gathered"
     """The full buffers hold the whole unit and every parameter's `.data` is a view into them."""
+
+
+_UNIT_MOVES: dict[UnitState, frozenset[UnitState]] = {
+    UnitState.PARTITIONED: frozenset({UnitState.GATHERING, UnitState.GATHERED}),
+    UnitState.GATHERING: frozenset({UnitState.GATHERED, UnitState.PARTITIONED}),
+    UnitState.GATHERED: frozenset({UnitState.PARTITIONED}),
+}
+"""The legal moves: a gather (prefetched or not), a release, and dropping a prefetch nobody used."""
+
+
+class GradState(enum.Enum):
+    """Where a trainable group's gradients of this accumulation window are.
+
+    A backward fills the group's gradient bucket (FILLING), reduce-scatters it into the fp32 shard
+    gradient (REDUCING), and recycles the bucket (REDUCED). The next backward of the same window adds
+    to what was reduced: ACCUMULATING and ADDING are FILLING and REDUCING with a reduced gradient
+    already in `shard_grad`. zero_grad (a new window) returns every group to EMPTY."""
+
+    EMPTY = "empty"
+    """No gradient of this window: no bucket, nothing in flight, `shard_grad` stale."""
+    FILLING = "filling"
+    """Some of this backward's gradients are in `grad_bucket` (`arrived` says which)."""
+    REDUCING = "reducing"
+    """`grad_bucket` is being reduce-scattered into `shard_grad` (`pending`), which it overwrites."""
+    REDUCED = "reduced"
+    """`shard_grad` holds this window's reduced gradient; no bucket, nothing in flight."""
+    ACCUMULATING = "accumulating"
+    """REDUCED, and a later backward's gradients are filling `grad_bucket`."""
+    ADDING = "adding"
+    """REDUCED, and `grad_bucket` is being reduce-scattered onto `shard_grad` (`pending`)."""
+
+
+_GRAD_MOVES: dict[GradState, frozenset[GradState]] = {
+    GradState.EMPTY: frozenset({GradState.FILLING, GradState.REDUCING}),  # REDUCING: zeros, none arrived here
+    GradState.FILLING: frozenset({GradState.REDUCING}),
+    GradState.REDUCING: frozenset({GradState.REDUCED}),
+    GradState.REDUCED: frozenset({GradState.ACCUMULATING, GradState.ADDING}),
+    GradState.ACCUMULATING: frozenset({GradState.ADDING}),
+    GradState.ADDING: frozenset({GradState.REDUCED}),
+}
+"""The legal moves besides zero_grad's return to EMPTY, which any state may take."""
+
+_IN_BUCKET = frozenset({GradState.FILLING, GradState.ACCUMULATING})
+_IN_FLIGHT = frozenset({GradState.REDUCING, GradState.ADDING})
+_WRITTEN = frozenset({GradState.REDUCED, GradState.ACCUMULATING, GradState.ADDING})
+
+
+class IllegalStateMove(RuntimeError):
+    """An internal error: stage 3 tried a state transition its tables do not allow."""
+
+
+def _check_move(what: str, old: enum.Enum, new: enum.Enum, legal: frozenset[Any]) -> None:
+    if new not in legal:
+        raise IllegalStateMove(
+            f"stage 3: {what} cannot move from {old.name} to {new.name} (allowed: "
+            f"{', '.join(sorted(s.name for s in legal)) or 'none'}); this is a bug in the engine, please report it"
+        )
 
 
 _DS_STATUS = {
@@ -81,15 +142,34 @@ class TrainableGroup(ShardedGroup):
     """fp32 optimizer parameter: the shard itself in fp32, a copy otherwise."""
     shard_grad: torch.Tensor
     """The master's gradient, in the accumulation dtype: this rank's slice of the unit's reduced gradients."""
+    grad_state: GradState = GradState.EMPTY
+    """The one record of where this window's gradients are; the three fields below are its data."""
     grad_bucket: torch.Tensor | None = None
-    """1D, padded like `full`, in the wire dtype: the unit's local gradients from their arrival until
-    the reduce-scatter reading it finished; None otherwise."""
+    """1D, padded like `full`, in the wire dtype: held while FILLING/ACCUMULATING/REDUCING/ADDING."""
     arrived: set[int] = field(default_factory=set)
-    """Indices (in `params`) of the parameters whose gradient is in `grad_bucket`."""
-    grad_written: bool = False
-    """`shard_grad` holds a reduced gradient of this accumulation window (later ones add to it)."""
+    """Indices (in `params`) of the parameters whose gradient is in `grad_bucket` (FILLING/ACCUMULATING)."""
     pending: shard_reduce.PendingReduce | None = None
-    """The reduce-scatter of `grad_bucket` in flight."""
+    """The reduce-scatter of `grad_bucket` in flight (REDUCING/ADDING)."""
+
+    def move_grads(self, to: GradState) -> None:
+        """Take a transition of `_GRAD_MOVES` (or zero_grad's to EMPTY); anything else is a bug, refused."""
+        if to is not GradState.EMPTY:
+            _check_move(f"the gradients of unit {self.unit_name!r}", self.grad_state, to, _GRAD_MOVES[self.grad_state])
+        self.grad_state = to
+
+    @property
+    def filling(self) -> bool:
+        """This backward's gradients are arriving in `grad_bucket`."""
+        return self.grad_state in _IN_BUCKET
+
+    @property
+    def in_flight(self) -> bool:
+        return self.grad_state in _IN_FLIGHT
+
+    @property
+    def grad_written(self) -> bool:
+        """`shard_grad` holds a reduced gradient of this accumulation window (later ones add to it)."""
+        return self.grad_state in _WRITTEN
 
     def stored(self) -> torch.Tensor:
         """The fp32 master: the shard itself for fp32 groups, whose gathers then cast nothing."""
@@ -104,9 +184,12 @@ class Unit:
     """Whose forwards use it (see unit_plan.UnitPlan); empty for the root unit."""
     groups: list[ShardedGroup]
     state: UnitState = UnitState.PARTITIONED
-    grads_sent: bool = False
-    """Its gradients of this backward were sent to be reduced (and the unit released): a later
-    backward hook of its outputs must not gather it again. Cleared by its next forward."""
+    """The one record of where its parameters are; change it only with `move()`."""
+
+    def move(self, to: UnitState) -> None:
+        """Take a transition of `_UNIT_MOVES`; anything else is a bug in the engine, refused by name."""
+        _check_move(f"unit {self.name!r}", self.state, to, _UNIT_MOVES[self.state])
+        self.state = to
 
     def ds_status(self) -> released.ZeroParamStatus:
         """DeepSpeed's `param.ds_status` of every parameter of the unit."""
