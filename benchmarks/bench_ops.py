@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.ops import builder
 from engine.ops.accumulate import accumulate
-from engine.ops.adam import adam_step
+from engine.ops.adam import AdamScalars, AdamTensors, adam_step
 from engine.ops.arena import Arena
 from engine.ops.flatten import copy_into
 
@@ -137,21 +137,8 @@ def rows_adam(numel: int, repeats: int) -> list[tuple[str, str, float, int]]:
 
     def fused() -> None:
         step[0] += 1
-        adam_step(
-            params,
-            grads,
-            avgs,
-            sqs,
-            lps,
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=0.01,
-            adamw_mode=True,
-            step=step[0],
-            grad_scale=coef,
-        )
+        hyper = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step[0], grad_scale=coef)
+        adam_step(AdamTensors(params, grads, avgs, sqs, lps), hyper)
 
     torch_params = [torch.nn.Parameter(p.clone()) for p in params]
     opt = torch.optim.AdamW(torch_params, lr=1e-3, weight_decay=0.01, fused=True)

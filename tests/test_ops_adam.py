@@ -19,7 +19,7 @@ import torch
 
 from engine.ops import adam as adam_ops
 from engine.ops import builder
-from engine.ops.adam import CPUAdam, adam_step, adam_step_reference
+from engine.ops.adam import AdamScalars, AdamTensors, CPUAdam, adam_step, adam_step_reference
 from engine.optim.adam import ReferenceAdam
 
 KCHUNK = 1 << 14  # zero_engine::kChunk (csrc/cpu/ops.h): sizes below straddle its boundaries
@@ -72,9 +72,13 @@ def _clone(tensors: dict) -> dict:
     return {k: None if v is None else [t if t is None else t.clone() for t in v] for k, v in tensors.items()}
 
 
+def _lists(tensors: dict) -> AdamTensors:
+    return AdamTensors(*(tensors[k] for k in AdamTensors._fields))
+
+
 def _run(fn: Any, tensors: dict, **hyper: Any) -> dict:
     out = _clone(tensors)
-    fn(out["params"], out["grads"], out["exp_avgs"], out["exp_avg_sqs"], out["lp_params"], **{**HYPER, **hyper})
+    fn(_lists(out), AdamScalars(**{**HYPER, **hyper}))
     return out
 
 
@@ -111,8 +115,8 @@ def test_compiled_matches_fallback(
 @pytest.mark.parametrize("path", ["compiled", "fallback"])
 def test_empty_and_zero_size(path: str, request: pytest.FixtureRequest) -> None:
     request.getfixturevalue(path)
-    adam_step([], [], [], [], None, **HYPER)
-    adam_step([], [], [], [], [], **HYPER)
+    adam_step(AdamTensors([], [], [], [], None), AdamScalars(**HYPER))
+    adam_step(AdamTensors([], [], [], [], []), AdamScalars(**HYPER))
     out = _run(adam_step, _tensors([0, 0], torch.bfloat16, torch.bfloat16))
     assert [p.numel() for p in out["params"]] == [0, 0]
 
@@ -123,7 +127,7 @@ def test_version_counters_bumped(path: str, request: pytest.FixtureRequest) -> N
     request.getfixturevalue(path)
     t = _tensors([5, KCHUNK + 1], torch.float32, torch.bfloat16)
     before = {k: [x._version for x in t[k]] for k in ("params", "exp_avgs", "exp_avg_sqs", "lp_params")}
-    adam_step(t["params"], t["grads"], t["exp_avgs"], t["exp_avg_sqs"], t["lp_params"], **HYPER)
+    adam_step(_lists(t), AdamScalars(**HYPER))
     for key, versions in before.items():
         assert all(x._version > v for x, v in zip(t[key], versions)), key
 
@@ -208,14 +212,7 @@ def test_bad_arguments_are_named(path: str, kind: str, request: pytest.FixtureRe
     tensors, hyper = _bad(kind)
     error, pattern = BAD[kind]
     with pytest.raises(error, match=pattern):  # not through _run: clone() would make tensors contiguous
-        adam_step(
-            tensors["params"],
-            tensors["grads"],
-            tensors["exp_avgs"],
-            tensors["exp_avg_sqs"],
-            tensors["lp_params"],
-            **{**HYPER, **hyper},
-        )
+        adam_step(_lists(tensors), AdamScalars(**{**HYPER, **hyper}))
 
 
 # ---- CPUAdam against torch's optimizers -------------------------------------------------------------

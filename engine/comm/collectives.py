@@ -253,9 +253,8 @@ def reduce_scatter(
         _sent(_op_name("reduce_scatter", group), wire_bytes * (n - 1) // n)
         schedule = ring if impl == "ring" else p2p
         target = torch.empty_like(output) if accumulate else output  # the sum, added into output after
-        started = schedule.reduce_scatter(
-            _transport(group), target, input, rank=group_rank(group), n=n, seq=_next_seq(group), key=key, wire=wire
-        )
+        call = p2p.Call(_transport(group), group_rank(group), n, _next_seq(group), key)
+        started = schedule.reduce_scatter(call, target, input, wire)
         work: Handle = _Finish(started, lambda: output.add_(target)) if accumulate else started
     else:
         # gloo emulates it with an all-reduce (2(N-1)/N of the buffer); NCCL runs a real one.
@@ -313,9 +312,8 @@ def all_gather(
     impl = collectives_impl()
     if impl != "native":
         schedule = ring if impl == "ring" else p2p
-        work: Handle = schedule.all_gather(
-            _transport(group), output, input, rank=group_rank(group), n=n, seq=_next_seq(group), key=key
-        )
+        call = p2p.Call(_transport(group), group_rank(group), n, _next_seq(group), key)
+        work: Handle = schedule.all_gather(call, output, input)
     else:
         work = _Finish(_ALL_GATHER_FLAT(output, input, group=group, async_op=True))
     if async_op:

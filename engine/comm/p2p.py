@@ -69,6 +69,21 @@ class Transport(Protocol):
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> PendingWork: ...
 
 
+class Call(NamedTuple):
+    """Which collective one schedule runs, and among whom: the first argument of every schedule here
+    and in ring.py (engine/comm/collectives.py makes it)."""
+
+    transport: Transport
+    rank: int
+    """This rank's position in the group."""
+    n: int
+    """Ranks in the group."""
+    seq: int
+    """The collective's number among the group's point-to-point collectives (the same on every rank)."""
+    key: int
+    """The caller's label of the collective, checked across ranks with the rest of the signature."""
+
+
 @dataclass(frozen=True)
 class Signature:
     """What one collective is, as every rank must agree on it."""
@@ -217,7 +232,8 @@ def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.add_(src)
 
 
-def exchange_signatures(transport: Transport, mine: Signature, rank: int, n: int) -> Signatures:
+def exchange_signatures(call: Call, mine: Signature) -> Signatures:
+    transport, rank, n = call.transport, call.rank, call.n
     packed = mine.pack()
     received, sent = [], []
     for k in range(1, n):
@@ -240,24 +256,15 @@ class ReduceScatterStart(NamedTuple):
     """Pool buffers to give back when the collective is done."""
 
 
-def open_reduce_scatter(
-    transport: Transport,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    rank: int,
-    n: int,
-    seq: int,
-    key: int,
-    wire: torch.dtype,
-) -> ReduceScatterStart:
+def open_reduce_scatter(call: Call, output: torch.Tensor, input: torch.Tensor, wire: torch.dtype) -> ReduceScatterStart:
     """What every reduce-scatter schedule does first: check the arguments, send the signature, and
     round every contribution (this rank's own included) to the wire dtype once."""
+    n = call.n
     c = input.numel() // n
     chunks = input.view(n, c)
-    in_place = output.data_ptr() == chunks[rank].data_ptr() and output.dtype == input.dtype
+    in_place = output.data_ptr() == chunks[call.rank].data_ptr() and output.dtype == input.dtype
     signatures = exchange_signatures(
-        transport, Signature(seq, "reduce_scatter", input.numel(), input.dtype, wire, key), rank, n
+        call, Signature(call.seq, "reduce_scatter", input.numel(), input.dtype, wire, call.key)
     )
     if wire == input.dtype:
         return ReduceScatterStart(c, chunks, in_place, signatures, [])
@@ -266,34 +273,22 @@ def open_reduce_scatter(
     return ReduceScatterStart(c, cast.view(n, c), in_place, signatures, [cast])
 
 
-def open_all_gather(
-    transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int, key: int
-) -> tuple[int, torch.Tensor, Signatures]:
+def open_all_gather(call: Call, output: torch.Tensor, input: torch.Tensor) -> tuple[int, torch.Tensor, Signatures]:
     """What every all-gather schedule does first: put this rank's input in place, send the signature.
     Returns (elements per rank, output viewed as (n, c), the signatures)."""
-    c = output.numel() // n
-    chunks = output.view(n, c)
-    if input.data_ptr() != chunks[rank].data_ptr():
-        chunks[rank].copy_(input.view(-1))
-    mine = Signature(seq, "all_gather", output.numel(), output.dtype, output.dtype, key)
-    return c, chunks, exchange_signatures(transport, mine, rank, n)
+    c = output.numel() // call.n
+    chunks = output.view(call.n, c)
+    if input.data_ptr() != chunks[call.rank].data_ptr():
+        chunks[call.rank].copy_(input.view(-1))
+    mine = Signature(call.seq, "all_gather", output.numel(), output.dtype, output.dtype, call.key)
+    return c, chunks, exchange_signatures(call, mine)
 
 
-def reduce_scatter(
-    transport: Transport,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    rank: int,
-    n: int,
-    seq: int,
-    key: int,
-    wire: torch.dtype,
-) -> P2PWork:
+def reduce_scatter(call: Call, output: torch.Tensor, input: torch.Tensor, wire: torch.dtype) -> P2PWork:
     """Start: output = the sum over ranks of slice `rank` of their inputs, each contribution rounded
     to `wire`, summed in output's dtype. See the module docstring."""
-    start = open_reduce_scatter(transport, output, input, rank=rank, n=n, seq=seq, key=key, wire=wire)
-    c, source, in_place, signatures, release = start
+    c, source, in_place, signatures, release = open_reduce_scatter(call, output, input, wire)
+    transport, rank, n = call.transport, call.rank, call.n
     mine = signatures.mine
     sends: list[PendingWork] = []
     received = POOL.take((n - 1) * c, wire, input.device).view(n - 1, c)
@@ -323,11 +318,10 @@ def reduce_scatter(
     return P2PWork(signatures, steps, sends, release)
 
 
-def all_gather(
-    transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int, key: int
-) -> P2PWork:
+def all_gather(call: Call, output: torch.Tensor, input: torch.Tensor) -> P2PWork:
     """Start: output = every rank's input, in rank order, received straight into output."""
-    _, chunks, signatures = open_all_gather(transport, output, input, rank=rank, n=n, seq=seq, key=key)
+    _, chunks, signatures = open_all_gather(call, output, input)
+    transport, rank, n = call.transport, call.rank, call.n
     sends: list[PendingWork] = []
     tag = signatures.mine.tag()
     steps: list[tuple[PendingWork, Callable[[], None] | None]] = []

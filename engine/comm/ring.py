@@ -33,8 +33,8 @@ import torch
 
 from engine.comm.p2p import (
     POOL,
+    Call,
     PendingWork,
-    Transport,
     add_into,
     assign,
     open_all_gather,
@@ -109,22 +109,11 @@ class _Progress:
 PROGRESS = _Progress()
 
 
-def reduce_scatter(
-    transport: Transport,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    rank: int,
-    n: int,
-    seq: int,
-    key: int,
-    wire: torch.dtype,
-) -> RingWork:
+def reduce_scatter(call: Call, output: torch.Tensor, input: torch.Tensor, wire: torch.dtype) -> RingWork:
     """Start: output = the sum over ranks of slice `rank` of their inputs, summed around the ring (see
     the module docstring)."""
-    c, source, _, signatures, release = open_reduce_scatter(
-        transport, output, input, rank=rank, n=n, seq=seq, key=key, wire=wire
-    )
+    c, source, _, signatures, release = open_reduce_scatter(call, output, input, wire)
+    transport, rank, n = call.transport, call.rank, call.n
     sends: list[PendingWork] = []
     left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
     segments = split_segments(c, torch.empty((), dtype=wire).element_size())
@@ -159,11 +148,10 @@ def reduce_scatter(
     return PROGRESS.submit(run)
 
 
-def all_gather(
-    transport: Transport, output: torch.Tensor, input: torch.Tensor, *, rank: int, n: int, seq: int, key: int
-) -> RingWork:
+def all_gather(call: Call, output: torch.Tensor, input: torch.Tensor) -> RingWork:
     """Start: output = every rank's input, in rank order, each chunk forwarded around the ring."""
-    c, chunks, signatures = open_all_gather(transport, output, input, rank=rank, n=n, seq=seq, key=key)
+    c, chunks, signatures = open_all_gather(call, output, input)
+    transport, rank, n = call.transport, call.rank, call.n
     sends: list[PendingWork] = []
     left, right, tag = (rank - 1) % n, (rank + 1) % n, signatures.mine.tag()
     segments = split_segments(c, output.element_size())

@@ -265,18 +265,6 @@ def estimate_memory(
 ) -> MemoryEstimate: ...
 
 
-@overload
-def estimate_memory(
-    model_or_numel: torch.nn.Module | int,
-    stage: int | None = None,
-    world_size: int = 1,
-    dtype: str | torch.dtype = "fp32",
-    grad_accum_dtype: str | torch.dtype | None = None,
-    optimizer: str = "adam",
-    bucket_size: int = DEFAULT_BUCKET_SIZE,
-) -> MemoryEstimate | list[MemoryEstimate]: ...
-
-
 def estimate_memory(
     model_or_numel: torch.nn.Module | int,
     stage: int | None = None,

@@ -1,6 +1,6 @@
 """Fused CPU Adam/AdamW: one pass over memory per step, with unscale/clip and the low-precision copy.
 
-    adam_step(params, grads, exp_avgs, exp_avg_sqs, lp_params, lr=..., step=..., grad_scale=...)
+    adam_step(AdamTensors(params, grads, exp_avgs, exp_avg_sqs, lp_params), AdamScalars(lr=..., step=..., ...))
     opt = CPUAdam(model.parameters(), lr=1e-3)   # DeepSpeedCPUAdam-like torch.optim.Optimizer
 
 torch.optim.AdamW(fused=True) on CPU already runs near the DRAM limit, but pays a few microseconds per
@@ -30,116 +30,106 @@ from typing import Any, overload
 
 import torch
 
-from engine.ops.checks import check_lists, check_tensors
+from engine.ops.checks import AdamTensors, check_lists, check_tensors
 from engine.ops.select import compiled_module
 
 _PIECE = 1 << 18
 """Elements the torch path updates at a time (1 MiB of float32 per temporary)."""
 
 
-def adam_step(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    lp_params: Sequence[torch.Tensor] | None = None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    step: int,
-    bias_correction: bool = True,
-    grad_scale: float = 1.0,
-) -> None:
+@dataclass(frozen=True)
+class AdamScalars:
+    """The scalars of one Adam/AdamW step (see [Note: Adam math we match])."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+    """The step count including this update (1 on the first step)."""
+    adamw_mode: bool = True
+    """Decoupled weight decay (AdamW); False: L2 through the moments (Adam)."""
+    bias_correction: bool = True
+    grad_scale: float = 1.0
+    """Every gradient is multiplied by it first (e.g. clip_coef / loss_scale)."""
+
+    def check(self) -> None:
+        """Named ValueErrors for values the step cannot use."""
+        step = self.step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"adam_step: step must be an int >= 1 (the count including this update), got {step!r}")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ValueError(f"adam_step: betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        for name, value in (("lr", self.lr), ("eps", self.eps), ("weight_decay", self.weight_decay)):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"adam_step: {name} must be finite and >= 0, got {value!r}")
+        if not math.isfinite(self.grad_scale):
+            raise ValueError(
+                f"adam_step: grad_scale must be finite, got {self.grad_scale!r}; skip the step when the "
+                "gradients overflowed instead of stepping with a non-finite scale"
+            )
+
+    def kernel_args(self) -> tuple[float, float, float, float, float, bool, int, bool, float]:
+        """The scalar arguments of the compiled adam_step, in its order (csrc/cpu/adam.cpp, csrc/cuda)."""
+        return (
+            float(self.lr),
+            float(self.beta1),
+            float(self.beta2),
+            float(self.eps),
+            float(self.weight_decay),
+            bool(self.adamw_mode),
+            int(self.step),
+            bool(self.bias_correction),
+            float(self.grad_scale),
+        )
+
+
+def adam_step(tensors: AdamTensors, hyper: AdamScalars) -> None:
     """One Adam/AdamW update of every tensor in place (see [Note: Adam math we match]).
 
-    params, exp_avgs, exp_avg_sqs: float32, contiguous. grads: float32, bfloat16 or float16, multiplied
-    by `grad_scale` before use (e.g. clip_coef / loss_scale). lp_params: None/empty, or one bfloat16 or
-    float16 tensor per param that receives the updated parameter (round to nearest even, as `.to()`).
-    step: the step count including this update (1 on the first step).
+    tensors: params, exp_avgs, exp_avg_sqs float32 and contiguous; grads float32, bfloat16 or float16,
+    multiplied by hyper.grad_scale before use; lp_params None/empty, or one bfloat16 or float16 tensor
+    per param that receives the updated parameter (round to nearest even, as `.to()`).
     """
-    lp_params = list(lp_params) if lp_params else []
-    check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
-    _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale)
+    params, grads, exp_avgs, exp_avg_sqs, lp = tensors
+    lp_params = list(lp) if lp else []
+    tensors = AdamTensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+    check_lists(tensors)
+    hyper.check()
     ext = compiled_module(params)
     if ext is not None and all(g.device == params[0].device for g in grads):
         # The binding checks every tensor itself (dtype, device, contiguity, size) in one scan that
         # also collects the pointers, naming a bad one with check_tensors' message.
-        ext.adam_step(
-            list(params),
-            list(grads),
-            list(exp_avgs),
-            list(exp_avg_sqs),
-            lp_params,
-            float(lr),
-            float(beta1),
-            float(beta2),
-            float(eps),
-            float(weight_decay),
-            bool(adamw_mode),
-            int(step),
-            bool(bias_correction),
-            float(grad_scale),
-        )
+        ext.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lp_params, *hyper.kernel_args())
         return
-    check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
-    adam_step_reference(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        lp_params,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        adamw_mode=adamw_mode,
-        step=step,
-        bias_correction=bias_correction,
-        grad_scale=grad_scale,
-    )
+    check_tensors(tensors)
+    adam_step_reference(tensors, hyper)
 
 
 @torch.no_grad()
-def adam_step_reference(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    lp_params: Sequence[torch.Tensor] | None = None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    step: int,
-    bias_correction: bool = True,
-    grad_scale: float = 1.0,
-) -> None:
+def adam_step_reference(tensors: AdamTensors, hyper: AdamScalars) -> None:
     """adam_step as torch ops, in torch.optim.Adam's order; no argument checks (the naive path).
 
     Each tensor is processed in pieces of _PIECE elements, so the float32 temporaries (the upcast and
     scaled gradient, the denominator) are bounded instead of the size of the tensor: a low-precision
     gradient is never converted to float32 as a whole. Elementwise math, so the pieces change nothing."""
-    bias_correction1 = 1 - beta1**step if bias_correction else 1.0
-    bias_correction2 = 1 - beta2**step if bias_correction else 1.0
+    params, grads, exp_avgs, exp_avg_sqs, lp_params = tensors
+    lr, beta1, beta2, eps, weight_decay = hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay
+    step, grad_scale = hyper.step, hyper.grad_scale
+    bias_correction1 = 1 - beta1**step if hyper.bias_correction else 1.0
+    bias_correction2 = 1 - beta2**step if hyper.bias_correction else 1.0
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        tensors = [param, grad, exp_avg, exp_avg_sq] + ([lp_params[i]] if lp_params else [])
-        for pieces in zip(*(t.view(-1).split(_PIECE) for t in tensors)):
+        pieces_of = [param, grad, exp_avg, exp_avg_sq] + ([lp_params[i]] if lp_params else [])
+        for pieces in zip(*(t.view(-1).split(_PIECE) for t in pieces_of)):
             p, grad_piece, m, v = pieces[:4]
             g = grad_piece.float()  # the gradient itself when already fp32: never modified in place below
             if grad_scale != 1.0:
                 g = g * grad_scale
             if weight_decay != 0:
-                if adamw_mode:
+                if hyper.adamw_mode:
                     p.mul_(1 - lr * weight_decay)
                 else:
                     g = g.add(p, alpha=weight_decay)
@@ -149,23 +139,6 @@ def adam_step_reference(
             p.addcdiv_(m, denom, value=-step_size)
             if lp_params:
                 pieces[4].copy_(p)
-
-
-def _check_hyper(
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float
-) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"adam_step: step must be an int >= 1 (the count including this update), got {step!r}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"adam_step: betas must be in [0, 1), got ({beta1}, {beta2})")
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not (math.isfinite(value) and value >= 0.0):
-            raise ValueError(f"adam_step: {name} must be finite and >= 0, got {value!r}")
-    if not math.isfinite(grad_scale):
-        raise ValueError(
-            f"adam_step: grad_scale must be finite, got {grad_scale!r}; skip the step when the "
-            "gradients overflowed instead of stepping with a non-finite scale"
-        )
 
 
 @dataclass
@@ -208,22 +181,25 @@ def adam_step_entries(
         batches.setdefault((int(count), entry.lp_params is not None), []).append(entry)
     beta1, beta2 = group["betas"]
     for (count, has_lp), members in batches.items():
-        adam_step(
+        hyper = AdamScalars(
+            float(group["lr"]),
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            count,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+            grad_scale=grad_scale,
+        )
+        tensors = AdamTensors(
             [t for e in members for t in e.params],
             [t for e in members for t in e.grads],
             [t for e in members for t in e.exp_avgs],
             [t for e in members for t in e.exp_avg_sqs],
             [t for e in members for t in e.lp_params or ()] if has_lp else None,
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            adamw_mode=adamw_mode,
-            step=count,
-            bias_correction=bias_correction,
-            grad_scale=grad_scale,
         )
+        adam_step(tensors, hyper)
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -257,7 +233,7 @@ class CPUAdam(torch.optim.Optimizer):
                 "torch.optim.AdamW(amsgrad=True) for it"
             )
         beta1, beta2 = betas
-        _check_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=1, grad_scale=1.0)
+        AdamScalars(lr, beta1, beta2, eps, weight_decay, step=1).check()
         defaults = {
             "lr": lr,
             "betas": (beta1, beta2),

@@ -6,6 +6,7 @@ other."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -123,64 +124,61 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LP_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def check_lists(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    lp_params: Sequence[torch.Tensor],
-) -> None:
+class AdamTensors(NamedTuple):
+    """The tensor lists of one adam_step, one entry per parameter in each list."""
+
+    params: Sequence[torch.Tensor]
+    """float32 masters, updated in place."""
+    grads: Sequence[torch.Tensor]
+    """float32, bfloat16 or float16; read only."""
+    exp_avgs: Sequence[torch.Tensor]
+    """float32 first moments."""
+    exp_avg_sqs: Sequence[torch.Tensor]
+    """float32 second moments."""
+    lp_params: Sequence[torch.Tensor] | None = None
+    """None/empty, or one bfloat16/float16 tensor per param that receives the updated parameter."""
+
+
+def check_lists(t: AdamTensors) -> None:
     """One grad, exp_avg, exp_avg_sq (and lp_param, if any) per param, all tensors (named errors)."""
-    n = len(params)
-    if not len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n:
+    n = len(t.params)
+    if not len(t.grads) == len(t.exp_avgs) == len(t.exp_avg_sqs) == n:
         raise ValueError(
             f"adam_step: one grad, exp_avg and exp_avg_sq per param expected; got {n} params, "
-            f"{len(grads)} grads, {len(exp_avgs)} exp_avgs, {len(exp_avg_sqs)} exp_avg_sqs"
+            f"{len(t.grads)} grads, {len(t.exp_avgs)} exp_avgs, {len(t.exp_avg_sqs)} exp_avg_sqs"
         )
-    if lp_params and len(lp_params) != n:
+    if t.lp_params and len(t.lp_params) != n:
         raise ValueError(
-            f"adam_step: lp_params must be empty or hold one tensor per param; got {len(lp_params)} for {n} params"
+            f"adam_step: lp_params must be empty or hold one tensor per param; got {len(t.lp_params)} for {n} params"
         )
-    for name, tensors in (
-        ("params", params),
-        ("grads", grads),
-        ("exp_avgs", exp_avgs),
-        ("exp_avg_sqs", exp_avg_sqs),
-        ("lp_params", lp_params),
-    ):
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"adam_step: {name}[{i}] is {type(t).__name__}, not a tensor")
+    for name, tensors in zip(t._fields, t):
+        for i, x in enumerate(tensors or ()):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"adam_step: {name}[{i}] is {type(x).__name__}, not a tensor")
 
 
-def check_tensors(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    lp_params: Sequence[torch.Tensor],
-) -> None:
+def check_tensors(t: AdamTensors) -> None:
     """Each tensor's dtype, contiguity, size and device against its param's (any device, one device per
     param): the fallback's checks, and the named errors of the compiled binding (engine/ops/cpu_lib.py)."""
-    for i, param in enumerate(params):
+    for i, param in enumerate(t.params):
         lists = [
             ("params", param, (torch.float32,)),
-            ("grads", grads[i], _GRAD_DTYPES),
-            ("exp_avgs", exp_avgs[i], (torch.float32,)),
-            ("exp_avg_sqs", exp_avg_sqs[i], (torch.float32,)),
+            ("grads", t.grads[i], _GRAD_DTYPES),
+            ("exp_avgs", t.exp_avgs[i], (torch.float32,)),
+            ("exp_avg_sqs", t.exp_avg_sqs[i], (torch.float32,)),
         ]
-        if lp_params:
-            lists.append(("lp_params", lp_params[i], _LP_DTYPES))
-        for name, t, dtypes in lists:
-            if t.dtype not in dtypes:
-                raise TypeError(f"adam_step: {name}[{i}] has dtype {t.dtype}; expected {_dtype_names(dtypes)}")
-            if not t.is_contiguous():
+        if t.lp_params:
+            lists.append(("lp_params", t.lp_params[i], _LP_DTYPES))
+        for name, x, dtypes in lists:
+            if x.dtype not in dtypes:
+                raise TypeError(f"adam_step: {name}[{i}] has dtype {x.dtype}; expected {_dtype_names(dtypes)}")
+            if not x.is_contiguous():
                 raise ValueError(f"adam_step: {name}[{i}] is not contiguous; pass .contiguous()")
-            if t.numel() != param.numel():
-                raise ValueError(f"adam_step: {name}[{i}] has {t.numel()} elements but params[{i}] has {param.numel()}")
-            if t.device != param.device:
+            if x.numel() != param.numel():
+                raise ValueError(f"adam_step: {name}[{i}] has {x.numel()} elements but params[{i}] has {param.numel()}")
+            if x.device != param.device:
                 raise ValueError(
-                    f"adam_step: {name}[{i}] is on {t.device} but params[{i}] is on {param.device}; "
+                    f"adam_step: {name}[{i}] is on {x.device} but params[{i}] is on {param.device}; "
                     "keep each param's tensors on one device"
                 )
 

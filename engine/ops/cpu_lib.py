@@ -275,8 +275,9 @@ class CpuOps:
         if not all(scan.ok and scan.numels == scans[0].numels for scan in scans):
 
             def check() -> None:
-                checks.check_lists(params, grads, exp_avgs, exp_avg_sqs, lp_params)
-                checks.check_tensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+                tensors = checks.AdamTensors(params, grads, exp_avgs, exp_avg_sqs, lp_params)
+                checks.check_lists(tensors)
+                checks.check_tensors(tensors)
 
             named = [
                 *_indexed("params", params),

@@ -387,6 +387,7 @@ def test_engine_ops_send_cuda_tensors_to_the_cuda_module(ext, monkeypatch) -> No
     p, g = src.clone(), values(1000, 2).cuda()
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     adam.adam_step(
-        [p], [g], [m], [v], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True, step=1
+        adam.AdamTensors([p], [g], [m], [v]),
+        adam.AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1),
     )
     assert not torch.equal(p, src)

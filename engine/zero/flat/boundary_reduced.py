@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.config.types import EngineConfig
-from engine.parallel.groups import ParallelGroups
-from engine.precision import Precision
 from engine.zero.flat.stage import Bucket, FlatStage
 
 
 class BoundaryReducedStage(FlatStage):
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        config: EngineConfig,
-        precision: Precision,
-        parallel: ParallelGroups | None = None,
-    ) -> None:
-        self._grad_flat: dict[int, torch.Tensor] = {}
-        self._view: dict[int, torch.Tensor] = {}  # id(param) -> its view in the flat gradient buffer
-        super().__init__(module, optimizer, config, precision, parallel)
-        self._written: set[int] = set()  # id() of params whose view holds this window's gradient
-        self._pending = False  # gradients written that no reduction has consumed
+    _grad_flat: dict[int, torch.Tensor]  # group index -> full-size flat gradient buffer (accumulation dtype)
+    _view: dict[int, torch.Tensor]  # id(param) -> its view in the flat gradient buffer
+    _written: set[int]  # id() of params whose view holds this window's gradient
+    _pending: bool  # gradients written that no reduction has consumed
 
     def _allocate_gradients(self) -> None:
+        self._grad_flat, self._view, self._written, self._pending = {}, {}, set(), False
         for g in self.groups:
             flat = torch.zeros(
                 g.layout.padded_numel, dtype=self.precision.grad_accum_dtype(g.dtype), device=g.flat.device

@@ -151,7 +151,8 @@ class FlatStage:
     # ------------------------------------------------------------------- subclass interface
     def _allocate_gradients(self) -> None:
         """The gradient buffers, and each group's gradient rows (shard_grad) in the accumulation dtype:
-        a buffer of their own, or views of a full-size one."""
+        a buffer of their own, or views of a full-size one. Called once, from __init__ (before the
+        hooks exist); a subclass sets up its own gradient bookkeeping here, so it needs no __init__."""
         raise NotImplementedError
 
     def _bind_optimizer(self, config: EngineConfig) -> None:

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.config.types import EngineConfig
-from engine.parallel.groups import ParallelGroups
-from engine.precision import Precision
 from engine.zero.flat.stage import Bucket, FlatStage
 
 
@@ -26,19 +23,11 @@ class Stage2(FlatStage):
     stage = 2
     partitioned = True
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        config: EngineConfig,
-        precision: Precision,
-        parallel: ParallelGroups | None = None,
-    ) -> None:
-        super().__init__(module, optimizer, config, precision, parallel)
-        self._unsynced: dict[int, torch.Tensor] = {}  # group index -> full-size no_sync accumulation
+    _unsynced: dict[int, torch.Tensor]  # group index -> full-size no_sync accumulation
 
     def _allocate_gradients(self) -> None:
         # Only the shard's rows; bucket buffers come from the pool as gradients arrive.
+        self._unsynced = {}
         for g in self.groups:
             g.shard_grad = torch.zeros(
                 (g.layout.num_buckets, g.layout.slice_numel),
