@@ -34,6 +34,7 @@ import torch
 from engine.comm.p2p import (
     POOL,
     Call,
+    P2PWork,
     PendingWork,
     add_into,
     assign,
@@ -109,6 +110,16 @@ class _Progress:
 PROGRESS = _Progress()
 
 
+def _run_on_progress_thread(work: P2PWork) -> RingWork:
+    """Run `work`'s waits and local steps (p2p.py's P2PWork: signatures checked, then each receive in
+    order followed by its step, then the sends, the pool buffers given back) on the progress thread."""
+
+    def run() -> None:
+        work.wait()
+
+    return PROGRESS.submit(run)
+
+
 def reduce_scatter(call: Call, output: torch.Tensor, input: torch.Tensor, wire: torch.dtype) -> RingWork:
     """Start: output = the sum over ranks of slice `rank` of their inputs, summed around the ring (see
     the module docstring)."""
@@ -124,28 +135,25 @@ def reduce_scatter(call: Call, output: torch.Tensor, input: torch.Tensor, wire: 
     sends += [transport.isend(source[first, a:b], right, tag) for a, b in segments]  # step 0: our own
     direct = wire == output.dtype  # finish in the wire buffer, then copy
 
-    def run() -> None:
-        signatures.check()
-        for s in range(n - 1):
-            j = (rank - 2 - s) % n
-            for (a, b), work in zip(segments, recvs[s]):
-                work.wait()
-                got, own = partial[s, a:b], source[j, a:b]
-                if s < n - 2:
-                    add_into(got, own)
-                    sends.append(transport.isend(got, right, tag))
-                elif direct:
-                    add_into(got, own)
-                    output[a:b].copy_(got)
-                else:
-                    assign(output[a:b], got)
-                    add_into(output[a:b], own)
-        for work in sends:
-            work.wait()
-        for buf in release:
-            POOL.give(buf)
+    def step(s: int, a: int, b: int) -> Callable[[], None]:
+        """What arrives at step s, segment [a, b): chunk (rank - 2 - s) mod n's partial sum."""
+        got, own = partial[s, a:b], source[(rank - 2 - s) % n, a:b]
 
-    return PROGRESS.submit(run)
+        def reduce() -> None:
+            if s < n - 2:
+                add_into(got, own)
+                sends.append(transport.isend(got, right, tag))  # forwarded as soon as it is reduced
+            elif direct:
+                add_into(got, own)
+                output[a:b].copy_(got)
+            else:
+                assign(output[a:b], got)
+                add_into(output[a:b], own)
+
+        return reduce
+
+    steps = [(work, step(s, a, b)) for s in range(n - 1) for (a, b), work in zip(segments, recvs[s])]
+    return _run_on_progress_thread(P2PWork(signatures, steps, sends, release))
 
 
 def all_gather(call: Call, output: torch.Tensor, input: torch.Tensor) -> RingWork:
@@ -158,15 +166,13 @@ def all_gather(call: Call, output: torch.Tensor, input: torch.Tensor) -> RingWor
     recvs = [[transport.irecv(chunks[(rank - 1 - s) % n, a:b], left, tag) for a, b in segments] for s in range(n - 1)]
     sends += [transport.isend(chunks[rank, a:b], right, tag) for a, b in segments]
 
-    def run() -> None:
-        signatures.check()
-        for s in range(n - 1):
-            j = (rank - 1 - s) % n
-            for (a, b), work in zip(segments, recvs[s]):
-                work.wait()
-                if s < n - 2:
-                    sends.append(transport.isend(chunks[j, a:b], right, tag))
-        for work in sends:
-            work.wait()
+    def forward(j: int, a: int, b: int) -> Callable[[], None]:
+        return lambda: sends.append(transport.isend(chunks[j, a:b], right, tag))
 
-    return PROGRESS.submit(run)
+    # A received segment is forwarded to the right, except at the last step (it has gone all round).
+    steps = [
+        (work, forward((rank - 1 - s) % n, a, b) if s < n - 2 else None)
+        for s in range(n - 1)
+        for (a, b), work in zip(segments, recvs[s])
+    ]
+    return _run_on_progress_thread(P2PWork(signatures, steps, sends, []))
