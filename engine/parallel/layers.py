@@ -27,10 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Self
 
 from engine.comm import ProcessGroup
 from engine.config.errors import ConfigError
@@ -169,11 +171,28 @@ class _ParallelLinear(nn.Module):
             self.bias = nn.Parameter(full_bias.detach().clone())
             set_tensor_model_parallel_attributes(self.bias, False, -1)
 
-    def _follow(self, dense: nn.Linear) -> None:
-        """from_dense: keep the dense layer's training mode and which of its parameters train."""
-        self.train(dense.training)
-        for name, param in self.named_parameters(recurse=False):
-            param.requires_grad_(getattr(dense, name).requires_grad)
+    @classmethod
+    def _sliced(cls, linear: nn.Linear, group: ProcessGroup | None, parts: int, **flag: Any) -> Self:
+        """from_dense: a layer of `linear`'s sizes, dtype and device holding this rank's slice of its
+        values (copied), in its training mode, with its parameters' requires_grad. `flag`: the
+        subclass's own constructor argument (gather_output or input_is_parallel)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            init_method=_skip_init,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            group=group,
+            **flag,
+        )
+        dense_name = ("out_features", "in_features")[layer.split_dim]
+        check_divisible(f"{dense_name} / {parts}", linear.weight.shape[layer.split_dim] // parts, layer.tp_size)
+        layer._keep_slice(linear.weight, linear.bias, parts)
+        layer.train(linear.training)
+        for name, param in layer.named_parameters(recurse=False):
+            param.requires_grad_(getattr(linear, name).requires_grad)
+        return layer
 
     def _mine(self, full: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
         width = self.size_per_partition // parts
@@ -224,20 +243,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 f"from_dense: a Linear of {parts} fused parts must keep its output split; pass "
                 "gather_output=False (gathering would interleave the ranks' parts)"
             )
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            gather_output=gather_output,
-            init_method=_skip_init,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-            group=group,
-        )
-        check_divisible(f"out_features / {parts}", linear.out_features // parts, layer.tp_size)
-        layer._keep_slice(linear.weight, linear.bias, parts)
-        layer._follow(linear)
-        return layer
+        return cls._sliced(linear, group, parts, gather_output=gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
@@ -283,19 +289,7 @@ class RowParallelLinear(_ParallelLinear):
     ) -> RowParallelLinear:
         """This rank's columns of an existing nn.Linear, and its whole bias (copied)."""
         _check_dense_linear(linear)
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            input_is_parallel=input_is_parallel,
-            init_method=_skip_init,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-            group=group,
-        )
-        layer._keep_slice(linear.weight, linear.bias)
-        layer._follow(linear)
-        return layer
+        return cls._sliced(linear, group, 1, input_is_parallel=input_is_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_slice = x if self.input_is_parallel else scatter_to_tensor_parallel_region(x, self.group)

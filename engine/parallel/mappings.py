@@ -5,6 +5,7 @@ engine/parallel/layers.py builds the tensor-parallel layers from them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,54 +57,31 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return torch.cat(comm.all_gather_list(x.contiguous(), group=group), dim=-1)
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
+def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x.view_as(x)  # a view: autograd.Function must not return its input itself
+
+
+Boundary = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]
+
+
+class _Region(torch.autograd.Function):
+    """One region boundary: `forward` on the way in, its adjoint `backward` on the gradient."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce_sum(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce_sum(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, forward: Boundary, backward: Boundary) -> torch.Tensor:
+        ctx.group, ctx.backward = group, backward
+        return forward(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward(grad, ctx.group), None, None, None
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _own_slice(grad, ctx.group), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _own_slice(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last(grad, ctx.group), None
-
-
-def _apply(fn: type[torch.autograd.Function], x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def _apply(forward: Boundary, backward: Boundary, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     resolved = resolve_group(group)
     if resolved is None or comm.group_size(resolved) == 1:
         return x
-    out: torch.Tensor = fn.apply(x, resolved)
+    out: torch.Tensor = _Region.apply(x, resolved, forward, backward)
     return out
 
 
@@ -111,23 +89,23 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None =
     """Enter a parallel region with a replicated input: identity forward, all-reduce (sum) of the
     gradient backward (each rank's slice contributes to the input's gradient).
     Megatron: copy_to_tensor_model_parallel_region."""
-    return _apply(_CopyToRegion, x, group)
+    return _apply(_identity, _all_reduce_sum, x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Leave a parallel region by summing the ranks' partial results: all-reduce forward, identity
     backward. Megatron: reduce_from_tensor_model_parallel_region."""
-    return _apply(_ReduceFromRegion, x, group)
+    return _apply(_all_reduce_sum, _identity, x, group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Leave a parallel region by concatenating the ranks' slices of the last dimension (group order):
     all-gather forward, this rank's slice of the gradient backward.
     Megatron: gather_from_tensor_model_parallel_region."""
-    return _apply(_GatherFromRegion, x, group)
+    return _apply(_gather_last, _own_slice, x, group)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Enter a parallel region by keeping this rank's slice of the last dimension: slice forward,
     all-gather of the gradient backward. Megatron: scatter_to_tensor_model_parallel_region."""
-    return _apply(_ScatterToRegion, x, group)
+    return _apply(_own_slice, _gather_last, x, group)
