@@ -20,11 +20,12 @@ from engine.checkpoint.files import (
     model_file,
     optim_file,
     resolve_tag_dir,
+    tp_section,
 )
 from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.rng import set_rng_state
 from engine.checkpoint.store import managed_ids
-from engine.checkpoint.tensor_parallel import CheckpointNames, check_loadable
+from engine.checkpoint.tensor_parallel import CheckpointNames, reader_for
 from engine.checkpoint.training_state import Counters, LoadResult, Stateful, TrainingState
 from engine.monitor.log import get_logger
 from engine.zero.records import ShardRecord
@@ -50,7 +51,7 @@ def load(
     reader = open_reader(tag_dir, state.module)  # the engine's own layout, or DeepSpeed's (deepspeed_format/)
     manifest = reader.manifest
     names = CheckpointNames.of(state.module, state.parallel)
-    check_loadable(reader, names, state.module)
+    reader = reader_for(reader, names, state.module)  # re-cuts slices saved at another tensor-parallel size
     records = names.for_loading(state.stage.checkpoint_shards())
     optimizer = state.optimizer if load_optimizer_states and not load_module_only else None
 
@@ -73,7 +74,7 @@ def load(
             "loaded checkpoint %s (saved at world size %d, tensor-parallel size %d, stage %d) in %.2f s",
             tag_dir,
             manifest["world_size"],
-            names.tp_size,
+            tp_section(manifest)["tp_size"],
             manifest["stage"],
             time.perf_counter() - started,
         )

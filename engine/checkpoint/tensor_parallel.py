@@ -14,15 +14,14 @@ others skip it, and every rank reads it. `slice_name` is the one place the schem
 readers take the names from the manifest (`tensor_parallel.params.<name>.saved_as`), never by
 parsing them. Without tensor parallelism nothing is renamed and the manifest says size 1.
 
-A checkpoint loads only at the tensor-parallel size it was saved at: another size would need every
-slice re-cut (and Adam's state with it), which the pieces do not describe. `check_loadable` refuses
-it by name, before anything is read; `python -m engine.checkpoint.consolidate` joins the slices into
-one state dict for a model built at the new size.
+A checkpoint saved at another tensor-parallel size loads too (`reader_for`): every slice is re-cut
+from the whole tensor, masters and optimizer state alike (engine/checkpoint/tp_recut.py). What is
+refused by name, before anything is read, is a model that does not match: a tensor sliced there and
+replicated here (or the reverse, at the same size), another whole shape, or another partition_dim.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from engine.checkpoint.files import CheckpointError, joined_shape, tp_section
 from engine.checkpoint.piece_reader import PieceReader
+from engine.checkpoint.tp_recut import RecutReader, plan_recuts
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.layers import is_tensor_parallel
 from engine.zero.partitioned_init import full_shape
@@ -149,14 +149,39 @@ def manifest_section(tp_size: int, dp_size: int, rows: Sequence[SpecRow]) -> dic
 
 
 # ----------------------------------------------------------------------------------------- load
-def check_loadable(reader: PieceReader, names: CheckpointNames, module: torch.nn.Module) -> None:
-    """Refuse, by name and before anything is read, a checkpoint whose slices are not this rank's: saved
-    at another tensor-parallel size, or with a tensor split otherwise than here."""
+def reader_for(reader: PieceReader, names: CheckpointNames, module: torch.nn.Module) -> PieceReader:
+    """The reader this rank loads through: `reader` itself at the saved tensor-parallel size (after
+    checking each slice is this rank's), a RecutReader at another size. A model that does not match
+    is refused by name before anything is read."""
     saved = tp_section(reader.manifest)
-    if saved["tp_size"] != names.tp_size:
-        raise CheckpointError(_other_size(reader.tag_dir, saved, names))
+    if saved["tp_size"] == names.tp_size:
+        check_loadable(reader, names, module)
+        return reader
+    live = module.state_dict(keep_vars=True)
+    recuts = plan_recuts(
+        reader,
+        {name: (spec.dim, spec.stride) for name, spec in names.sliced.items()},
+        names.tp_rank,
+        names.tp_size,
+        {name: _whole_shape(t, names.sliced.get(name), names.tp_size) for name, t in live.items()},
+        names.saved_name,
+    )
+    return RecutReader(reader, recuts)
+
+
+def _whole_shape(tensor: torch.Tensor, spec: SliceSpec | None, tp_size: int) -> tuple[int, ...]:
+    shape = list(full_shape(tensor))
+    if spec is not None and shape:
+        shape[spec.dim] *= tp_size
+    return tuple(shape)
+
+
+def check_loadable(reader: PieceReader, names: CheckpointNames, module: torch.nn.Module) -> None:
+    """Refuse, by name and before anything is read, a checkpoint saved at this tensor-parallel size
+    whose slices are not this rank's: a tensor split otherwise than here."""
     if names.tp_size == 1:
         return
+    saved = tp_section(reader.manifest)
     aliases = reader.manifest.get("aliases", {})
     for name, spec in names.sliced.items():
         entry = saved["params"].get(aliases.get(name, name))
@@ -183,25 +208,6 @@ def check_loadable(reader: PieceReader, names: CheckpointNames, module: torch.nn
                 f"checkpoint {reader.tag_dir} saved {name!r} as tensor-parallel slices, but here it "
                 "is replicated (no tensor_model_parallel attribute): build the model as it was saved"
             )
-
-
-def _other_size(tag_dir: str, saved: Mapping[str, Any], names: CheckpointNames) -> str:
-    ckpt_dir, tag = os.path.split(os.path.normpath(tag_dir))
-    into = (
-        "into this model (model.load_state_dict, before engine.initialize)"
-        if names.tp_size == 1
-        else f"into the dense model before it is split at tensor-parallel size {names.tp_size} (the layers' "
-        "from_dense, or AutoTP)"
-    )
-    return (
-        f"checkpoint {tag_dir} was saved at tensor-parallel size {saved['tp_size']} (x data-parallel size "
-        f"{saved['dp_size']}), this run has tensor-parallel size {names.tp_size} (x data-parallel size "
-        f"{names.dp_size}): a checkpoint is resharded over data-parallel ranks and ZeRO stages, but "
-        f"tensor-parallel slices are never re-cut. Load it at tensor-parallel size {saved['tp_size']} (any "
-        "data-parallel size and stage), or make one state dict of it (python -m engine.checkpoint.consolidate "
-        f"{ckpt_dir} model.pt --tag {tag}, which joins the slices) and load that {into}; the optimizer state "
-        "then starts afresh"
-    )
 
 
 # ---------------------------------------------------------------------------------- consolidate
