@@ -100,4 +100,18 @@ int64_t ze_arena_take(void* arena, int64_t size, int64_t* usage_if_full);
 void ze_arena_give_back(void* arena, int64_t offset, int64_t size);
 void ze_arena_usage(void* arena, int64_t* out);
 
+// Asynchronous file I/O (aio.cpp; engine/ops/aio.py): a pool of `threads` threads moving transfers in
+// blocks of `block_size` bytes, `claim_blocks` blocks per turn of a thread. create returns null when a
+// thread cannot be started; destroy finishes every submitted transfer first. submit returns the
+// transfer's id (the buffer must stay valid until wait returns); wait blocks until it is done and
+// writes 6 numbers: bytes moved, of which through O_DIRECT, errno of the first failure (0: end of
+// file), its block's file offset (-1: none), that block's size and bytes moved; it returns -1 for an
+// id not pending, else 0. poll returns 1 when done, 0 when not, -1 for an id not pending.
+void* ze_aio_create(int32_t threads, int64_t block_size, int32_t claim_blocks);
+void ze_aio_destroy(void* pool);
+int64_t ze_aio_submit(void* pool, int32_t write, int32_t fd, int32_t direct_fd, void* buffer, int64_t nbytes,
+                      int64_t offset);
+int64_t ze_aio_wait(void* pool, int64_t id, int64_t* outcome);
+int32_t ze_aio_poll(void* pool, int64_t id);
+
 }  // extern "C"

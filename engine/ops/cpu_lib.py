@@ -48,6 +48,11 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ze_arena_take": (_I64, [_P, _I64, ctypes.POINTER(_I64)]),
     "ze_arena_give_back": (None, [_P, _I64, _I64]),
     "ze_arena_usage": (None, [_P, ctypes.POINTER(_I64)]),
+    "ze_aio_create": (_P, [_I32, _I64, _I32]),
+    "ze_aio_destroy": (None, [_P]),
+    "ze_aio_submit": (_I64, [_P, _I32, _I32, _I32, _P, _I64, _I64]),
+    "ze_aio_wait": (_I64, [_P, _I64, ctypes.POINTER(_I64)]),
+    "ze_aio_poll": (_I32, [_P, _I64]),
 }
 """Each C entry point's (restype, argtypes), as declared in csrc/cpu/ops.h."""
 
@@ -315,5 +320,6 @@ class CpuOps:
 
     @property
     def library(self) -> ctypes.CDLL:
-        """The loaded library (engine/ops/arena.py builds its compiled free list on it)."""
+        """The loaded library (engine/ops/arena.py builds its compiled free list on it, engine/ops/aio.py its
+        thread pool)."""
         return self._lib
