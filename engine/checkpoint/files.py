@@ -31,7 +31,7 @@ import math
 import os
 import pickle
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jsonschema
@@ -325,21 +325,32 @@ def load_file(path: str, expected: dict[str, int] | None = None) -> dict[str, An
                 f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
                 "trusted: load an earlier tag"
             )
+    return load_dict(
+        path,
+        refused=lambda reason: (
+            f"that torch.load(weights_only=True) refuses ({reason}); checkpoints written by this engine "
+            "check client_state when saving, so this file was written elsewhere or by an older version. If "
+            "you trust it, read it with torch.load(weights_only=False) and save it again"
+        ),
+        holds="this engine's rank state",
+        retry="load an earlier tag",
+    )
+
+
+def load_dict(path: str, *, refused: Callable[[str], str], holds: str, retry: str) -> dict[str, Any]:
+    """torch.load(path, weights_only=True), memory-mapped, its failures CheckpointErrors naming the file:
+    a refused global ("{path} holds an object " + refused(the global torch names)), a truncated or
+    corrupted file (ending in `retry`), or anything but a dict (not `holds`)."""
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{path} holds an object that torch.load(weights_only=True) refuses "
-            f"({unpickling_reason(err)}); checkpoints written by this engine check client_state "
-            "when saving, so this file was written elsewhere or by an older version. If you trust "
-            "it, read it with torch.load(weights_only=False) and save it again"
-        ) from None
+        raise CheckpointError(f"{path} holds an object {refused(unpickling_reason(err))}") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
         size = os.path.getsize(path)
         raise CheckpointError(
             f"{path} cannot be read ({size} bytes): {str(err).splitlines()[0]}; the file is "
-            "truncated or corrupted; load an earlier tag"
+            f"truncated or corrupted; {retry}"
         ) from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a {type(data).__name__}, not this engine's rank state")
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not {holds}")
     return data

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import zipfile
 from typing import Any
 
 import torch
 
-from engine.checkpoint.files import CheckpointError, unpickling_reason
+from engine.checkpoint.files import CheckpointError, load_dict
 
 
 class DeepSpeedObject:
@@ -78,20 +77,13 @@ def load_deepspeed_file(path: str) -> dict[str, Any]:
             f"{path} is missing; the DeepSpeed checkpoint is incomplete (a rank's file was not "
             "written or not copied); load another tag"
         )
-    try:
-        with torch.serialization.safe_globals(list(_STAND_INS)):
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{path} holds an object this engine does not read from a DeepSpeed checkpoint "
-            f"({unpickling_reason(err)}); it was not loaded and nothing in it was run. The "
-            f"objects read are DeepSpeed's {', '.join(name for _, name in _STAND_INS)}"
-        ) from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(
-            f"{path} cannot be read ({os.path.getsize(path)} bytes): {str(err).splitlines()[0]}; the "
-            "file is truncated or corrupted; load another tag"
-        ) from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a DeepSpeed checkpoint state dict")
-    return data
+    with torch.serialization.safe_globals(list(_STAND_INS)):
+        return load_dict(
+            path,
+            refused=lambda reason: (
+                f"this engine does not read from a DeepSpeed checkpoint ({reason}); it was not loaded and "
+                f"nothing in it was run. The objects read are DeepSpeed's {', '.join(n for _, n in _STAND_INS)}"
+            ),
+            holds="a DeepSpeed checkpoint state dict",
+            retry="load another tag",
+        )
