@@ -1,0 +1,150 @@
+"""Consolidating into safetensors, streamed from the rank files (engine/checkpoint/consolidate_stream.py):
+
+- a tiny GPT-2 trained by the engine at 2 ranks, saved at stages 1 and 3: one .safetensors file equals the
+  engine's own consolidated_state_dict bitwise in fp32 (1 worker and 2), and its bf16 cast with
+  --dtype bf16 (the cast of the same fp32 values: round to nearest even either way);
+- with a tiny max shard size the output is transformers' shards + model.safetensors.index.json, which
+  GPT2LMHeadModel.from_pretrained loads to the same weights; a second run with one shard removes them;
+- a DeepSpeed checkpoint directory (tests/data/deepspeed_checkpoints) consolidates to DeepSpeed's own fp32
+  masters (reference.pt, which make_fixtures checked equal to DeepSpeed's zero_to_fp32 output) and its
+  buffers;
+- a truncated rank file is named (the engine's and DeepSpeed's), and no output file is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+from safetensors.torch import load_file
+
+import engine
+from engine.checkpoint import CheckpointError
+from engine.checkpoint.consolidate import main, write_safetensors, write_safetensors_dir
+from engine.checkpoint.deepspeed_format.safe_load import load_deepspeed_file
+
+DS_FIXTURES = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
+
+
+def _gpt2() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def _train_and_save(root: str) -> None:
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = _gpt2()
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        eng, *_ = engine.initialize(model=model, config=config)
+        for step in range(2):
+            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step * 2 + eng.global_rank))
+            eng.backward(eng(input_ids=ids, labels=ids).loss)
+            eng.step()
+        eng.save_checkpoint(f"{root}/stage{stage}", tag="t")
+        state = eng.consolidated_state_dict()
+        if eng.global_rank == 0:
+            torch.save({k: v.clone() for k, v in state.items()}, f"{root}/stage{stage}_reference.pt")
+            model.config.save_pretrained(f"{root}/config")
+        eng.destroy()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("consolidate")
+    run_distributed(_train_and_save, world_size=2, args=(str(root),))
+    return root
+
+
+def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_one_file_equals_the_engines_state_dict(saved: Path, tmp_path: Path, stage: int) -> None:
+    reference = torch.load(saved / f"stage{stage}_reference.pt", weights_only=True)
+    assert "lm_head.weight" in reference  # tied to transformer.wte.weight: written under both names
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}.safetensors"
+        write_safetensors(str(saved / f"stage{stage}"), str(out), workers=workers)
+        _equal(load_file(str(out)), reference)
+    out = tmp_path / "bf16.safetensors"
+    assert main([str(saved / f"stage{stage}"), str(out), "--dtype", "bf16", "--workers", "2"]) == 0
+    _equal(load_file(str(out)), {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in reference.items()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16.safetensors", "w1.safetensors", "w2.safetensors"]
+
+
+def test_shards_load_with_from_pretrained(saved: Path, tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    reference = torch.load(saved / "stage3_reference.pt", weights_only=True)
+    out = tmp_path / "hf"
+    shutil.copytree(saved / "config", out)  # config.json, as save_pretrained writes it
+    names = write_safetensors_dir(str(saved / "stage3"), str(out), max_shard_size=20_000, workers=2)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and names == [*shards, "model.safetensors.index.json"]
+    assert sorted(index["weight_map"]) == sorted(reference)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in reference.values())
+    for shard in shards:  # each within the limit unless it holds one tensor larger than it
+        held = load_file(str(out / shard))
+        assert len(held) == 1 or sum(v.numel() * v.element_size() for v in held.values()) <= 20_000, shard
+    model = GPT2LMHeadModel.from_pretrained(str(out), dtype=torch.float32)
+    state = model.state_dict()
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), name
+
+    # Written again as one file (the default 5GB limit): the earlier shards and index are removed.
+    assert write_safetensors_dir(str(saved / "stage3"), str(out), workers=1) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    _equal(load_file(str(out / "model.safetensors")), reference)
+
+
+@pytest.mark.parametrize("fixture", ["stage2_bf16", "stage3_fp32"])
+def test_a_deepspeed_checkpoint_consolidates_to_its_masters(tmp_path: Path, fixture: str) -> None:
+    reference = torch.load(DS_FIXTURES / fixture / "reference.pt", weights_only=True)
+    ckpt = DS_FIXTURES / fixture / "ckpt"
+    heads = sorted((ckpt / "global_step4").glob("*model_states.pt"))
+    module = load_deepspeed_file(str(heads[0]))["module"]
+    buffers = {name: module[name] for name in load_deepspeed_file(str(heads[0]))["buffer_names"]}
+    assert main([str(ckpt), str(tmp_path / "out") + "/", "--workers", "2"]) == 0
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    _equal(got, {name: values["master"] for name, values in reference.items()} | buffers)
+    # The tag directory itself works too, and one file.
+    write_safetensors(str(ckpt / "global_step4"), str(tmp_path / "m.safetensors"), workers=1)
+    _equal(load_file(str(tmp_path / "m.safetensors")), got)
+
+
+def test_a_truncated_rank_file_is_named(saved: Path, tmp_path: Path) -> None:
+    for source, victim in [
+        (saved / "stage1", "t/rank_1_optim_states.pt"),
+        (DS_FIXTURES / "stage2_fp32" / "ckpt", "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ]:
+        ckpt = tmp_path / source.parent.name / source.name
+        shutil.copytree(source, ckpt)
+        path = ckpt / victim
+        os.truncate(path, path.stat().st_size // 2)
+        out = tmp_path / f"out_{source.parent.name}"
+        out.mkdir()
+        for write in (
+            lambda: write_safetensors(str(ckpt), str(out / "m.safetensors"), workers=2),
+            lambda: write_safetensors_dir(str(ckpt), str(out), max_shard_size=20_000, workers=2),
+        ):
+            with pytest.raises(CheckpointError) as err:
+                write()
+            assert str(path) in str(err.value), str(err.value)
+        assert list(out.iterdir()) == []  # no output and no temporary file
