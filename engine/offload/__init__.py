@@ -1,0 +1,60 @@
+"""NVMe offload's storage layer (ZeRO-Infinity, issue 33): a swap folder per rank and run, swap files of
+a fixed size, and asynchronous, checked reads and writes of element ranges between them and tensors.
+It sits above engine/ops (whose aio.py moves the bytes) and below engine/zero (which decides what to
+swap and when).
+
+    from engine.offload import AioConfig, AioContext, SwapDir
+    context = AioContext(AioConfig.from_section(ds_config.get("aio", {})))
+    swap = SwapDir.create(nvme_path, rank, run_id, config_key="zero_optimization.offload_optimizer.nvme_path")
+    master = swap.file("fp32_master.0", numel, torch.float32, context)  # <nvme_path>/zero_engine_swap/<run id>/rank<k>/fp32_master.0.swp
+    handle = master.write(shard, offset=0)   # returns at once; `shard` must not change until waited
+    ...                                      # compute overlaps the transfer
+    handle.wait()                            # bytes moved, after the size checks
+    master.read(buffer, offset=0).wait()
+    swap.close(); context.close()            # files and folder removed (also at exit, and after a crash
+                                             # by the next start on this host)
+
+- swap_dir.py: SwapDir, the folder <nvme_path>/zero_engine_swap/<run id>/rank<k>/ with its owner.json
+  (pid, host, start time), made after removing the folders of dead processes of this host, removed on
+  close and at exit; check_nvme_path (missing, non-directory or read-only paths are SwapPathError).
+  `run_id` must be the same on every rank of a run (e.g. rank 0's, broadcast) and differ between runs.
+- swap_file.py: SwapFile, `<name>.swp` of `numel` elements of one dtype, space reserved at creation;
+  read/write by element offset return a SwapHandle; see [Note: what a swap file checks].
+- errors.py: SwapPathError, SwapFileError. engine/ops/aio.py's AioError (a short or failed transfer:
+  path, offset, bytes expected and moved, errno text) and DiskFullError (ENOSPC/EFBIG/EDQUOT, with the
+  file system's free space) are re-exported here.
+
+DeepSpeed's `aio` section becomes AioConfig (engine/ops/aio.py), the parameters of an AioContext:
+- block_size (1 MiB): each transfer is cut into requests of this many bytes (one pread/pwrite each);
+  a multiple of 4096 keeps every request of an aligned transfer on O_DIRECT.
+- queue_depth (8): DeepSpeed's requests in flight per thread; a thread here has one blocking request in
+  flight, so it is the number of consecutive requests a thread takes from the queue at a time.
+- intra_op_parallelism, or its older name thread_count (1): threads moving requests, so the requests
+  in flight at once and the parallelism one transfer gets.
+- single_submit (false): a thread takes one request at a time whatever queue_depth is.
+- overlap_events (true): accepted, no effect: a thread pool has no separate submit and reap phases;
+  transfers always overlap with the caller.
+- use_gds must be false (GPUDirect Storage is CUDA-only).
+The back-end is csrc/cpu/aio.cpp's C++ thread pool when the CPU ops library is built, else the
+os.preadv/os.pwritev fallback; a request goes through O_DIRECT when its buffer address, file offset and
+size are multiples of 4096 (aligned_empty() makes such buffers), through the page cache otherwise.
+"""
+
+from engine.offload.errors import SwapFileError, SwapPathError
+from engine.offload.swap_dir import SwapDir, check_nvme_path
+from engine.offload.swap_file import SwapFile, SwapHandle
+from engine.ops.aio import AioConfig, AioContext, AioError, DiskFullError, aligned_empty
+
+__all__ = [
+    "AioConfig",
+    "AioContext",
+    "AioError",
+    "DiskFullError",
+    "SwapDir",
+    "SwapFile",
+    "SwapFileError",
+    "SwapHandle",
+    "SwapPathError",
+    "aligned_empty",
+    "check_nvme_path",
+]
