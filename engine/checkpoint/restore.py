@@ -48,9 +48,10 @@ def load(
     rank = comm.get_rank()
     started = time.perf_counter()
     tag_dir = resolve_tag_dir(load_dir, tag)
-    reader = open_reader(tag_dir, state.module)  # the engine's own layout, or DeepSpeed's (deepspeed_format/)
-    manifest = reader.manifest
     names = CheckpointNames.of(state.module, state.parallel)
+    # The engine's own layout, or DeepSpeed's (deepspeed_format/).
+    reader = open_reader(tag_dir, state.module, names.whole_shapes(state.module))
+    manifest = reader.manifest
     reader = reader_for(reader, names, state.module)  # re-cuts slices saved at another tensor-parallel size
     records = names.for_loading(state.stage.checkpoint_shards())
     optimizer = state.optimizer if load_optimizer_states and not load_module_only else None

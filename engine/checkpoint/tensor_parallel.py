@@ -14,10 +14,11 @@ others skip it, and every rank reads it. `slice_name` is the one place the schem
 readers take the names from the manifest (`tensor_parallel.params.<name>.saved_as`), never by
 parsing them. Without tensor parallelism nothing is renamed and the manifest says size 1.
 
-A checkpoint saved at another tensor-parallel size loads too (`reader_for`): every slice is re-cut
-from the whole tensor, masters and optimizer state alike (engine/checkpoint/tp_recut.py). What is
-refused by name, before anything is read, is a model that does not match: a tensor sliced there and
-replicated here (or the reverse, at the same size), another whole shape, or another partition_dim.
+A checkpoint saved at another tensor-parallel size, or with tensors split otherwise than here (a
+tensor sliced there and replicated here, another partition_dim, DeepSpeed's AutoTP choices), loads
+too (`reader_for`): every slice is re-cut from the whole tensor, masters and optimizer state alike
+(engine/checkpoint/tp_recut.py). What is refused by name, before anything is read, is a model that
+does not match: another whole shape.
 """
 
 from __future__ import annotations
@@ -86,6 +87,16 @@ class CheckpointNames:
         )
         return cls(parallel.tp_size, parallel.dp_size, parallel.tp_rank, parallel.dp_rank, sliced)
 
+    def whole_shapes(self, module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+        """Every state-dict tensor's whole shape: a tensor-parallel slice's joined over the ranks."""
+        shapes = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            shape, spec = list(full_shape(tensor)), self.sliced.get(name)
+            if spec is not None and shape:
+                shape[spec.dim] *= self.tp_size
+            shapes[name] = tuple(shape)
+        return shapes
+
     def saved_name(self, name: str) -> str:
         return slice_name(name, self.tp_rank) if name in self.sliced else name
 
@@ -150,64 +161,44 @@ def manifest_section(tp_size: int, dp_size: int, rows: Sequence[SpecRow]) -> dic
 
 # ----------------------------------------------------------------------------------------- load
 def reader_for(reader: PieceReader, names: CheckpointNames, module: torch.nn.Module) -> PieceReader:
-    """The reader this rank loads through: `reader` itself at the saved tensor-parallel size (after
-    checking each slice is this rank's), a RecutReader at another size. A model that does not match
-    is refused by name before anything is read."""
-    saved = tp_section(reader.manifest)
-    if saved["tp_size"] == names.tp_size:
-        check_loadable(reader, names, module)
+    """The reader this rank loads through: `reader` itself where each slice is this rank's as saved, a
+    RecutReader otherwise (another tensor-parallel size, or tensors split otherwise). A model that does
+    not match (another whole shape) is refused by name before anything is read."""
+    if _same_layout(reader, names, module):
         return reader
-    live = module.state_dict(keep_vars=True)
     recuts = plan_recuts(
         reader,
         {name: (spec.dim, spec.stride) for name, spec in names.sliced.items()},
         names.tp_rank,
         names.tp_size,
-        {name: _whole_shape(t, names.sliced.get(name), names.tp_size) for name, t in live.items()},
+        names.whole_shapes(module),
         names.saved_name,
     )
     return RecutReader(reader, recuts)
 
 
-def _whole_shape(tensor: torch.Tensor, spec: SliceSpec | None, tp_size: int) -> tuple[int, ...]:
-    shape = list(full_shape(tensor))
-    if spec is not None and shape:
-        shape[spec.dim] *= tp_size
-    return tuple(shape)
-
-
-def check_loadable(reader: PieceReader, names: CheckpointNames, module: torch.nn.Module) -> None:
-    """Refuse, by name and before anything is read, a checkpoint saved at this tensor-parallel size
-    whose slices are not this rank's: a tensor split otherwise than here."""
-    if names.tp_size == 1:
-        return
+def _same_layout(reader: PieceReader, names: CheckpointNames, module: torch.nn.Module) -> bool:
+    """Whether every tensor is split here exactly as it was saved (same size, same tensors split, same
+    partition_dim, stride and slice shape): then each rank reads its own slices' saved pieces."""
     saved = tp_section(reader.manifest)
+    if saved["tp_size"] != names.tp_size:
+        return False
+    if names.tp_size == 1:
+        return True
     aliases = reader.manifest.get("aliases", {})
     for name, spec in names.sliced.items():
         entry = saved["params"].get(aliases.get(name, name))
         if entry is None:
             if reader.has(name, "model") or reader.has(name, "optim"):
-                raise CheckpointError(
-                    f"checkpoint {reader.tag_dir} saved {name!r} replicated over the tensor-parallel "
-                    "ranks, but here it is a tensor-parallel slice (tensor_model_parallel=True): "
-                    "build the model as it was saved"
-                )
+                return False  # saved replicated, sliced here
             continue  # not in the checkpoint at all: load_module_strict decides
         here = [spec.dim, spec.stride, list(spec.shape)]
-        there = [entry["partition_dim"], entry["partition_stride"], entry["slice_shapes"][names.tp_rank]]
-        if here != there:
-            raise CheckpointError(
-                f"checkpoint {reader.tag_dir}: {name!r} on tensor-parallel rank {names.tp_rank} was "
-                f"saved as [partition_dim, partition_stride, slice shape] {there}, here it is "
-                f"{here}; build the model as it was saved"
-            )
+        if here != [entry["partition_dim"], entry["partition_stride"], entry["slice_shapes"][names.tp_rank]]:
+            return False
+        if entry.get("rows_kept") is not None:
+            return False
     live = set(module.state_dict(keep_vars=True))
-    for name in saved["params"]:
-        if name in live and name not in names.sliced:
-            raise CheckpointError(
-                f"checkpoint {reader.tag_dir} saved {name!r} as tensor-parallel slices, but here it "
-                "is replicated (no tensor_model_parallel attribute): build the model as it was saved"
-            )
+    return not any(name in live and name not in names.sliced for name in saved["params"])
 
 
 # ---------------------------------------------------------------------------------- consolidate

@@ -41,6 +41,8 @@ class Recut:
     saved_dim: int
     saved_stride: int
     whole_shape: tuple[int, ...]
+    rows_kept: int | None
+    """Keep only the first rows of the joined tensor (the rest: a vocabulary's padding, DeepSpeed's)."""
     cut: tuple[int, int, int, int] | None
     """(tp_rank, tp_size, partition_dim, partition_stride) of this rank's slice; None: the whole tensor."""
 
@@ -101,6 +103,8 @@ class RecutReader(PieceReader):
                 self._base.read(part, kind, key, 0, flat.numel(), flat)
                 parts.append(flat.view(shape))
             whole = parts[0] if len(parts) == 1 else join_slices(parts, recut.saved_dim, recut.saved_stride)
+            if recut.rows_kept is not None:
+                whole = whole.narrow(0, 0, recut.rows_kept)
             if recut.cut is not None:
                 rank, size, dim, stride = recut.cut
                 whole = split_slice(whole, rank, size, dim, stride)
@@ -125,8 +129,9 @@ def plan_recuts(
 ) -> dict[str, Recut]:
     """What this rank reads re-cut, by the name it asks for (`saved_name(name)`: this run's name for its
     slice of `name`). `sliced_here`: name -> (partition_dim, partition_stride) of this run's
-    tensor-parallel tensors; `whole_shapes`: every tensor's whole shape here. Refuses, by name, a tensor
-    whose whole shape or split differs."""
+    tensor-parallel tensors; `whole_shapes`: every tensor's whole shape here. Joined as saved and cut
+    as here, a tensor may be split along another dimension or stride; another whole shape is refused
+    by name."""
     saved = tp_section(reader.manifest)
     saved_params: Mapping[str, Any] = saved["params"]
     aliases = reader.manifest.get("aliases", {})
@@ -139,11 +144,14 @@ def plan_recuts(
             parts = list(entry["saved_as"])
             shapes = [tuple(s) for s in entry["slice_shapes"]]
             dim, stride, whole = int(entry["partition_dim"]), int(entry["partition_stride"]), tuple(entry["shape"])
+            rows_kept = entry.get("rows_kept")
+            if rows_kept is not None:
+                whole = (int(rows_kept), *whole[1:])
         else:
             if not (reader.has(source, "model") or reader.has(source, "optim")):
                 continue  # not in the checkpoint: load_module_strict decides
             whole = tuple(reader.manifest["params"][source]["shape"])
-            parts, shapes = [source], [whole]
+            parts, shapes, rows_kept = [source], [whole], None
             dim, stride = (here[0], here[1]) if here is not None else (0, 1)
         if whole != tuple(whole_shapes[name]):
             raise CheckpointError(
@@ -151,17 +159,11 @@ def plan_recuts(
                 f"its {saved['tp_size']} tensor-parallel slices) and {list(whole_shapes[name])} here; build the "
                 "model as it was saved"
             )
-        if here is not None and entry is not None and (here[0], here[1]) != (dim, stride):
-            raise CheckpointError(
-                f"checkpoint {reader.tag_dir}: {name!r} was split along partition_dim {dim} with "
-                f"partition_stride {stride}, here along {here[0]} with stride {here[1]}; the slices cannot be "
-                "re-cut into this layout: build the model as it was saved"
-            )
         cut = (tp_rank, tp_size, here[0], here[1]) if here is not None else None
         if here is not None and whole[here[0]] % (tp_size * here[1]):
             raise CheckpointError(
                 f"{name!r}: dimension {here[0]} of its whole shape {list(whole)} does not divide into "
                 f"{tp_size} tensor-parallel slices of {here[1]} chunks; choose a tensor-parallel size that divides it"
             )
-        recuts[saved_name(name)] = Recut(source, parts, shapes, dim, stride, whole, cut)
+        recuts[saved_name(name)] = Recut(source, parts, shapes, dim, stride, whole, rows_kept, cut)
     return recuts

@@ -67,16 +67,16 @@ DEEPSPEED_KEYS = frozenset(
 _RUN_SWITCHES = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
 
-def model_states_name(stage3_rank: int | None) -> str:
+def model_states_name(stage3_rank: int | None, mp_rank: int = 0) -> str:
     return (
-        "mp_rank_00_model_states.pt"
+        f"mp_rank_{mp_rank:02d}_model_states.pt"
         if stage3_rank is None
-        else f"zero_pp_rank_{stage3_rank}_mp_rank_00_model_states.pt"
+        else f"zero_pp_rank_{stage3_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
     )
 
 
-def optim_states_name(rank: int, bf16: bool) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_states_name(rank: int, bf16: bool, mp_rank: int = 0) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
 def is_deepspeed_tag_dir(tag_dir: str) -> bool:
@@ -108,10 +108,19 @@ class Converted:
     aliases: dict[str, str] = field(default_factory=dict)
 
 
-def convert(tag_dir: str) -> Converted:
-    """Read every file of a DeepSpeed tag directory and describe it as the engine's pieces."""
-    stage3 = os.path.isfile(os.path.join(tag_dir, model_states_name(0)))
-    head = load_deepspeed_file(os.path.join(tag_dir, model_states_name(0 if stage3 else None)))
+def mp_world_size(tag_dir: str) -> int:
+    """The tensor (model) parallel size DeepSpeed saved at: how many mp_rank_XX files it wrote."""
+    mp = 0
+    while any(os.path.isfile(os.path.join(tag_dir, model_states_name(r, mp))) for r in (None, 0)):
+        mp += 1
+    return mp
+
+
+def convert(tag_dir: str, mp_rank: int = 0) -> Converted:
+    """Read the files of one tensor-parallel rank (all of them without tensor parallelism) of a
+    DeepSpeed tag directory and describe them as the engine's pieces."""
+    stage3 = os.path.isfile(os.path.join(tag_dir, model_states_name(0, mp_rank)))
+    head = load_deepspeed_file(os.path.join(tag_dir, model_states_name(0 if stage3 else None, mp_rank)))
     _check_supported(tag_dir, head)
     world = _int(head, "dp_world_size", tag_dir)
     module = _mapping(head.get("module"), "module", tag_dir)
@@ -119,14 +128,14 @@ def convert(tag_dir: str) -> Converted:
     whole = {n: t for n, t in module.items() if n in buffer_names}
     if not stage3 and head.get("param_shapes") is None:
         return _convert_stage0(tag_dir, head, module, whole, world)
-    optim = [_optim_states(tag_dir, r, world) for r in range(world)]
+    optim = [_optim_states(tag_dir, r, world, mp_rank) for r in range(world)]
     osd = _mapping(optim[0].get("optimizer_state_dict"), "optimizer_state_dict", tag_dir)
     stage = int(osd.get("zero_stage", 3 if stage3 else 2))
     shapes = _param_shapes(head, tag_dir)
     frozen_shapes = {n: list(s) for n, s in (head.get("frozen_param_shapes") or {}).items()}
     if stage3:
         rank_heads = [head] + [
-            load_deepspeed_file(os.path.join(tag_dir, model_states_name(r))) for r in range(1, world)
+            load_deepspeed_file(os.path.join(tag_dir, model_states_name(r, mp_rank))) for r in range(1, world)
         ]
         pieces, scalars, groups = _stage3_pieces(tag_dir, optim, shapes)
         frozen = _stage3_frozen(rank_heads, frozen_shapes, world)
@@ -151,12 +160,6 @@ def convert(tag_dir: str) -> Converted:
 
 
 def _check_supported(tag_dir: str, head: dict[str, Any]) -> None:
-    mp = head.get("mp_world_size", 1)
-    if mp != 1 or os.path.exists(os.path.join(tag_dir, "mp_rank_01_model_states.pt")):
-        raise CheckpointError(
-            f"{tag_dir} was saved by DeepSpeed with tensor (model) parallel size {mp}; this engine "
-            "reads DeepSpeed checkpoints saved without tensor parallelism only (mp_world_size 1)"
-        )
     if any(name.startswith("layer_") for name in os.listdir(tag_dir)):
         raise CheckpointError(
             f"{tag_dir} was saved by DeepSpeed's pipeline engine (layer_*-model_states.pt files), "
@@ -183,9 +186,9 @@ def _mapping(value: Any, key: str, where: str) -> dict[str, Any]:
     return value
 
 
-def _optim_states(tag_dir: str, rank: int, world: int) -> dict[str, Any]:
+def _optim_states(tag_dir: str, rank: int, world: int, mp_rank: int) -> dict[str, Any]:
     """Rank `rank`'s optimizer file, bf16_-prefixed or not, refused by rank and name when missing."""
-    names = [optim_states_name(rank, bf16) for bf16 in (False, True)]
+    names = [optim_states_name(rank, bf16, mp_rank) for bf16 in (False, True)]
     found = next((n for n in names if os.path.isfile(os.path.join(tag_dir, n))), None)
     if found is None:
         raise CheckpointError(

@@ -1,0 +1,115 @@
+"""DeepSpeed checkpoints saved with tensor parallelism (AutoTP): one set of files per tensor-parallel
+rank (`mp_rank_XX`), read as the engine's own tensor-parallel checkpoint.
+
+DeepSpeed 0.19 records in every model-states file (`universal_checkpoint_info.affine_map`) each
+parameter's logical (whole) shape and every tensor-parallel rank's shard shape; `original_vocab_size`
+with `vocabulary_parameter_patterns` says which rows of a vocabulary-parallel tensor are padding.
+`merge_tensor_parallel` turns the per-rank conversions (layout.convert) into one: a split
+parameter's pieces go under the engine's slice names (engine/checkpoint/tensor_parallel.py's
+`slice_name`) with the manifest's `tensor_parallel` section saying how to join them, a replicated one
+is taken from rank 0's files. The engine's load then re-cuts the slices for any tensor-parallel size
+(engine/checkpoint/tp_recut.py), 1 included.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engine.checkpoint.deepspeed_format.layout import Converted, Pieces
+from engine.checkpoint.files import CheckpointError
+
+
+def _slice_name(name: str, tp_rank: int) -> str:
+    from engine.checkpoint.tensor_parallel import slice_name  # checkpoint/tensor_parallel imports this package
+
+    return slice_name(name, tp_rank)
+
+
+def _affine_map(head: dict[str, Any], tag_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    info = head.get("universal_checkpoint_info")
+    amap = info.get("affine_map") if isinstance(info, dict) else None
+    if not isinstance(amap, dict) or not isinstance(amap.get("params"), dict):
+        raise CheckpointError(
+            f"{tag_dir} was saved by DeepSpeed with tensor parallelism but its model-states file has no "
+            "universal_checkpoint_info.affine_map (written by DeepSpeed >= 0.18's AutoTP), which says how "
+            "each parameter was split; this engine reads tensor-parallel DeepSpeed checkpoints that have it"
+        )
+    assert isinstance(info, dict)
+    return info, amap["params"]
+
+
+def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -> tuple[list[int], int | None]:
+    """(logical shape, partition dim or None when replicated) of one parameter."""
+    logical = [int(s) for s in pattern_entry["logical_shape"]]
+    ranks = pattern_entry.get("ranks", {})
+    shards = [ranks.get(r, ranks.get(str(r))) for r in range(mp)]
+    if any(s is None for s in shards):
+        raise CheckpointError(f"{tag_dir}: affine_map entry of {name!r} lacks some of the {mp} tensor-parallel ranks")
+    shapes = [[int(x) for x in s["shard_shape"]] for s in shards]
+    if all(shape == logical for shape in shapes):
+        return logical, None
+    if any(len(s.get("pieces", [])) != 1 for s in shards):
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed split {name!r} into sub-parameters (a fused layer: several pieces per rank); "
+            "this engine reads DeepSpeed tensor-parallel checkpoints whose split tensors are one piece per rank"
+        )
+    dims = [d for d in range(len(logical)) if shapes[0][d] != logical[d]]
+    if len(dims) != 1 or any(shape != shapes[0] for shape in shapes) or shapes[0][dims[0]] * mp != logical[dims[0]]:
+        raise CheckpointError(
+            f"{tag_dir}: {name!r} has shard shapes {shapes} of the logical shape {logical} over {mp} "
+            "tensor-parallel ranks; only equal splits along one dimension are read"
+        )
+    return logical, dims[0]
+
+
+def merge_tensor_parallel(parts: list[Converted], head: dict[str, Any], tag_dir: str) -> tuple[Converted, dict]:
+    """One Converted for all tensor-parallel ranks (engine rank m * dp + d holds rank (m, d)'s pieces),
+    and the manifest's tensor_parallel section. `head`: tensor-parallel rank 0's (first) model-states file."""
+    mp, dp = len(parts), parts[0].world_size
+    info, amap = _affine_map(head, tag_dir)
+    vocab_patterns = [re.compile(p) for p in info.get("vocabulary_parameter_patterns", [])]
+    vocab = info.get("original_vocab_size")
+    split: dict[str, int] = {}
+    whole_shapes = dict(parts[0].params)
+    tp_params: dict[str, Any] = {}
+    for name, shape in parts[0].params.items():
+        entry = next((e for p, e in amap.items() if re.fullmatch(p, name)), None)
+        if entry is None:
+            raise CheckpointError(f"{tag_dir}: parameter {name!r} is missing from universal_checkpoint_info.affine_map")
+        logical, dim = _split_of(name, entry, mp, tag_dir)
+        if dim is None:
+            continue
+        split[name] = dim
+        whole_shapes[name] = logical
+        padded = logical[dim] if any(p.fullmatch(name) for p in vocab_patterns) and dim == 0 else None
+        tp_params[name] = {
+            "partition_dim": dim,
+            "partition_stride": 1,
+            "shape": logical,
+            "slice_shapes": [list(shape)] * mp,
+            "saved_as": [_slice_name(name, m) for m in range(mp)],
+        }
+        if padded is not None and isinstance(vocab, int) and vocab < padded:
+            tp_params[name]["rows_kept"] = vocab  # the rest is DeepSpeed's vocabulary padding
+            whole_shapes[name] = [vocab, *logical[1:]]
+
+    def renamed(pieces: Pieces, m: int) -> Pieces:
+        return {(_slice_name(n, m) if n in split else n): es for n, es in pieces.items() if n in split or m == 0}
+
+    optim = [renamed(parts[m].optim[d], m) for m in range(mp) for d in range(dp)]
+    frozen = [renamed(parts[m].frozen[d], m) for m in range(mp) for d in range(dp)]
+    first = parts[0]
+    merged = Converted(
+        mp * dp,
+        first.stage,
+        whole_shapes,
+        set(first.trainable),
+        optim,
+        frozen,
+        first.scalars,
+        first.whole,
+        first.head,
+        first.aliases,
+    )
+    return merged, {"tp_size": mp, "dp_size": dp, "params": tp_params}

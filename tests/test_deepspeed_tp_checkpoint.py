@@ -1,0 +1,103 @@
+"""A DeepSpeed checkpoint saved with tensor parallelism (AutoTP, TP 2 x DP 1, stage 1, fp32, a tiny
+Hugging Face Llama; written by real DeepSpeed 0.19.8: tests/data/deepspeed_tp_checkpoint) resumes on
+the engine at the same TP size and at TP 1, at world sizes 1 and 2: the next 10 losses equal
+DeepSpeed's own resumed run's within fp32 noise. DeepSpeed split q/k/v/gate/up and lm_head along
+dim 0 and o/down along dim 1; its affine_map says so, and the engine re-cuts the slices for its own
+layout (engine/checkpoint/deepspeed_format/tensor_parallel.py, engine/checkpoint/tp_recut.py).
+
+Tolerance: DeepSpeed's and the engine's row-parallel sums and Adam run the same math in other
+orders; LOSS_RTOL is far below what a mis-cut slice or a lost moment gives (checked by the last test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+HERE = Path(__file__).parent / "data" / "deepspeed_tp_checkpoint"
+CASE = HERE / "stage1_fp32_tp2"
+LOSS_RTOL = 1e-5
+
+
+def _fixture() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ds_make_tp_fixture", HERE / "make_fixture.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _resume(tp: int, drop_moments: bool = False) -> dict[str, Any]:
+    import engine
+    from engine.checkpoint import tp_recut
+
+    fixture = _fixture()
+    config = fixture.ds_config()
+    world = torch.distributed.get_world_size()
+    if tp == 1:
+        del config["tensor_parallel"]
+        config["train_batch_size"] = fixture.MICRO * world
+    if drop_moments:  # a mutant: the re-cut loses Adam's moments (the test must see it)
+        read = tp_recut.RecutReader.read
+
+        def lossy(self: Any, name: str, kind: str, key: str, lo: int, numel: int, out: torch.Tensor) -> None:
+            read(self, name, kind, key, lo, numel, out)
+            if key.startswith("exp_avg"):
+                out.zero_()
+
+        tp_recut.RecutReader.read = lossy  # type: ignore[method-assign]
+    model = fixture.make_model(seed=99)
+    eng, *_ = engine.initialize(model=model, config=config)
+    path, client = eng.load_checkpoint(str(CASE / "ckpt"))
+    losses = []
+    rank, dp = eng.parallel.dp_rank, eng.parallel.dp_size
+    for k in range(fixture.RESUME_STEPS):
+        ids = fixture.batch(fixture.SAVE_AT + k)
+        rows = ids[rank * len(ids) // dp : (rank + 1) * len(ids) // dp]  # DeepSpeed's batch, split over DP
+        loss = eng(input_ids=rows, labels=rows).loss
+        eng.backward(loss)
+        eng.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / torch.distributed.get_world_size())
+    out = {"path": path, "epoch": client.get("epoch"), "steps": eng.global_steps, "losses": losses}
+    eng.destroy()
+    return out
+
+
+def _expected() -> dict[str, Any]:
+    return json.loads((CASE / "expected.json").read_text())
+
+
+@pytest.mark.parametrize(("world", "tp"), [(2, 2), (2, 1), (1, 1)])
+def test_a_deepspeed_autotp_checkpoint_resumes_at_any_tp_size(world: int, tp: int) -> None:
+    got = run_distributed(_resume, world_size=world, args=(tp,), timeout=240)[0]
+    expected = _expected()
+    assert got["epoch"] == 3 and got["steps"] == expected["global_steps"]
+    assert got["losses"] == pytest.approx(expected["resumed_losses"], rel=LOSS_RTOL), (got["losses"], expected)
+
+
+def test_losing_the_moments_at_the_re_cut_would_be_seen() -> None:
+    got = run_distributed(_resume, world_size=1, args=(1, True), timeout=240)[0]
+    assert got["losses"] != pytest.approx(_expected()["resumed_losses"], rel=LOSS_RTOL)
+
+
+def test_a_missing_tensor_parallel_rank_file_is_named(tmp_path: Path) -> None:
+    import shutil
+
+    from engine.checkpoint import CheckpointError
+    from engine.checkpoint.deepspeed_format import open_reader
+
+    shutil.copytree(CASE / "ckpt", tmp_path / "ckpt")
+    tag = tmp_path / "ckpt" / "global_step4"
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"tensor-parallel size 2 .*mp_rank_01_model_states.pt is missing"):
+        open_reader(str(tag), _fixture().make_model(seed=0))
