@@ -48,7 +48,8 @@ def test_folder_per_rank_and_run_removed_on_close(tmp_path: Path, ctx: AioContex
     )
     data = torch.randn(3000).to(torch.bfloat16)
     f = swap.file("exp_avg.0", 5000, torch.bfloat16, ctx)
-    assert f.path == swap.path / "exp_avg.0.swp" and f.path.stat().st_size == 10_000  # reserved at creation
+    assert f.path == swap.path / "exp_avg.0.swp" and f.path.stat().st_size == 10_000
+    assert f.path.stat().st_blocks * 512 >= 10_000  # the space is reserved (allocated) at creation
     f.write(data, 1000).wait()
     out = torch.empty(2000, dtype=torch.bfloat16)
     f.read(out, 2000).wait()
@@ -166,6 +167,7 @@ swap = SwapDir.create(sys.argv[1], 0, "full")
 for backend in ("compiled", "python"):
     ctx = AioContext(AioConfig(block_size=16384, thread_count=2, backend=backend))
     big = swap.file(f"big-{backend}", 1 << 16, torch.float32, ctx)  # 256 KiB, reserved before the limit
+    big.write(torch.zeros(1 << 16)).wait()  # readable until the failed write below
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 17, resource.RLIM_INFINITY))  # "the disk": 128 KiB
     try:
         swap.file(f"too-big-{backend}", 1 << 16, torch.float32, ctx)
