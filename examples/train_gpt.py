@@ -15,12 +15,12 @@ import sys
 import time
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from corpus import ByteWindows, stdlib_sources
 from gpt import GPT, GPTConfig
+from progress import progress
 
 import engine
 from engine.config import zero_stage
@@ -152,14 +152,7 @@ def main() -> None:
     if rank0:
         print(f"validation loss before training: {val_before:.4f} nats/byte", flush=True)
 
-    bar = tqdm(
-        total=args.steps,
-        initial=model_engine.global_steps,
-        desc="train",
-        unit="step",
-        disable=not rank0,
-        dynamic_ncols=True,
-    )
+    bar = progress(args.steps, model_engine.global_steps, "train", "step", disable=not rank0)
     started = time.perf_counter()
     samples_before = model_engine.global_samples  # a resumed run counts its samples from here
     rate_from: tuple[float, int] | None = None
@@ -181,15 +174,21 @@ def main() -> None:
         if model_engine.global_steps >= args.steps:
             break
     bar.close()
-    wall = time.perf_counter() - started
+    ended = time.perf_counter()
 
     val_after = evaluate(model_engine.module, val_set, micro_eval, model_engine.device)
     if rank0:
         done = model_engine.global_samples - samples_before
-        print(
-            f"done: step {model_engine.global_steps}, {done} samples in {wall:.1f} s "
-            f"({done / wall:.1f} samples/s, {done * args.seq_len / wall:.0f} bytes/s)"
-        )
+        line = f"done: step {model_engine.global_steps}, {done} samples in {ended - started:.1f} s"
+        if rate_from is not None and model_engine.global_samples > rate_from[1]:
+            # As the bar's samples_s: from the end of the first step, whose one-time costs (the C++ ops'
+            # first build, first-touch allocations) say nothing about the training speed.
+            timed, seconds = model_engine.global_samples - rate_from[1], ended - rate_from[0]
+            line += (
+                f"; {timed / seconds:.1f} samples/s ({timed * args.seq_len / seconds:.0f} bytes/s) after the "
+                f"first step, which took {rate_from[0] - started:.1f} s"
+            )
+        print(line)
         print(
             f"final train loss {model_engine.get_loss():.4f}; validation loss {val_before:.4f} -> "
             f"{val_after:.4f} nats/byte ({val_after / math.log(2):.3f} bits/byte)",

@@ -20,6 +20,7 @@ MONITOR_INTERVAL_S = 0.1
 # default is 30 s; a rank blocked in a collective must not keep the job alive that long.
 SHUTDOWN_TIMEOUT_S = 5
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+CONSOLE_ENV = "ZRUN_CONSOLE_IS_TERMINAL"
 
 
 class AgentCommand(NamedTuple):
@@ -78,6 +79,9 @@ def build_agent_command(
     }
     if not threads.from_user:
         env["OMP_NUM_THREADS"] = str(threads.threads)
+    # A rank's output reaches this console through a log file (launcher/mirror.py), so the rank cannot
+    # see whether the console is a terminal: say it (examples/progress.py draws a bar there, else lines).
+    env[CONSOLE_ENV] = base_env.get(CONSOLE_ENV) or ("1" if sys.stderr.isatty() else "0")
     if "PYTHONUNBUFFERED" not in base_env:
         # Rank stdout goes to a tee'd file: block buffering would delay console lines and lose the
         # last ones (the ones a failure report needs) when the rank is killed.

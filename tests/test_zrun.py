@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launcher.args import config_from_args
-from launcher.command import build_agent_command
+from launcher.command import CONSOLE_ENV, build_agent_command
 from launcher.config import Host
 from launcher.errors import LaunchError
 from launcher.report import FailureParser, RankFailure, pick_root_cause
@@ -136,6 +136,23 @@ def test_build_agent_command() -> None:
     argv2, env2, _ = build_agent_command(plain, 0, "/l", {"OMP_NUM_THREADS": "3"}, cores=8, python="py")
     assert argv2[-3:] == ["--", "t.py", "a"] and not any("local_rank" in a for a in argv2)
     assert "OMP_NUM_THREADS" not in env2  # the user's choice is inherited, not overridden
+
+
+class _Console:
+    def __init__(self, terminal: bool) -> None:
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_the_ranks_are_told_whether_zruns_console_is_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank's stderr is a log file that zrun mirrors (launcher/mirror.py): only zrun knows what the console is.
+    cfg = config_from_args(["--master_port", "1", "t.py"])
+    for terminal, told in ((False, "0"), (True, "1")):
+        monkeypatch.setattr(sys, "stderr", _Console(terminal))
+        assert build_agent_command(cfg, 0, "/l", {}, cores=2, python="py").env[CONSOLE_ENV] == told
+    assert build_agent_command(cfg, 0, "/l", {CONSOLE_ENV: "0"}, cores=2, python="py").env[CONSOLE_ENV] == "0"
 
 
 def test_thread_choice_and_oversubscription_warning() -> None:

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 OWNER = "owner"
 TORCH_BATON = "lock"
 STALE_LOCK_SECONDS = 900  # only for owners on another host, whose pid cannot be checked from here
@@ -40,8 +42,11 @@ class Owner:
     """The file's content as read: a stale owner is removed only if the file still holds exactly this."""
 
 
-def _say(message: str) -> None:
-    print(f"[engine] {message}", file=sys.stderr, flush=True)
+def say(message: str) -> None:
+    """One "[engine] ..." line on stderr, written above a progress bar as the engine logger's are (tqdm.write),
+    so a build message does not run on from the bar's line."""
+    tqdm.write(f"[engine] {message}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _read_owner(path: Path) -> Owner | None:
@@ -130,7 +135,7 @@ def acquire(build_dir: Path, what: str, announce_after_s: float = 0.0) -> None:
         reason = _stale_reason(owner)
         if reason:
             if _remove_if_unchanged(build_dir, owner):
-                _say(
+                say(
                     f"removed a stale build lock of pid {owner.pid} on {owner.host} in {build_dir} ({reason}); "
                     f"building {what} here"
                 )
@@ -145,7 +150,7 @@ def acquire(build_dir: Path, what: str, announce_after_s: float = 0.0) -> None:
                     f"after {STALE_LOCK_SECONDS // 60} min"
                 )
             )
-            _say(
+            say(
                 f"waiting for pid {owner.pid} on {owner.host}, which is building {what} in {build_dir} (started "
                 f"{max(0.0, time.time() - owner.started):.0f} s ago){limit}; if that process is gone, delete {path}"
             )
@@ -154,7 +159,7 @@ def acquire(build_dir: Path, what: str, announce_after_s: float = 0.0) -> None:
     baton = build_dir / TORCH_BATON
     if baton.exists():  # no live builder holds torch's baton without our owner file: a dead one left it
         baton.unlink(missing_ok=True)
-        _say(f"removed torch's build lock {baton}, left by a build that died")
+        say(f"removed torch's build lock {baton}, left by a build that died")
 
 
 def release(build_dir: Path) -> None:

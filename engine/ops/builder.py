@@ -309,7 +309,7 @@ def locked_load(
     status.seconds = time.perf_counter() - started
     status.state = "cached" if cached else "compiled"
     if not cached:
-        _say(f"compiled {what} in {status.seconds:.1f} s{note(result)}")
+        build_lock.say(f"compiled {what} in {status.seconds:.1f} s{note(result)}")
     return result
 
 
@@ -337,15 +337,11 @@ def locked_build(directory: Path, name: str, what: str, n_sources: int, expected
         built = cached()
         if not built:
             where = f"rank {os.environ['RANK']}, " if "RANK" in os.environ else ""
-            _say(
+            build_lock.say(
                 f"compiling {what} ({n_sources} sources, first use for this torch installation; {expected}; "
                 f"{where}pid {os.getpid()} on {socket.gethostname()}; cached in {directory}) ..."
             )
         yield built
-
-
-def _say(message: str) -> None:
-    print(f"[engine] {message}", file=sys.stderr, flush=True)
 
 
 def record_failure(status: BuildStatus, reason: str, extension: str, on: str = "") -> None:
