@@ -10,6 +10,14 @@ file_crc32 over them. Files are in the page cache (just written), as when a job 
 machine that saved. Then the stdlib's candidate hashes over the same files (median of 3 passes), to
 show why CRC-32 is the one taken: it detects the accidents it is for (flipped, lost or truncated
 bytes) and is the fastest. Results: benchmarks/results/checkpoint.md (and .png with matplotlib).
+
+    python benchmarks/bench_checkpoint.py --consolidate --params 1.85e8   # ~2.2 GB engine checkpoint
+
+Consolidation: the same model (Linear layers of 4096^2 + bias, fp32 AdamW, one step, 2 ranks, ZeRO
+stage 2) saved by real DeepSpeed (its venv, /tmp/dsvenv, DS_ACCELERATOR=cpu) and by the engine, then
+consolidated into safetensors by DeepSpeed's zero_to_fp32 (convert_zero_checkpoint_to_fp32_state_dict,
+safe_serialization=True) and by `engine.checkpoint.consolidate`. The DeepSpeed parts run in DeepSpeed's venv (this file,
+with --ds-save / --ds-convert: nothing of the engine imported there). Results: benchmarks/results/consolidate.md and .png.
 """
 
 from __future__ import annotations
@@ -28,9 +36,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import machine_facts
-
-import engine
-from engine.checkpoint.atomic_file import file_crc32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +71,23 @@ def _hash_seconds(files: list[str], make: Callable[[], object], chunk: int = 16 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=float, default=25e6)
+    parser.add_argument("--consolidate", action="store_true", help="the consolidation benchmark instead")
+    parser.add_argument("--workdir", default=None, help="consolidation: where the checkpoints go (deleted after)")
+    parser.add_argument("--ds-save", default=None, help=argparse.SUPPRESS)  # in DeepSpeed's venv: save there
     args = parser.parse_args()
+    if args.ds_save:
+        torch.multiprocessing.spawn(_save_rank, args=("deepspeed", args.ds_save, args.params, _free_port()), nprocs=2)
+        return
+    if args.consolidate:
+        consolidate_benchmark(args.params, args.workdir)
+        return
+    integrity(args)
+
+
+def integrity(args: argparse.Namespace) -> None:
+    import engine
+    from engine.checkpoint.atomic_file import file_crc32
+
     load_before = os.getloadavg()
     width = 2048
     layers = max(1, round(args.params / (width * width)))
@@ -147,6 +168,250 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.replace(".md", ".png"), dpi=100)
+
+
+# ---------------------------------------------------------------------------------------- consolidation
+DS_PYTHON = "/tmp/dsvenv/bin/python"
+WIDTH = 4096
+REPEATS = 3
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model(params: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = max(1, round(params / (WIDTH * WIDTH)))
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+
+
+def _save_rank(rank: int, which: str, save_dir: str, params: float, port: int) -> None:
+    """One of 2 ranks: build the model, one AdamW step at ZeRO stage 2, save_checkpoint (DeepSpeed's or ours)."""
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()} | {"MASTER_ADDR": "127.0.0.1"})
+    torch.set_num_threads(1)
+    model = _model(params)
+    config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 1000,
+    }
+    if which == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        import engine
+
+        config["optimizer"]["params"].pop("torch_adam")
+        eng, *_ = engine.initialize(model=model, config=config)
+    eng.backward(eng(torch.randn(1, WIDTH)).pow(2).mean())
+    eng.step()
+    eng.save_checkpoint(save_dir, tag="global_step1")
+    torch.distributed.barrier()
+    if rank == 0:  # DeepSpeed copies its zero_to_fp32.py beside the checkpoint: not part of it
+        for extra in ("zero_to_fp32.py", "zero_to_torch.py"):
+            if os.path.exists(os.path.join(save_dir, extra)):
+                os.unlink(os.path.join(save_dir, extra))
+
+
+_CHILD = {
+    "deepspeed": (
+        "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as convert\n"
+        "run = lambda: convert(CKPT, OUT, safe_serialization=True)\n"
+    ),
+    "engine": (
+        "from engine.checkpoint.consolidate import write_safetensors_dir\n"
+        "run = lambda: write_safetensors_dir(CKPT, OUT, dtype=DTYPE, workers=WORKERS)\n"
+    ),
+}
+_TIMED = (
+    "import json, os, time, psutil, torch\n"
+    "rss = psutil.Process().memory_info().rss\n"
+    "t0 = time.perf_counter(); run(); t = time.perf_counter() - t0\n"
+    "print(json.dumps({'seconds': t, 'interpreter_rss': rss}))\n"
+)
+
+
+def _drop_cache(paths: list[str], read: bool) -> None:
+    """Inputs out of the page cache (cold: posix_fadvise DONTNEED, per file, no effect on others' files)
+    or all read into it (warm)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if read:
+                while os.read(fd, 16 << 20):
+                    pass
+            else:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, cold: bool) -> dict[str, float]:
+    """One consolidation in a fresh process: seconds of the call, the interpreter's RSS before it, and
+    the peak RSS of the process and its workers together (sampled every 5 ms)."""
+    import json
+    import shutil
+    import subprocess
+
+    import psutil
+
+    files = [os.path.join(ckpt, "global_step1", f) for f in os.listdir(os.path.join(ckpt, "global_step1"))]
+    _drop_cache(files, read=not cold)
+    shutil.rmtree(out, ignore_errors=True)
+    code = f"CKPT, OUT, WORKERS = {ckpt!r}, {out!r}, {workers}\n"
+    code += f"import torch; DTYPE = torch.{dtype}\n" + _CHILD[tool] + _TIMED
+    python = DS_PYTHON if tool == "deepspeed" else sys.executable
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
+    proc = psutil.Popen([python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    peak, main_peak = 0, 0
+    while proc.poll() is None:
+        try:  # PSS: pages the workers share with the process they were forked from count once
+            tree = [proc, *proc.children(recursive=True)]
+            peak = max(peak, sum(p.memory_full_info().pss for p in tree))
+            main_peak = max(main_peak, proc.memory_info().rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.005)
+    stdout = proc.stdout.read().decode() if proc.stdout else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tool} consolidation failed ({proc.returncode}): {stdout}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    written = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")]
+    result["out_bytes"] = sum(os.path.getsize(f) for f in written)
+    _drop_cache(written, read=False)  # its dirty pages written back now, not during the next run
+    shutil.rmtree(out)
+    return result | {"peak_pss": peak, "main_rss": main_peak}
+
+
+def consolidate_benchmark(params: float, workdir: str | None) -> None:
+    import shutil
+    import statistics
+    import subprocess
+    import tempfile
+
+    load_before = os.getloadavg()
+    root = workdir or tempfile.mkdtemp(prefix="bench_consolidate_")
+    ds_ckpt, ours_ckpt = os.path.join(root, "deepspeed"), os.path.join(root, "engine")
+    try:
+        subprocess.run(
+            [DS_PYTHON, os.path.abspath(__file__), "--ds-save", ds_ckpt, "--params", str(params)],
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            check=True,
+        )
+        torch.multiprocessing.spawn(_save_rank, args=("engine", ours_ckpt, params, _free_port()), nprocs=2)
+        sizes = {
+            ckpt: sum(e.stat().st_size for e in os.scandir(os.path.join(ckpt, "global_step1")))
+            for ckpt in (ds_ckpt, ours_ckpt)
+        }
+        runs = [
+            ("DeepSpeed zero_to_fp32 (safe_serialization)", "deepspeed", ds_ckpt, "float32", 1),
+            ("engine consolidate, 2 workers", "engine", ds_ckpt, "float32", 2),
+            ("engine consolidate, 1 worker", "engine", ds_ckpt, "float32", 1),
+            ("engine consolidate, 2 workers", "engine", ours_ckpt, "float32", 2),
+            ("engine consolidate --dtype bf16, 2 workers", "engine", ours_ckpt, "bfloat16", 2),
+        ]
+        rows = []
+        for name, tool, ckpt, dtype, workers in runs:
+            for cold in (True, False):
+                got = [_measure(tool, ckpt, os.path.join(root, "out"), dtype, workers, cold) for _ in range(REPEATS)]
+                print(name, ckpt, "cold" if cold else "warm", got, flush=True)
+                seconds = statistics.median(g["seconds"] for g in got)
+                rows.append(
+                    (
+                        name,
+                        "DeepSpeed's" if ckpt == ds_ckpt else "engine's",
+                        "cold" if cold else "warm",
+                        seconds,
+                        sizes[ckpt],
+                        got[0]["out_bytes"],
+                        max(g["peak_pss"] for g in got),
+                        max(g["main_rss"] for g in got),
+                        got[0]["interpreter_rss"],
+                    )
+                )
+    finally:
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            shutil.rmtree(ds_ckpt, ignore_errors=True)
+            shutil.rmtree(ours_ckpt, ignore_errors=True)
+    _report(rows, params, load_before)
+
+
+def _report(
+    rows: list[tuple[str, str, str, float, int, int, int, int, int]], params: float, load_before: tuple
+) -> None:
+    layers = max(1, round(params / (WIDTH * WIDTH)))
+    largest = WIDTH * WIDTH * 4
+    baseline = {(r[1], r[2]): r[3] for r in rows if r[0].startswith("DeepSpeed")}
+    lines = [
+        (
+            f"# Consolidation into safetensors ({layers} x Linear({WIDTH}, {WIDTH}), "
+            f"{layers * (WIDTH * WIDTH + WIDTH) / 1e6:.0f}M params, fp32 AdamW, ZeRO stage 2 at 2 ranks)"
+        ),
+        "",
+        (
+            "Median of 3 runs, each in a fresh process (the call timed, not the interpreter's start). cold: the "
+            "checkpoint's files dropped from the page cache first (posix_fadvise DONTNEED); warm: read into it "
+            "first. Input GB/s = the tag directory's bytes / s (DeepSpeed's checkpoint also holds a model-states "
+            "file of the fp32 weights; the engine's does not); output GB/s = safetensors bytes / s. The engine "
+            "fsyncs its output; DeepSpeed's zero_to_fp32 does not. Peak RSS: the process and its workers "
+            f"together, sampled every 5 ms; the largest tensor is {largest / 2**20:.0f} MiB."
+        ),
+        "",
+        (
+            "| tool | checkpoint | cache | s | input GB/s | output GB/s | vs DeepSpeed | peak PSS, all processes MiB "
+            "| peak RSS, main MiB | interpreter MiB |"
+        ),
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, ckpt, cache, s, size, out, peak, main_rss, interp in rows:
+        ratio = baseline.get(("DeepSpeed's", cache), float("nan")) / s
+        lines.append(
+            f"| {name} | {ckpt} ({size / 1e9:.2f} GB) | {cache} | {s:.2f} | {size / s / 1e9:.2f} | "
+            f"{out / s / 1e9:.2f} | {ratio:.1f}x | {peak / 2**20:.0f} | {main_rss / 2**20:.0f} | {interp / 2**20:.0f} |"
+        )
+    lines += ["", "Machine:", *machine_facts(ROOT, load_before, busy_cores=2)]
+    out_md = os.path.join(ROOT, "benchmarks", "results", "consolidate.md")
+    with open(out_md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(pip install matplotlib for the plot)")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    labels = [f"{r[0]}\n{r[1]} ckpt, {r[2]}" for r in rows]
+    ax1.barh(
+        labels, [r[3] for r in rows], color=["tab:red" if r[0].startswith("DeepSpeed") else "tab:blue" for r in rows]
+    )
+    ax1.set_xlabel("seconds (median of 3)")
+    ax1.invert_yaxis()
+    ax2.barh(labels, [r[6] / 2**20 for r in rows], color="tab:gray", label="peak PSS, all processes")
+    ax2.barh(labels, [r[8] / 2**20 for r in rows], color="tab:green", label="interpreter")
+    ax2.axvline(largest / 2**20, color="k", linestyle=":", label="largest tensor")
+    ax2.set_xlabel("MiB")
+    ax2.set_yticks([])
+    ax2.invert_yaxis()
+    ax2.legend(fontsize=7)
+    fig.suptitle("Consolidating a ZeRO-2 checkpoint into safetensors")
+    fig.tight_layout()
+    fig.savefig(out_md.replace(".md", ".png"), dpi=100)
 
 
 if __name__ == "__main__":
