@@ -30,6 +30,7 @@ import ctypes
 import errno as errno_codes
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -426,6 +427,18 @@ class AioContext:
                 pool, self._pool = self._pool, None
             if pool is not None:
                 pool.close()
+
+    def __del__(self) -> None:
+        # Transfers still in flight write into buffers that only self._pending keeps alive: wait for them
+        # before those references go, and say so if one failed (nobody waited to hear it).
+        if getattr(self, "_pool", None) is None:
+            return
+        try:
+            self.close()
+        except AioError as error:
+            warnings.warn(
+                f"an AioContext dropped unclosed had a failed transfer: {error}", RuntimeWarning, stacklevel=1
+            )
 
     def __enter__(self) -> Self:
         return self
