@@ -1,0 +1,274 @@
+"""Read and write GB/s of engine/ops/aio.py's two back-ends against dd, on one file system.
+
+    python benchmarks/bench_aio.py [--dir /tmp] [--gib 1] [--repeats 3]
+    python benchmarks/bench_aio.py --plot-only benchmarks/results/aio.json   # the plot, matplotlib only
+
+One preallocated file of --gib GiB in --dir is written whole from one 4096-aligned buffer and read
+whole back into another (so every 1 MiB block goes through O_DIRECT), by the compiled pool
+(csrc/cpu/aio.cpp) and the Python fallback (os.pwritev/os.preadv on a thread pool) at 1, 2 and 4
+threads (block_size 1 MiB, queue_depth 8: DeepSpeed's defaults), then by `dd bs=1M oflag=direct
+conv=notrunc` and `dd bs=1M iflag=direct` on the same file. No fsync on either side (O_DIRECT
+bypasses the page cache on both). One extra row per back-end moves a buffer one byte off alignment,
+so every block goes through the page cache: what a caller without aligned_empty() gets. The read-back
+is compared with what was written once per back-end. fio is not installed on this machine, so dd is
+the reference. The file is deleted at the end. Writes benchmarks/results/aio.md, aio.json and aio.png
+(with matplotlib; else run --plot-only where it is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1 << 20
+
+
+def _dd_seconds(args: list[str]) -> float:
+    done = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    match = re.search(r"copied, ([0-9.eE+-]+) s", done.stderr)
+    if match is None:
+        raise RuntimeError(f"cannot read dd's time from: {done.stderr}")
+    return float(match.group(1))
+
+
+def _fact(command: list[str], pick: str) -> str:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "unknown"
+    lines = [line for line in out.splitlines() if pick in line or pick == ""]
+    return " ".join(lines[-1].split()) if lines else "unknown"
+
+
+def measure(folder: Path, gib: float, repeats: int) -> dict[str, Any]:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from engine.ops.aio import AioConfig, AioContext, aligned_empty, open_file
+
+    nbytes = int(gib * (1 << 30)) // MIB * MIB
+    path = folder / "zero_engine_bench_aio.bin"
+    path.unlink(missing_ok=True)
+    file = open_file(path, create=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        os.posix_fallocate(file.fd, 0, nbytes)
+        source = aligned_empty(nbytes, torch.uint8)
+        source.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+        target = aligned_empty(nbytes, torch.uint8)
+        blocks = str(nbytes // MIB)
+        write_dd = [
+            _dd_seconds(["if=/dev/zero", f"of={path}", "bs=1M", f"count={blocks}", "oflag=direct", "conv=notrunc"])
+            for _ in range(repeats)
+        ]
+        read_dd = [
+            _dd_seconds([f"if={path}", "of=/dev/null", "bs=1M", f"count={blocks}", "iflag=direct"])
+            for _ in range(repeats)
+        ]
+        rows.append(_row("dd (oflag/iflag=direct, bs=1M)", "-", 1, nbytes, write_dd, read_dd, 0, 0))
+        for backend in ("compiled", "python"):
+            for threads, aligned in ((1, True), (2, True), (4, True), (2, False)):
+                with AioContext(AioConfig(thread_count=threads, backend=backend)) as ctx:
+                    src = source if aligned else torch.cat([torch.zeros(1, dtype=torch.uint8), source])[1:]
+                    dst = target if aligned else torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+                    writes, reads, direct = [], [], [0, 0]
+                    ctx.write(file, src, 0).wait()  # warm-up, not timed: a first buffered write into
+                    ctx.read(file, dst, 0).wait()  # preallocated extents ran at 0.25 GB/s here, later ones at 8
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        handle = ctx.write(file, src, 0)
+                        handle.wait()
+                        writes.append(time.perf_counter() - start)
+                        os.posix_fadvise(file.fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # buffered rows: read from disk
+                        start = time.perf_counter()
+                        read = ctx.read(file, dst, 0)
+                        read.wait()
+                        reads.append(time.perf_counter() - start)
+                        direct = [handle.direct_bytes, read.direct_bytes]
+                    if not torch.equal(dst, src):
+                        raise RuntimeError(f"{backend}, {threads} threads: the read-back differs from what was written")
+                    del src, dst
+                rows.append(
+                    _row(backend, "aligned" if aligned else "unaligned", threads, nbytes, writes, reads, *direct)
+                )
+                print(rows[-1], flush=True)
+        overlap = [
+            _overlap(AioContext(AioConfig(thread_count=2, backend=b)), file, target, b) for b in ("compiled", "python")
+        ]
+    finally:
+        file.close()
+        path.unlink(missing_ok=True)
+    return {
+        "bytes": nbytes,
+        "repeats": repeats,
+        "folder": str(folder),
+        "df": _fact(["df", "-T", str(folder)], ""),
+        "cpu": _fact(["lscpu"], "Model name"),
+        "kernel": os.uname().release,
+        "rows": rows,
+        "overlap": overlap,
+    }
+
+
+def _overlap(ctx: Any, file: Any, buffer: Any, backend: str, repeats: int = 3) -> dict[str, Any]:
+    """Does a read run while this thread computes? Times a whole-file read alone, about as long a run of
+    matmuls alone (one torch thread), and both at once (the read submitted, the matmuls run, then wait);
+    medians of `repeats`."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    per_matmul = (time.perf_counter() - start) / 50
+
+    def timed(fn: Any) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    io_alone = statistics.median(timed(lambda: ctx.read(file, buffer, 0).wait()) for _ in range(repeats))
+    count = max(1, int(io_alone / per_matmul))
+
+    def compute() -> None:
+        for _ in range(count):
+            a @ a
+
+    def both() -> None:
+        handle = ctx.read(file, buffer, 0)
+        compute()
+        handle.wait()
+
+    compute_alone = statistics.median(timed(compute) for _ in range(repeats))
+    together = statistics.median(timed(both) for _ in range(repeats))
+    ctx.close()
+    hidden = (io_alone + compute_alone - together) / min(io_alone, compute_alone)
+    return {"backend": backend, "io_s": io_alone, "compute_s": compute_alone, "both_s": together, "hidden": hidden}
+
+
+def _row(
+    backend: str, buffer: str, threads: int, nbytes: int, writes: list[float], reads: list[float], wd: int, rd: int
+) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "buffer": buffer,
+        "threads": threads,
+        "write_gbps": nbytes / statistics.median(writes) / 1e9,
+        "read_gbps": nbytes / statistics.median(reads) / 1e9,
+        "write_direct": wd / nbytes if backend != "dd (oflag/iflag=direct, bs=1M)" else 1.0,
+        "read_direct": rd / nbytes if backend != "dd (oflag/iflag=direct, bs=1M)" else 1.0,
+    }
+
+
+def write_table(data: dict[str, Any], out: Path) -> None:
+    dd = data["rows"][0]
+    lines = [
+        "# Async I/O: engine/ops/aio.py's back-ends against dd, one file system",
+        "",
+        (
+            f"A {data['bytes'] / 2**30:.2f} GiB preallocated file in {data['folder']}, written whole from one buffer "
+            f"and read whole back (median of {data['repeats']} after one untimed write and read; 1 MiB blocks, "
+            "queue_depth 8); GB/s = 1e9 bytes/s. `direct`: the share of bytes that went through O_DIRECT. Ratios: "
+            "over dd's figure in the same run. Unaligned rows: the buffer one byte off a 4096 boundary, so every "
+            "block goes through the page cache (a write there is a copy into memory, the disk is written later; "
+            "the file's pages are dropped before each read). No fsync on any row. fio is not installed here: dd is "
+            "the reference."
+        ),
+        "",
+        "| backend | buffer | threads | write GB/s | write / dd | read GB/s | read / dd | direct (w/r) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in data["rows"]:
+        lines.append(
+            f"| {row['backend']} | {row['buffer']} | {row['threads']} | {row['write_gbps']:.2f} | "
+            f"{row['write_gbps'] / dd['write_gbps']:.2f} | {row['read_gbps']:.2f} | "
+            f"{row['read_gbps'] / dd['read_gbps']:.2f} | {row['write_direct']:.0%} / {row['read_direct']:.0%} |"
+        )
+    lines += [
+        "",
+        (
+            "Overlap: a whole-file read (2 threads) alone, fp32 256x256 matmuls on this thread alone (one torch "
+            "thread; as many as take about as long as the read), and both at once (read submitted, matmuls, then "
+            "wait); medians of 3. hidden = (read + compute - both) / the shorter of the two: 1 when the shorter "
+            "one is hidden completely, 0 when they ran one after the other (over 1: noise of the shared cores)."
+        ),
+        "",
+        "| backend | read alone s | compute alone s | both s | hidden |",
+        "| --- | --- | --- | --- | --- |",
+        *(
+            f"| {o['backend']} | {o['io_s']:.3f} | {o['compute_s']:.3f} | {o['both_s']:.3f} | {o['hidden']:.2f} |"
+            for o in data.get("overlap", [])
+        ),
+        "",
+        "Machine:",
+        f"- CPU: {data['cpu']}; {os.cpu_count()} logical cores; kernel {data['kernel']}",
+        f"- file system (df -T): {data['df']}",
+        (
+            f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; load average after the run {os.getloadavg()[0]:.2f} "
+            "(other work on the same cores makes the figures noisier)"
+        ),
+        "",
+    ]
+    out.write_text("\n".join(lines))
+
+
+def plot(data: dict[str, Any], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no matplotlib: run `python {__file__} --plot-only {out.with_suffix('.json')}` where it is installed)")
+        return
+    rows = data["rows"]
+    labels = [
+        r["backend"].split(" ")[0] + ("" if r["backend"].startswith("dd") else f"\n{r['threads']}t {r['buffer']}")
+        for r in rows
+    ]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    ax.bar([i - 0.2 for i in x], [r["write_gbps"] for r in rows], 0.4, label="write")
+    ax.bar([i + 0.2 for i in x], [r["read_gbps"] for r in rows], 0.4, label="read")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title(
+        f"aio back-ends vs dd, {data['bytes'] / 2**30:.2f} GiB file, {data['df'].split()[1] if len(data['df'].split()) > 1 else ''}"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plot-only", type=Path, default=None)
+    args = parser.parse_args()
+    if args.plot_only is not None:
+        plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+        return
+    data = measure(args.dir, args.gib, args.repeats)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "aio.json").write_text(json.dumps(data, indent=1))
+    write_table(data, RESULTS / "aio.md")
+    plot(data, RESULTS / "aio.png")
+    print((RESULTS / "aio.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
