@@ -212,3 +212,13 @@ def test_a_full_disk_is_a_named_error_and_the_folder_goes_at_exit(tmp_path: Path
         assert results[f"read-{backend}"].startswith("SwapFileError:") and "never written" in results[f"read-{backend}"]
     assert not (tmp_path / ROOT_NAME / "full").exists()
     assert isinstance(DiskFullError("write", "x", 0, 1, 0, 28), OSError)
+
+
+def test_a_file_larger_than_the_free_space_is_refused_before_it_exists(tmp_path: Path, ctx: AioContext) -> None:
+    with SwapDir.create(tmp_path, 0, "run") as swap:
+        numel = 1 << 50  # 4 PiB of fp32
+        with pytest.raises(DiskFullError, match=r"aio create of 4503599627370496 bytes .*No space left on device") as e:
+            swap.file("huge", numel, torch.float32, ctx)
+        assert e.value.free_bytes > 0 and f"has {e.value.free_bytes} bytes free" in str(e.value)
+        assert not (swap.path / "huge.swp").exists()
+    ctx.close()
