@@ -32,6 +32,7 @@ from engine.profiling.step_profile import StepProfile
 from engine.saving import SavingMixin
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
+from engine.zero.master_step import close_swap
 from engine.zero.stage3.unit_plan import full_numel
 from engine.zero_optimizer import ZeroOptimizer
 
@@ -459,6 +460,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         engine created. Idempotent."""
         if self._stage is None:
             return
+        close_swap(self._stage)
         self._stage.destroy()
         self._stage = None
         if self.basic_optimizer is not None:

@@ -19,6 +19,7 @@ from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
+from engine.zero.master_step import optimizer_state_resident
 
 if TYPE_CHECKING:
     from engine.zero.base import ZeroStage
@@ -122,7 +123,9 @@ class SavingMixin:
         exclude_frozen_parameters leaves the values of requires_grad=False parameters out (loading then
         needs load_module_strict=False and keeps the model's own). Every rank must call it. Returns the
         tag directory. See engine/checkpoint/."""
-        return store.save(self._training_state(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        state = self._training_state()
+        with optimizer_state_resident(state.stage):  # an NVMe run's swapped state, for the save's duration
+            return store.save(state, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,
@@ -135,15 +138,17 @@ class SavingMixin:
     ) -> tuple[str, dict[str, Any]]:
         """DeepSpeed's load_checkpoint -> (checkpoint path, client_state). tag None reads `latest`.
         Loads at any world size and ZeRO stage: every piece is found by parameter name and offset."""
-        loaded = restore.load(
-            self._training_state(),
-            load_dir,
-            tag,
-            load_module_strict,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_only,
-        )
+        state = self._training_state()
+        with optimizer_state_resident(state.stage):  # loaded into memory, then written to the swap files
+            loaded = restore.load(
+                state,
+                load_dir,
+                tag,
+                load_module_strict,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_only,
+            )
         if loaded.counters is not None:
             self.global_steps = loaded.counters.global_steps
             self.global_samples = loaded.counters.global_samples

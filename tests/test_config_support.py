@@ -35,10 +35,6 @@ def refusal(extra: dict[str, Any]) -> str:
     "extra, key",
     [
         (
-            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
-            "zero_optimization.offload_optimizer.device",
-        ),
-        (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
             "zero_optimization.offload_optimizer.super_offload",
         ),
@@ -78,8 +74,8 @@ def test_refused_keys_name_key_and_fix(extra: dict[str, Any], key: str) -> None:
 
 
 def test_offload_refusal_says_what_to_do() -> None:
-    assert refusal({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}).endswith(
-        'fix: use "cpu" or "none"'
+    assert refusal({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}).endswith(
+        'fix: use "cpu" (stage 3) or "none", or remove offload_param'
     )
     assert (
         load(
@@ -266,7 +262,6 @@ def test_warned_key_is_warned_once_per_process() -> None:
         ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint"),
         ({"dump_state": True}, "dump_state"),
         ({"sparse_gradients": True}, "sparse_gradients"),
-        ({"aio": {"queue_depth": 32}}, "aio"),
         ({"timers": {"throughput": {"enabled": False}}}, "timers"),
     ],
 )
@@ -284,7 +279,7 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
             load(
                 {
                     "trackio": {"enabled": True},
-                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+                    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
                 }
             )
         load({"trackio": {"enabled": True}})

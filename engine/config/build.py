@@ -48,6 +48,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "dataloader_drop_last": "dataloader_drop_last",
     "seed": "seed",
     "collectives": "collectives",
+    "aio": "aio",
     "tensor_parallel": "autotp_size",
     "activation_checkpointing": "activation_checkpointing",
 }
@@ -78,6 +79,7 @@ _READ_FIELD: dict[str, Callable[[Any], Any]] = {
     "comms_logger": lambda section: bool(section.get("enabled", False)),
     # DeepSpeed's autotp_size 0 (its default) means off, as our 1 does.
     "autotp_size": lambda section: max(int(section.get("autotp_size") or 0), 1),
+    "aio": freeze,
 }
 
 

@@ -111,7 +111,8 @@ READ_ENTRIES: tuple[Entry, ...] = (
         "unit, so a released unit's memory is freed before its backward); "
         "our stage3_arena_bytes sizes the pre-touched arena that gathered units and gradient buckets come from "
         'on CPU ("auto": from the units and stage3_max_live_parameters; absent or 0: off); '
-        "stage3_model_persistence_threshold and sub_group_size accepted without effect",
+        "sub_group_size: elements of optimizer state swapped and stepped at a time with NVMe offload; "
+        "stage3_model_persistence_threshold accepted without effect",
     ),
     Entry("zero_allow_untested_optimizer", S.IMPLEMENTED, PRESENT, "read into EngineConfig"),
     Entry(

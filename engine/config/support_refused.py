@@ -44,11 +44,14 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "zero_optimization.offload_optimizer.device",
-        S.REFUSED,
+        S.IMPLEMENTED,
         one_of("nvme"),
-        "NVMe optimizer offload (ZeRO-Infinity) is not implemented; the memory plan you asked for would "
-        "silently not happen",
-        'use "cpu" or "none"',
+        "ZeRO-Infinity's optimizer offload at stages 1-3, CPU training: the Adam moments of every fp32 master "
+        "shard, and the master itself where it is a copy of a bf16/fp16 shard (stages 1-2), live only in swap "
+        "files under nvme_path (one folder per run and rank, removed at exit and by the next start after a "
+        "crash); the fused CPU Adam steps them sub_group_size elements at a time through buffer_count host "
+        "buffers, with pipeline_read / pipeline_write overlapping the reads and writes "
+        "(engine/zero/optimizer_swap.py, engine/offload/); Adam-family optimizers only",
     ),
     Entry(
         "zero_optimization.offload_optimizer.ratio",
@@ -314,20 +317,11 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
     Entry("autotuning.enabled", S.WARNED, TRUE, "the autotuner is not implemented", "set it to false"),
     Entry(
         "aio",
-        S.WARNED,
-        changed_from(
-            {
-                "block_size": 1048576,
-                "queue_depth": 8,
-                "thread_count": 1,
-                "intra_op_parallelism": 1,
-                "single_submit": False,
-                "overlap_events": True,
-                "use_gds": False,
-            }
-        ),
-        "async I/O only tunes NVMe offload, which is refused",
-        "remove it",
+        S.IMPLEMENTED,
+        PRESENT,
+        "the NVMe swap files' I/O (engine/ops/aio.py): block_size (bytes per request), queue_depth (requests a "
+        "thread takes at a time), thread_count / intra_op_parallelism (threads), single_submit honoured; "
+        "overlap_events accepted (transfers always overlap the caller); use_gds must be false",
     ),
     Entry(
         "checkpoint",

@@ -65,6 +65,14 @@ class OffloadConfig:
     pin_memory: bool = False
     ratio: float = 1.0
     """offload_optimizer only: fraction of optimizer state offloaded (stage 3 only below 1.0)."""
+    nvme_path: str | None = None
+    """device "nvme": the folder the swap files go in (engine/offload/, engine/zero/optimizer_swap.py)."""
+    buffer_count: int = 4
+    """device "nvme": host buffers the swapped state streams through (DeepSpeed's default 4)."""
+    pipeline_read: bool = False
+    """offload_optimizer, device "nvme": read the next sub-group while this one is computed."""
+    pipeline_write: bool = False
+    """offload_optimizer, device "nvme": wait for a sub-group's write only when its buffer is needed."""
 
 
 ARENA_AUTO = -1
@@ -93,6 +101,8 @@ class ZeroConfig:
     """None in the JSON resolves to True for stage 3 and False otherwise, as DeepSpeed does."""
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    sub_group_size: int = 1_000_000_000
+    """Elements of optimizer state swapped and stepped at a time with NVMe offload (DeepSpeed's 1e9)."""
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
@@ -246,6 +256,9 @@ class EngineConfig:
     autotp_size: int = 1
     """`tensor_parallel.autotp_size`: the tensor-parallel size of AutoTP training (engine.tp_model_init);
     1 = off (DeepSpeed's 0, its default, is read as 1)."""
+    aio: Mapping[str, Any] = field(default_factory=_frozen_mapping)
+    """DeepSpeed's `aio` section as written: the NVMe swap files' I/O settings (engine/ops/aio.py's
+    AioConfig.from_section reads it)."""
     collectives: str = "engine"
     """Not a DeepSpeed key: how reduce-scatter and all-gather run (engine/comm/collectives.py): "engine" (the default,
     a direct exchange between ranks), "ring" (pipelined rings), or "native" (torch's own collectives)."""

@@ -15,6 +15,7 @@ from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
+from engine.zero.optimizer_swap import nvme_settings
 
 logger = get_logger()
 
@@ -131,6 +132,7 @@ def bind_optimizer_to_shards(
         [MasterTarget(g.master, g.shard_grad, g.shard_view(g.flat) if g.owns_master else None) for g in groups],
         offload=offload_enabled(config),
         refresh=lambda: refresh_params(groups),
+        nvme=nvme_settings(config),
     )
 
 
@@ -165,7 +167,11 @@ def bind_optimizer_per_parameter(
         optimizer, [[view_of[id(p)] for p in group["params"] if id(p) in view_of] for group in optimizer.param_groups]
     )
     return per_group, MasterStep(
-        optimizer, targets, offload=offload_enabled(config), refresh=lambda: refresh_params(groups)
+        optimizer,
+        targets,
+        offload=offload_enabled(config),
+        refresh=lambda: refresh_params(groups),
+        nvme=nvme_settings(config),
     )
 
 

@@ -37,16 +37,19 @@ Optimizer state stays in `optimizer.state[master]` under torch's AdamW keys ("st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine.config.errors import ConfigError
 from engine.config.types import EngineConfig
 from engine.ops.adam import AdamEntry, CPUAdam, adam_state, adam_step_entries
 from engine.optim.adam import ReferenceAdam
 from engine.zero.layout import contiguous_pieces
+from engine.zero.optimizer_swap import NvmeSettings, OptimizerSwap
 
 _STEPPING = "_zero_engine_stepping"
 """Set in the optimizer's __dict__ while MasterStep runs its step(): the guard lets that one through."""
@@ -76,7 +79,27 @@ def guard_direct_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def offload_enabled(config: EngineConfig) -> bool:
-    return config.zero.offload_optimizer.device == "cpu"
+    """The step runs as one fused CPU pass over the masters: ZeRO-Offload to host memory or to NVMe."""
+    return config.zero.offload_optimizer.device in ("cpu", "nvme")
+
+
+def close_swap(stage: Any) -> None:
+    """Remove an NVMe run's swap files (the engine is destroyed)."""
+    swap = getattr(getattr(stage, "master_step", None), "swap", None)
+    if swap is not None:
+        swap.close()
+
+
+@contextmanager
+def optimizer_state_resident(stage: Any) -> Iterator[None]:
+    """A stage's whole optimizer state in memory for the duration (a checkpoint's save or load): the
+    swapped state of an NVMe run is read in and written back after; nothing to do otherwise."""
+    swap = getattr(getattr(stage, "master_step", None), "swap", None)
+    if swap is None:
+        yield
+        return
+    with swap.resident():
+        yield
 
 
 @dataclass
@@ -116,9 +139,11 @@ class MasterStep:
         *,
         offload: bool,
         refresh: Callable[[], None] | None = None,
+        nvme: NvmeSettings | None = None,
     ) -> None:
         """`refresh`: after the plain path, write the updated masters into the low-precision parameters
-        (the stage's own cast, one call per group); None when no target has a low-precision copy."""
+        (the stage's own cast, one call per group); None when no target has a low-precision copy.
+        `nvme`: the optimizer state lives in swap files (engine/zero/optimizer_swap.py)."""
         self.optimizer = optimizer
         self._refresh = refresh
         self.targets = {id(t.master): t for t in targets}
@@ -129,6 +154,15 @@ class MasterStep:
             # low-precision one cannot be (torch wants the parameter's dtype).
             t.master.grad = t.grad if t.grad.dtype == torch.float32 else None
         guard_direct_step(optimizer)
+        self.swap: OptimizerSwap | None = None
+        if nvme is not None:
+            if any(_adam_mode(optimizer, g) is None for g in optimizer.param_groups):
+                raise ConfigError(
+                    f'zero_optimization.offload_optimizer.device "nvme": the swapped step is the fused Adam '
+                    f"(Adam/AdamW, DeepSpeed's Adam/AdamW/CPUAdam, no amsgrad); {type(optimizer).__name__} "
+                    'cannot take it: use an Adam optimizer or device "cpu"/"none"'
+                )
+            self.swap = OptimizerSwap(optimizer, targets, nvme)
         self.fused_steps = 0
         """Steps taken by the fused kernel (the rest ran the optimizer's own step)."""
 
@@ -136,7 +170,13 @@ class MasterStep:
         """Update every master from `coef` x its gradient; afterwards every low-precision parameter
         holds its new master's value."""
         modes = [_adam_mode(self.optimizer, g) for g in self.optimizer.param_groups]
-        if (self.offload or self._low_precision) and all(m is not None for m in modes):
+        if self.swap is not None:
+            for group, mode in zip(self.optimizer.param_groups, modes):
+                assert mode is not None
+                self.swap.step_group(group, coef, *mode)
+            self.fused_steps += 1
+            vars(self.optimizer)["_opt_called"] = True
+        elif (self.offload or self._low_precision) and all(m is not None for m in modes):
             for group, mode in zip(self.optimizer.param_groups, modes):
                 assert mode is not None
                 self._fused_group(group, coef, *mode)

@@ -33,6 +33,7 @@ from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
+from engine.zero.optimizer_swap import nvme_settings
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3 import memory_efficient_linear
@@ -102,6 +103,7 @@ class Stage3:
                 optimizer,
                 [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
                 offload=offload_enabled(config),
+                nvme=nvme_settings(config),
             )
             if optimizer is not None
             else None

@@ -1,0 +1,264 @@
+"""Optimizer state on NVMe (ZeRO-Infinity's `offload_optimizer.device: "nvme"`): the Adam moments of
+every master, and the fp32 master itself where it is a copy of a low-precision parameter, live only
+in swap files (engine/offload/); the fused Adam step streams them through a few host buffers.
+
+# [Note: the swapped step]
+Each master (a MasterTarget) is cut into sub-groups of at most `sub_group_size` elements. A sub-group
+is read into a free buffer (its exp_avg, exp_avg_sq, and master when swapped), updated by the fused
+Adam kernel (engine/ops/adam.py, the same call the in-memory offload makes, so the numbers are
+bitwise the same), and written back. With `pipeline_read` the next sub-group's read is started
+before this one is computed; with `pipeline_write` a write is waited for only when its buffer is
+needed again. `buffer_count` buffers bound the memory: buffer_count x sub_group_size x 3 x 4 bytes.
+
+Between steps nothing of the swapped state is in memory: a swapped master's `.data` is empty and
+optimizer.state[master] holds only "step". `resident()` brings it all back for a checkpoint save or
+load (the memory of the in-memory run, for the save's duration) and writes it back after.
+
+Every rank creates its swap folder (engine/offload/swap_dir.py); a failure on any rank is raised on
+every rank, so none waits in a collective for a rank that stopped.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from engine import comm
+from engine.config.errors import ConfigError
+from engine.config.types import EngineConfig
+from engine.offload import AioConfig, AioContext, SwapDir, SwapFile, SwapHandle, aligned_empty
+from engine.ops.adam import AdamScalars, AdamTensors, adam_step
+
+KEY = "zero_optimization.offload_optimizer"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class NvmeSettings:
+    nvme_path: str
+    buffer_count: int
+    pipeline_read: bool
+    pipeline_write: bool
+    sub_group_size: int
+    aio: AioConfig
+
+
+def nvme_settings(config: EngineConfig) -> NvmeSettings | None:
+    """The NVMe optimizer offload asked for, or None."""
+    offload = config.zero.offload_optimizer
+    if offload.device != "nvme":
+        return None
+    if not offload.nvme_path:
+        raise ConfigError(f'{KEY}.nvme_path: required with device "nvme": the folder the swap files go in')
+    if offload.buffer_count < 1:
+        raise ConfigError(f"{KEY}.buffer_count: {offload.buffer_count}; at least 1 buffer is needed")
+    return NvmeSettings(
+        str(offload.nvme_path),
+        int(offload.buffer_count),
+        bool(offload.pipeline_read),
+        bool(offload.pipeline_write),
+        max(int(config.zero.sub_group_size), 1),
+        AioConfig.from_section(dict(config.aio)),
+    )
+
+
+def _agreed(make: Any, what: str) -> Any:
+    """make() on every rank; if it failed anywhere, every rank raises (naming the ranks that failed)."""
+    error: BaseException | None = None
+    try:
+        result = make()
+    except (OSError, ValueError, RuntimeError) as err:  # SwapPathError and the aio errors are OSError/RuntimeError
+        error, result = err, None
+    failed = [(r, msg) for r, msg in enumerate(comm.all_gather_object(None if error is None else str(error))) if msg]
+    if failed:
+        if error is not None:
+            raise error
+        rank, message = failed[0]
+        raise RuntimeError(f"{what} failed on rank {rank}: {message}")
+    return result
+
+
+class _Part(NamedTuple):
+    """One sub-group: elements [lo, lo + n) of a target's pieces laid end to end."""
+
+    target: int
+    master: torch.Tensor | None
+    """The master's elements (a view); None when the master is swapped (its buffer holds them)."""
+    grad: torch.Tensor
+    lp: torch.Tensor | None
+    offset: int
+
+
+@dataclass
+class _Swapped:
+    master: torch.Tensor
+    shape: torch.Size
+    files: dict[str, SwapFile]
+    """exp_avg, exp_avg_sq, and "master" when the master is swapped."""
+    parts: list[_Part]
+    state: dict[str, Any]
+
+
+class OptimizerSwap:
+    """The swapped state of MasterStep's targets and the step over it (see [Note: the swapped step])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, targets: list[Any], settings: NvmeSettings) -> None:
+        from engine.zero.layout import contiguous_pieces
+
+        self.settings = settings
+        run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
+        self.dir: SwapDir = _agreed(
+            lambda: SwapDir.create(settings.nvme_path, comm.get_rank(), run_id, f"{KEY}.nvme_path"),
+            "creating the NVMe swap folder",
+        )
+        self.context = AioContext(settings.aio)
+        self.by_master: dict[int, _Swapped] = {}
+        size = settings.sub_group_size
+
+        def build() -> None:
+            for i, t in enumerate(targets):
+                swap_master = t.lp is not None  # else the master is the parameter's own storage: it stays
+                lp = [t.lp] if t.lp is not None else []
+                master, grad, *lp_lists = contiguous_pieces([t.master, t.grad, *lp])
+                lp_pieces = lp_lists[0] if lp_lists else None
+                numel = t.master.numel()
+                names = [*_MOMENTS, *(["master"] if swap_master else [])]
+                files = {k: self.dir.file(f"{k}.{i}", numel, torch.float32, self.context) for k in names}
+                parts, offset = [], 0
+                for j, (m, g) in enumerate(zip(master, grad)):
+                    for lo in range(0, m.numel(), size):
+                        n = min(size, m.numel() - lo)
+                        parts.append(
+                            _Part(
+                                i,
+                                None if swap_master else m[lo : lo + n],
+                                g[lo : lo + n],
+                                lp_pieces[j][lo : lo + n] if lp_pieces is not None else None,
+                                offset,
+                            )
+                        )
+                        offset += n
+                state = optimizer.state[t.master]
+                state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                self.by_master[id(t.master)] = _Swapped(t.master, t.master.shape, files, parts, state)
+            self._write_out(initial=True)
+
+        _agreed(build, "writing the optimizer state to the NVMe swap files")
+        self._buffers = [
+            {k: aligned_empty(size, torch.float32) for k in (*_MOMENTS, "master")} for _ in range(settings.buffer_count)
+        ]
+
+    # --------------------------------------------------------------------------------- the step
+    def step_group(self, group: dict[str, Any], coef: float, adamw_mode: bool, bias_correction: bool) -> None:
+        swapped = [self.by_master[id(p)] for p in group["params"]]
+        counts = {}
+        for s in swapped:
+            s.state["step"] += 1.0
+            counts[id(s)] = int(s.state["step"])
+        jobs = [(s, part) for s in swapped for part in s.parts]
+        beta1, beta2 = group["betas"]
+        free = list(range(len(self._buffers)))
+        writing: deque[tuple[int, list[SwapHandle]]] = deque()
+        reading: dict[int, tuple[int, list[SwapHandle]]] = {}
+
+        def take_buffer() -> int:
+            if not free:
+                b, handles = writing.popleft()
+                for h in handles:
+                    h.wait()
+                free.append(b)
+            return free.pop()
+
+        def start_read(k: int) -> None:
+            s, part = jobs[k]
+            b = take_buffer()
+            buf = self._buffers[b]
+            n = part.grad.numel()
+            reading[k] = (b, [f.read(buf[name][:n], part.offset) for name, f in s.files.items()])
+
+        for k, (s, part) in enumerate(jobs):
+            if k not in reading:
+                start_read(k)
+            if self.settings.pipeline_read and k + 1 < len(jobs) and k + 1 not in reading and (free or writing):
+                start_read(k + 1)
+            b, handles = reading.pop(k)
+            for h in handles:
+                h.wait()
+            buf, n = self._buffers[b], part.grad.numel()
+            master = buf["master"][:n] if part.master is None else part.master
+            adam_step(
+                AdamTensors(
+                    [master],
+                    [part.grad],
+                    [buf["exp_avg"][:n]],
+                    [buf["exp_avg_sq"][:n]],
+                    [part.lp] if part.lp is not None else None,
+                ),
+                AdamScalars(
+                    float(group["lr"]),
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["weight_decay"],
+                    counts[id(s)],
+                    adamw_mode=adamw_mode,
+                    bias_correction=bias_correction,
+                    grad_scale=coef,
+                ),
+            )
+            writes = [f.write(buf[name][:n], part.offset) for name, f in s.files.items()]
+            if self.settings.pipeline_write:
+                writing.append((b, writes))
+            else:
+                for h in writes:
+                    h.wait()
+                free.append(b)
+        for _, handles in writing:
+            for h in handles:
+                h.wait()
+
+    # ------------------------------------------------------------------------- resident state
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every swapped tensor in memory (masters' .data and the moments in optimizer.state) for the
+        duration, written back and dropped after (a load's new values included)."""
+        for s in self.by_master.values():
+            if "master" in s.files:
+                s.master.data = torch.empty(s.shape, dtype=torch.float32)
+                s.files["master"].read(s.master.data.view(-1)).wait()
+            for name in _MOMENTS:
+                s.state[name] = torch.empty(s.shape, dtype=torch.float32)
+                s.files[name].read(s.state[name].view(-1)).wait()
+        try:
+            yield
+        finally:
+            self._write_out(initial=False)
+
+    def _write_out(self, initial: bool) -> None:
+        """Write every swapped tensor to its file and drop it from memory (initial: zero moments, or the
+        optimizer's own state if it already has some)."""
+        for s in self.by_master.values():
+            values = {name: s.state.get(name) for name in _MOMENTS}
+            for name in _MOMENTS:
+                value = values[name]
+                if not (torch.is_tensor(value) and value.numel() == s.master.numel()):
+                    value = torch.zeros(s.master.numel(), dtype=torch.float32)
+                s.files[name].write(value.detach().reshape(-1).contiguous()).wait()
+                s.state.pop(name, None)
+            if "master" in s.files:
+                s.files["master"].write(s.master.detach().reshape(-1).contiguous()).wait()
+                s.master.data = torch.empty(0, dtype=torch.float32)
+        del initial
+
+    def disk_bytes(self) -> int:
+        return sum(f.numel * 4 for s in self.by_master.values() for f in s.files.values())
+
+    def close(self) -> None:
+        self.context.close()
+        self.dir.close()

@@ -1,0 +1,168 @@
+"""ZeRO-Infinity's optimizer offload to NVMe (offload_optimizer.device "nvme"), on real processes.
+
+The swapped step (engine/zero/optimizer_swap.py) runs the same fused Adam kernel as the in-memory
+offload (device "cpu") on sub-groups streamed through a few buffers, so the two runs must be bitwise
+equal: weights after 10 steps at stages 1-3, fp32 and bf16, world sizes 1 and 2, with tiny
+sub-groups (several per shard, so the pipeline's buffer reuse is exercised). A checkpoint of an NVMe
+run holds the in-memory run's state and loads into a run without offload; the swap folder exists
+while training and is gone after destroy; faults are named errors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import global_batches, make_model, rank_micro_batch
+
+import engine
+
+STEPS, MICRO, GAS = 10, 2, 2
+
+
+def _config(stage: int, bf16: bool, device: str, nvme_path: str, pipeline: bool) -> dict[str, Any]:
+    offload: dict[str, Any] = {"device": device}
+    if device == "nvme":
+        offload.update(
+            nvme_path=nvme_path, buffer_count=2, pipeline_read=pipeline, pipeline_write=pipeline, pin_memory=True
+        )
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 200,
+            "sub_group_size": 300,
+            "offload_optimizer": offload,
+        },
+        "aio": {"block_size": 4096, "thread_count": 2, "queue_depth": 4},
+    }
+
+
+def _steps(eng: Any, steps: range, dtype: torch.dtype) -> list[float]:
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    losses = []
+    batches = global_batches(steps.stop, MICRO * GAS * ws)
+    for step in steps:
+        for k in range(GAS):
+            x, y = rank_micro_batch(batches[step], rank, ws, MICRO, k)
+            loss = torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y)
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss))
+    return losses
+
+
+def _run(stage: int, bf16: bool, device: str, nvme_path: str, pipeline: bool = True) -> dict[str, Any]:
+    model = make_model(3)
+    eng, *_ = engine.initialize(model=model, config=_config(stage, bf16, device, nvme_path, pipeline))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    losses = _steps(eng, range(STEPS), dtype)
+    swap = eng._stage.master_step.swap
+    folder = str(swap.dir.path) if swap is not None else None
+    files = sorted(os.listdir(folder)) if folder else []
+    state = eng.consolidated_state_dict()
+    eng.destroy()
+    return {
+        "losses": losses,
+        "state": {k: v.float() for k, v in state.items()},
+        "folder": folder,
+        "files": files,
+        "gone": folder is None or not os.path.exists(folder),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nvme_equals_the_in_memory_offload_bitwise(stage: int, tmp_path: Path) -> None:
+    for world, bf16 in ((2, False), (1, True), (2, True)):
+        nvme = run_distributed(_run, world, args=(stage, bf16, "nvme", str(tmp_path), stage != 2))
+        cpu = run_distributed(_run, world, args=(stage, bf16, "cpu", str(tmp_path)))
+        got, want = nvme[0], cpu[0]
+        assert got["losses"] == want["losses"], (stage, world, bf16)
+        for name, value in want["state"].items():
+            assert torch.equal(got["state"][name], value), (stage, world, bf16, name)
+        # The moments (and a bf16 run's separate masters) were on disk, and the folder is gone after destroy.
+        assert any(f.startswith("exp_avg_sq.") for f in got["files"]), got["files"]
+        assert any(f.startswith("master.") for f in got["files"]) == (bf16 and stage != 3), got["files"]
+        assert all(r["gone"] for r in nvme), [r["folder"] for r in nvme]
+
+
+def _save_and_resume(save_dir: str, nvme_path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for device in ("nvme", "cpu"):
+        model = make_model(3)
+        eng, *_ = engine.initialize(model=model, config=_config(2, True, device, nvme_path, True))
+        _steps(eng, range(4), torch.bfloat16)
+        eng.save_checkpoint(save_dir, tag=device)
+        out[f"{device} after"] = _steps(eng, range(4, 7), torch.bfloat16)
+        eng.destroy()
+    # An NVMe checkpoint into a run without offload, and an in-memory one into an NVMe run (at stage 3).
+    for device, tag, stage in (("none", "nvme", 1), ("nvme", "cpu", 3)):
+        model = make_model(3)
+        eng, *_ = engine.initialize(model=model, config=_config(stage, True, device, nvme_path, True))
+        eng.load_checkpoint(save_dir, tag=tag)
+        out[f"{tag} into {device}"] = _steps(eng, range(4, 7), torch.bfloat16)
+        eng.destroy()
+    return out
+
+
+def test_an_nvme_checkpoint_holds_the_in_memory_state_and_loads_anywhere(tmp_path: Path) -> None:
+    out = run_distributed(_save_and_resume, 2, args=(str(tmp_path / "ckpt"), str(tmp_path)))[0]
+    assert out["nvme after"] == out["cpu after"]  # saving read the state in and wrote it back unchanged
+    for rank in range(2):
+        saved = {
+            tag: torch.load(tmp_path / "ckpt" / tag / f"rank_{rank}_optim_states.pt", weights_only=True)["pieces"]
+            for tag in ("nvme", "cpu")
+        }
+        assert saved["nvme"].keys() == saved["cpu"].keys()
+        for name, pieces in saved["cpu"].items():
+            for a, b in zip(saved["nvme"][name], pieces, strict=True):
+                for key, value in b.items():
+                    assert torch.equal(a[key], value) if torch.is_tensor(value) else a[key] == value, (name, key)
+    # The loaded runs continue as the saved ones did (bf16 forward: within a bf16 rounding of the loss).
+    assert out["nvme into none"] == pytest.approx(out["nvme after"], rel=1e-2)
+    assert out["cpu into nvme"] == pytest.approx(out["cpu after"], rel=1e-2)
+
+
+def _refused(config_change: str, nvme_path: str) -> str:
+    model = make_model(3)
+    config = _config(2, False, "nvme", nvme_path, True)
+    try:
+        eng, *_ = engine.initialize(model=model, config=config)
+        _steps(eng, range(1), torch.float32)
+        if config_change == "truncate":
+            swap = eng._stage.master_step.swap
+            victim = next(
+                f for name, f in swap.by_master[next(iter(swap.by_master))].files.items() if name == "exp_avg"
+            )
+            os.truncate(victim.path, 100)
+            _steps(eng, range(1, 2), torch.float32)
+        eng.destroy()
+    except Exception as err:  # noqa: BLE001 (the test reads the message of whatever was raised)
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_faults_are_named_on_every_rank(tmp_path: Path) -> None:
+    missing = run_distributed(_refused, 2, args=("none", str(tmp_path / "nowhere")))
+    for message in missing:
+        assert "SwapPathError" in message and "offload_optimizer.nvme_path" in message, message
+        assert str(tmp_path / "nowhere") in message, message
+    truncated = run_distributed(_refused, 1, args=("truncate", str(tmp_path)))[0]
+    assert "exp_avg" in truncated and "bytes" in truncated, truncated
+
+
+def test_nvme_offload_needs_the_fused_adam(tmp_path: Path) -> None:
+    from engine.config import ConfigError
+
+    config = _config(2, False, "nvme", str(tmp_path), True)
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}
+    with pytest.raises(ConfigError, match=r'device "nvme": the swapped step is the fused Adam .*SGD'):
+        engine.initialize(model=make_model(0), config=config)
