@@ -6,12 +6,13 @@
 One preallocated file of --gib GiB in --dir is written whole from one 4096-aligned buffer and read
 whole back into another (so every 1 MiB block goes through O_DIRECT), by the compiled pool
 (csrc/cpu/aio.cpp) and the Python fallback (os.pwritev/os.preadv on a thread pool) at 1, 2 and 4
-threads (block_size 1 MiB, queue_depth 8: DeepSpeed's defaults), then by `dd bs=1M oflag=direct
-conv=notrunc` and `dd bs=1M iflag=direct` on the same file. No fsync on either side (O_DIRECT
-bypasses the page cache on both). One extra row per back-end moves a buffer one byte off alignment,
-so every block goes through the page cache: what a caller without aligned_empty() gets. The read-back
-is compared with what was written once per back-end. fio is not installed on this machine, so dd is
-the reference. The file is deleted at the end. Writes benchmarks/results/aio.md, aio.json and aio.png
+threads (block_size 1 MiB, queue_depth 8: DeepSpeed's defaults), and by `dd bs=1M oflag=direct
+conv=notrunc` and `dd bs=1M iflag=direct` on the same file, in rounds that time each of them once (so
+other work on the machine slows all alike). No fsync on either side (O_DIRECT bypasses the page cache
+on both). One extra row per back-end moves a buffer one byte off alignment, so every block goes
+through the page cache: what a caller without aligned_empty() gets. Every read-back is compared with
+what was written. Then: how much of a read a matmul loop on the calling thread hides. fio is not
+installed on this machine, so dd is the reference. The file is deleted at the end. Writes benchmarks/results/aio.md, aio.json and aio.png
 (with matplotlib; else run --plot-only where it is installed).
 """
 
@@ -67,41 +68,51 @@ def measure(folder: Path, gib: float, repeats: int) -> dict[str, Any]:
         source.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
         target = aligned_empty(nbytes, torch.uint8)
         blocks = str(nbytes // MIB)
-        write_dd = [
-            _dd_seconds(["if=/dev/zero", f"of={path}", "bs=1M", f"count={blocks}", "oflag=direct", "conv=notrunc"])
-            for _ in range(repeats)
-        ]
-        read_dd = [
-            _dd_seconds([f"if={path}", "of=/dev/null", "bs=1M", f"count={blocks}", "iflag=direct"])
-            for _ in range(repeats)
-        ]
-        rows.append(_row("dd (oflag/iflag=direct, bs=1M)", "-", 1, nbytes, write_dd, read_dd, 0, 0))
-        for backend in ("compiled", "python"):
-            for threads, aligned in ((1, True), (2, True), (4, True), (2, False)):
-                with AioContext(AioConfig(thread_count=threads, backend=backend)) as ctx:
-                    src = source if aligned else torch.cat([torch.zeros(1, dtype=torch.uint8), source])[1:]
-                    dst = target if aligned else torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
-                    writes, reads, direct = [], [], [0, 0]
-                    ctx.write(file, src, 0).wait()  # warm-up, not timed: a first buffered write into
-                    ctx.read(file, dst, 0).wait()  # preallocated extents ran at 0.25 GB/s here, later ones at 8
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        handle = ctx.write(file, src, 0)
-                        handle.wait()
-                        writes.append(time.perf_counter() - start)
-                        os.posix_fadvise(file.fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # buffered rows: read from disk
-                        start = time.perf_counter()
-                        read = ctx.read(file, dst, 0)
-                        read.wait()
-                        reads.append(time.perf_counter() - start)
-                        direct = [handle.direct_bytes, read.direct_bytes]
-                    if not torch.equal(dst, src):
-                        raise RuntimeError(f"{backend}, {threads} threads: the read-back differs from what was written")
-                    del src, dst
-                rows.append(
-                    _row(backend, "aligned" if aligned else "unaligned", threads, nbytes, writes, reads, *direct)
-                )
-                print(rows[-1], flush=True)
+        dd_write = ["if=/dev/zero", f"of={path}", "bs=1M", f"count={blocks}", "oflag=direct", "conv=notrunc"]
+        dd_read = [f"if={path}", "of=/dev/null", "bs=1M", f"count={blocks}", "iflag=direct"]
+        unaligned_src = torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+        unaligned_src.copy_(source)
+        unaligned_dst = torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+        configs = [(b, t, a) for b in ("compiled", "python") for t, a in ((1, True), (2, True), (4, True), (2, False))]
+        contexts = [AioContext(AioConfig(thread_count=t, backend=b)) for b, t, _ in configs]
+        times: dict[int, tuple[list[float], list[float]]] = {i: ([], []) for i in range(-1, len(configs))}
+        direct: dict[int, list[int]] = {}
+        # Round-robin: each round times dd and every configuration once, so a burst of other work on the
+        # machine slows all of them alike, and the ratios to dd stay meaningful. Round 0 is a warm-up (a
+        # first buffered write into preallocated extents ran at 0.25 GB/s here, later ones at 8).
+        for round_ in range(repeats + 1):
+            timed = round_ > 0
+            w, r = _dd_seconds(dd_write), _dd_seconds(dd_read)
+            if timed:
+                times[-1][0].append(w)
+                times[-1][1].append(r)
+            for index, ((backend, threads, aligned), ctx) in enumerate(zip(configs, contexts)):
+                src, dst = (source, target) if aligned else (unaligned_src, unaligned_dst)
+                dst.zero_()
+                start = time.perf_counter()
+                handle = ctx.write(file, src, 0)
+                handle.wait()
+                write_s = time.perf_counter() - start
+                os.fdatasync(file.fd)  # untimed: the buffered rows' dirty pages reach the disk, then leave
+                os.posix_fadvise(file.fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # the cache: reads come from disk
+                start = time.perf_counter()
+                read = ctx.read(file, dst, 0)
+                read.wait()
+                read_s = time.perf_counter() - start
+                if not torch.equal(dst, src):
+                    raise RuntimeError(f"{backend}, {threads} threads: the read-back differs from what was written")
+                if timed:
+                    times[index][0].append(write_s)
+                    times[index][1].append(read_s)
+                direct[index] = [handle.direct_bytes, read.direct_bytes]
+            print(f"round {round_} done", flush=True)
+        for ctx in contexts:
+            ctx.close()
+        rows.append(_row("dd (oflag/iflag=direct, bs=1M)", "-", 1, nbytes, *times[-1], 0, 0))
+        for index, (backend, threads, aligned) in enumerate(configs):
+            buffer = "aligned" if aligned else "unaligned"
+            rows.append(_row(backend, buffer, threads, nbytes, *times[index], *direct[index]))
+        del unaligned_src, unaligned_dst
         overlap = [
             _overlap(AioContext(AioConfig(thread_count=2, backend=b)), file, target, b) for b in ("compiled", "python")
         ]
@@ -120,7 +131,7 @@ def measure(folder: Path, gib: float, repeats: int) -> dict[str, Any]:
     }
 
 
-def _overlap(ctx: Any, file: Any, buffer: Any, backend: str, repeats: int = 3) -> dict[str, Any]:
+def _overlap(ctx: Any, file: Any, buffer: Any, backend: str, repeats: int = 5) -> dict[str, Any]:
     """Does a read run while this thread computes? Times a whole-file read alone, about as long a run of
     matmuls alone (one torch thread), and both at once (the read submitted, the matmuls run, then wait);
     medians of `repeats`."""
@@ -138,8 +149,7 @@ def _overlap(ctx: Any, file: Any, buffer: Any, backend: str, repeats: int = 3) -
         fn()
         return time.perf_counter() - start
 
-    io_alone = statistics.median(timed(lambda: ctx.read(file, buffer, 0).wait()) for _ in range(repeats))
-    count = max(1, int(io_alone / per_matmul))
+    count = max(1, int(timed(lambda: ctx.read(file, buffer, 0).wait()) / per_matmul))
 
     def compute() -> None:
         for _ in range(count):
@@ -150,8 +160,10 @@ def _overlap(ctx: Any, file: Any, buffer: Any, backend: str, repeats: int = 3) -
         compute()
         handle.wait()
 
-    compute_alone = statistics.median(timed(compute) for _ in range(repeats))
-    together = statistics.median(timed(both) for _ in range(repeats))
+    rounds = [
+        (timed(lambda: ctx.read(file, buffer, 0).wait()), timed(compute), timed(both)) for _ in range(repeats)
+    ]  # interleaved, so that other work on the machine weighs on all three alike
+    io_alone, compute_alone, together = (statistics.median(r[k] for r in rounds) for k in range(3))
     ctx.close()
     hidden = (io_alone + compute_alone - together) / min(io_alone, compute_alone)
     return {"backend": backend, "io_s": io_alone, "compute_s": compute_alone, "both_s": together, "hidden": hidden}
@@ -178,11 +190,12 @@ def write_table(data: dict[str, Any], out: Path) -> None:
         "",
         (
             f"A {data['bytes'] / 2**30:.2f} GiB preallocated file in {data['folder']}, written whole from one buffer "
-            f"and read whole back (median of {data['repeats']} after one untimed write and read; 1 MiB blocks, "
-            "queue_depth 8); GB/s = 1e9 bytes/s. `direct`: the share of bytes that went through O_DIRECT. Ratios: "
-            "over dd's figure in the same run. Unaligned rows: the buffer one byte off a 4096 boundary, so every "
+            f"and read whole back (median of {data['repeats']} rounds, each timing dd and every row once, after one "
+            "untimed round; 1 MiB blocks, queue_depth 8); GB/s = 1e9 bytes/s. `direct`: the share of bytes that "
+            "went through O_DIRECT. Ratios: over dd's figure in the same run. Unaligned rows: the buffer one byte "
+            "off a 4096 boundary, so every "
             "block goes through the page cache (a write there is a copy into memory, the disk is written later; "
-            "the file's pages are dropped before each read). No fsync on any row. fio is not installed here: dd is "
+            "the file's pages are synced and dropped, untimed, before each read). No fsync on any row. fio is not installed here: dd is "
             "the reference."
         ),
         "",
@@ -200,8 +213,9 @@ def write_table(data: dict[str, Any], out: Path) -> None:
         (
             "Overlap: a whole-file read (2 threads) alone, fp32 256x256 matmuls on this thread alone (one torch "
             "thread; as many as take about as long as the read), and both at once (read submitted, matmuls, then "
-            "wait); medians of 3. hidden = (read + compute - both) / the shorter of the two: 1 when the shorter "
-            "one is hidden completely, 0 when they ran one after the other (over 1: noise of the shared cores)."
+            "wait); medians of 5 interleaved rounds. hidden = (read + compute - both) / the shorter of the two: 1 "
+            "when the shorter one is hidden completely, 0 when they ran one after the other (over 1: noise of the "
+            "shared cores)."
         ),
         "",
         "| backend | read alone s | compute alone s | both s | hidden |",
@@ -233,6 +247,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
         print(f"(no matplotlib: run `python {__file__} --plot-only {out.with_suffix('.json')}` where it is installed)")
         return
     rows = data["rows"]
+    fs_type = data["df"].split()[1] if len(data["df"].split()) > 1 else ""
     labels = [
         r["backend"].split(" ")[0] + ("" if r["backend"].startswith("dd") else f"\n{r['threads']}t {r['buffer']}")
         for r in rows
@@ -243,9 +258,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
     ax.bar([i + 0.2 for i in x], [r["read_gbps"] for r in rows], 0.4, label="read")
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("GB/s")
-    ax.set_title(
-        f"aio back-ends vs dd, {data['bytes'] / 2**30:.2f} GiB file, {data['df'].split()[1] if len(data['df'].split()) > 1 else ''}"
-    )
+    ax.set_title(f"aio back-ends vs dd, {data['bytes'] / 2**30:.2f} GiB file, {fs_type}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
