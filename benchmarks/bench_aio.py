@@ -1,6 +1,6 @@
 """Read and write GB/s of engine/ops/aio.py's two back-ends against dd, on one file system.
 
-    python benchmarks/bench_aio.py [--dir /tmp] [--gib 1] [--repeats 3]
+    python benchmarks/bench_aio.py [--dir /tmp] [--gib 1] [--repeats 5]
     python benchmarks/bench_aio.py --plot-only benchmarks/results/aio.json   # the plot, matplotlib only
 
 One preallocated file of --gib GiB in --dir is written whole from one 4096-aligned buffer and read
@@ -12,8 +12,8 @@ other work on the machine slows all alike). No fsync on either side (O_DIRECT by
 on both). One extra row per back-end moves a buffer one byte off alignment, so every block goes
 through the page cache: what a caller without aligned_empty() gets. Every read-back is compared with
 what was written. Then: how much of a read a matmul loop on the calling thread hides. fio is not
-installed on this machine, so dd is the reference. The file is deleted at the end. Writes benchmarks/results/aio.md, aio.json and aio.png
-(with matplotlib; else run --plot-only where it is installed).
+installed on this machine, so dd is the reference. The file is deleted at the end. Writes
+benchmarks/results/aio.md, aio.json and aio.png (with matplotlib; else run --plot-only where it is).
 """
 
 from __future__ import annotations
@@ -193,10 +193,9 @@ def write_table(data: dict[str, Any], out: Path) -> None:
             f"and read whole back (median of {data['repeats']} rounds, each timing dd and every row once, after one "
             "untimed round; 1 MiB blocks, queue_depth 8); GB/s = 1e9 bytes/s. `direct`: the share of bytes that "
             "went through O_DIRECT. Ratios: over dd's figure in the same run. Unaligned rows: the buffer one byte "
-            "off a 4096 boundary, so every "
-            "block goes through the page cache (a write there is a copy into memory, the disk is written later; "
-            "the file's pages are synced and dropped, untimed, before each read). No fsync on any row. fio is not installed here: dd is "
-            "the reference."
+            "off a 4096 boundary, so every block goes through the page cache (a write there is a copy into memory, "
+            "the disk is written later; the file's pages are synced and dropped, untimed, before each read). No "
+            "fsync inside any timing. fio is not installed here: dd is the reference."
         ),
         "",
         "| backend | buffer | threads | write GB/s | write / dd | read GB/s | read / dd | direct (w/r) |",
@@ -269,7 +268,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--plot-only", type=Path, default=None)
     args = parser.parse_args()
     if args.plot_only is not None:
