@@ -115,8 +115,11 @@ def test_next_start_removes_dead_runs_and_keeps_live_ones(tmp_path: Path) -> Non
     _marker(root / "live" / "rank0", os.getpid(), here, _start_time(os.getpid()))
     _marker(root / "other-host" / "rank0", dead_pid, here + "-elsewhere", None)  # cannot be judged from here
     (root / "unknown" / "rank0").mkdir(parents=True)  # no owner.json: not ours to remove
+    (root / "killed" / f".rank2.{dead_pid}.tmp").mkdir()  # died before writing owner.json, a while ago
+    os.utime(root / "killed" / f".rank2.{dead_pid}.tmp", (0, 0))
+    (root / "staging" / f".rank0.{dead_pid}.tmp").mkdir(parents=True)  # just made (maybe by another host)
     swap = SwapDir.create(tmp_path, 0, "new-run")
-    assert sorted(p.name for p in root.iterdir()) == ["live", "new-run", "other-host", "unknown"]
+    assert sorted(p.name for p in root.iterdir()) == ["live", "new-run", "other-host", "staging", "unknown"]
     assert (root / "live" / "rank0" / "fp32.0.swp").exists()
     swap.close()
 

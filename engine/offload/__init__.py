@@ -6,7 +6,7 @@ swap and when).
     from engine.offload import AioConfig, AioContext, SwapDir
     context = AioContext(AioConfig.from_section(ds_config.get("aio", {})))
     swap = SwapDir.create(nvme_path, rank, run_id, config_key="zero_optimization.offload_optimizer.nvme_path")
-    master = swap.file("fp32_master.0", numel, torch.float32, context)  # <nvme_path>/zero_engine_swap/<run id>/rank<k>/fp32_master.0.swp
+    master = swap.file("fp32_master.0", numel, torch.float32, context)  # <swap.path>/fp32_master.0.swp
     handle = master.write(shard, offset=0)   # returns at once; `shard` must not change until waited
     ...                                      # compute overlaps the transfer
     handle.wait()                            # bytes moved, after the size checks

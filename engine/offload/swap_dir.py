@@ -35,6 +35,8 @@ from engine.ops.aio import AioContext
 ROOT_NAME = "zero_engine_swap"
 MARKER = "owner.json"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+STAGING_GRACE_S = 60.0
+_STAGING = re.compile(r"\.rank[0-9]+\.([0-9]+)\.tmp")
 
 
 def check_nvme_path(nvme_path: str | os.PathLike[str], config_key: str = "nvme_path") -> Path:
@@ -96,7 +98,7 @@ def remove_dead(root: Path) -> list[Path]:
     host, removed = socket.gethostname(), []
     for run in sorted(p for p in _subfolders(root)):
         for folder in _subfolders(run):
-            owner = read_owner(folder)
+            owner = read_owner(folder) or _staging_owner(folder, host)
             if owner is not None and owner.get("host") == host and not owner_alive(owner):
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
@@ -105,6 +107,19 @@ def remove_dead(root: Path) -> list[Path]:
         except OSError:
             pass
     return removed
+
+
+def _staging_owner(folder: Path, host: str) -> dict[str, object] | None:
+    """A staging folder (.rank<k>.<pid>.tmp) whose owner.json was never written (its maker died between
+    the two steps): read as owned by the pid in its name on this host, once it is older than
+    STAGING_GRACE_S, so that another host's folder on a shared file system, which gets its owner.json
+    within microseconds, is never taken for one."""
+    match = _STAGING.fullmatch(folder.name)
+    try:
+        old = time.time() - folder.stat().st_mtime > STAGING_GRACE_S
+    except OSError:
+        return None
+    return {"pid": int(match.group(1)), "host": host, "start": None} if match and old else None
 
 
 def _subfolders(path: Path) -> list[Path]:
