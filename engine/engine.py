@@ -32,7 +32,7 @@ from engine.profiling.step_profile import StepProfile
 from engine.saving import SavingMixin
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
-from engine.zero.master_step import close_swap
+from engine.zero.master_step import swap_of
 from engine.zero.stage3.unit_plan import full_numel
 from engine.zero_optimizer import ZeroOptimizer
 
@@ -460,8 +460,10 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         engine created. Idempotent."""
         if self._stage is None:
             return
-        close_swap(self._stage)
-        self._stage.destroy()
+        swap = swap_of(self._stage)
+        self._stage.destroy()  # stage 3 gathers every unit back into the module first (from the swap files)
+        if swap is not None:
+            swap.close()  # the NVMe swap files and folder removed
         self._stage = None
         if self.basic_optimizer is not None:
             self.basic_optimizer.state.clear()

@@ -207,7 +207,7 @@ def test_several_problems_reported_together() -> None:
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 2,
         "zero_optimisation": {},
-        "zero_optimization": {"stage": 3, "overlap_com": True, "offload_param": {"device": "nvme"}},
+        "zero_optimization": {"stage": 3, "overlap_com": True, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
         "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
         "optimizer": {"type": "Adam", "params": {"lr": "auto"}},
     }
@@ -220,7 +220,7 @@ def test_several_problems_reported_together() -> None:
     for fragment in (
         "zero_optimisation: unknown key",
         "zero_optimization.overlap_com: unknown key",
-        'zero_optimization.offload_param.device: "nvme" is not supported',
+        "zero_optimization.offload_optimizer.ratio: 0.5 is not supported",
         "fp16.fp16_master_weights_and_grads: true is not supported",
         'optimizer.params.lr: "auto"',
         "train_batch_size (32) != ",

@@ -39,8 +39,8 @@ def refusal(extra: dict[str, Any]) -> str:
             "zero_optimization.offload_optimizer.super_offload",
         ),
         (
-            {"zero_optimization": {"offload_param": {"device": "nvme"}}},
-            "zero_optimization.offload_param.device",
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+            "zero_optimization.offload_optimizer.ratio",
         ),
         ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
         (
@@ -74,8 +74,8 @@ def test_refused_keys_name_key_and_fix(extra: dict[str, Any], key: str) -> None:
 
 
 def test_offload_refusal_says_what_to_do() -> None:
-    assert refusal({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}).endswith(
-        'fix: use "cpu" (stage 3) or "none", or remove offload_param'
+    assert refusal({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}).endswith(
+        "fix: remove ratio (or set it to 1)"
     )
     assert (
         load(
@@ -279,7 +279,7 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
             load(
                 {
                     "trackio": {"enabled": True},
-                    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+                    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
                 }
             )
         load({"trackio": {"enabled": True}})

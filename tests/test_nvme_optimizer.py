@@ -24,26 +24,24 @@ import engine
 STEPS, MICRO, GAS = 10, 2, 2
 
 
-def _config(stage: int, bf16: bool, device: str, nvme_path: str, pipeline: bool) -> dict[str, Any]:
+def _config(
+    stage: int, bf16: bool, device: str, nvme_path: str, pipeline: bool, params: bool = False
+) -> dict[str, Any]:
     offload: dict[str, Any] = {"device": device}
     if device == "nvme":
         offload.update(
             nvme_path=nvme_path, buffer_count=2, pipeline_read=pipeline, pipeline_write=pipeline, pin_memory=True
         )
+    zero = {"stage": stage, "reduce_bucket_size": 200, "sub_group_size": 300, "offload_optimizer": offload}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": 0.1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "bf16": {"enabled": bf16},
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 200,
-            "sub_group_size": 300,
-            "offload_optimizer": offload,
-        },
+        "zero_optimization": zero,
         "aio": {"block_size": 4096, "thread_count": 2, "queue_depth": 4},
-    }
+    } | ({"zero_optimization": {**zero, "offload_param": {"device": "nvme", "nvme_path": nvme_path}}} if params else {})
 
 
 def _steps(eng: Any, steps: range, dtype: torch.dtype) -> list[float]:
@@ -60,12 +58,16 @@ def _steps(eng: Any, steps: range, dtype: torch.dtype) -> list[float]:
     return losses
 
 
-def _run(stage: int, bf16: bool, device: str, nvme_path: str, pipeline: bool = True) -> dict[str, Any]:
+def _run(
+    stage: int, bf16: bool, device: str, nvme_path: str, pipeline: bool = True, params: bool = False
+) -> dict[str, Any]:
     model = make_model(3)
-    eng, *_ = engine.initialize(model=model, config=_config(stage, bf16, device, nvme_path, pipeline))
+    eng, *_ = engine.initialize(model=model, config=_config(stage, bf16, device, nvme_path, pipeline, params))
     dtype = torch.bfloat16 if bf16 else torch.float32
     losses = _steps(eng, range(STEPS), dtype)
     swap = eng._stage.master_step.swap
+    # Between steps a swapped master holds no memory (its values are in the file).
+    in_memory = sum(s.master.numel() for s in swap.by_master.values()) if swap is not None else None
     folder = str(swap.dir.path) if swap is not None else None
     files = sorted(os.listdir(folder)) if folder else []
     state = eng.consolidated_state_dict()
@@ -76,6 +78,7 @@ def _run(stage: int, bf16: bool, device: str, nvme_path: str, pipeline: bool = T
         "folder": folder,
         "files": files,
         "gone": folder is None or not os.path.exists(folder),
+        "masters in memory": in_memory,
     }
 
 
@@ -92,6 +95,27 @@ def test_nvme_equals_the_in_memory_offload_bitwise(stage: int, tmp_path: Path) -
         assert any(f.startswith("exp_avg_sq.") for f in got["files"]), got["files"]
         assert any(f.startswith("master.") for f in got["files"]) == (bf16 and stage != 3), got["files"]
         assert all(r["gone"] for r in nvme), [r["folder"] for r in nvme]
+
+
+def test_parameters_on_nvme_at_stage_3_equal_the_in_memory_run_bitwise(tmp_path: Path) -> None:
+    for world, bf16 in ((2, False), (1, True)):
+        nvme = run_distributed(_run, world, args=(3, bf16, "nvme", str(tmp_path), True, True))
+        cpu = run_distributed(_run, world, args=(3, bf16, "cpu", str(tmp_path)))
+        got, want = nvme[0], cpu[0]
+        assert got["losses"] == want["losses"], (world, bf16)
+        for name, value in want["state"].items():
+            assert torch.equal(got["state"][name], value), (world, bf16, name)
+        assert any(f.startswith("master.") for f in got["files"]), got["files"]
+        assert got["masters in memory"] == 0
+        assert all(r["gone"] for r in nvme)
+
+
+def test_parameters_on_nvme_need_stage_3_and_the_optimizer_there(tmp_path: Path) -> None:
+    from engine.config import ConfigError
+
+    config = _config(3, False, "cpu", str(tmp_path), True, params=True)
+    with pytest.raises(ConfigError, match=r'offload_param.device "nvme": .*offload_optimizer.device "cpu"'):
+        engine.initialize(model=make_model(0), config=config)
 
 
 def _save_and_resume(save_dir: str, nvme_path: str) -> dict[str, Any]:

@@ -79,11 +79,14 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "zero_optimization.offload_param.device",
-        S.REFUSED,
+        S.IMPLEMENTED,
         one_of("nvme"),
-        "NVMe parameter offload (ZeRO-Infinity) is not implemented; the memory plan you asked for would "
-        "silently not happen",
-        'use "cpu" (stage 3) or "none", or remove offload_param',
+        "ZeRO-Infinity's parameter offload at stage 3 with offload_optimizer.device nvme, CPU training: every "
+        "trainable fp32 master shard (the only persistent copy of a parameter at stage 3) lives in its swap "
+        "file, read by each gather of its unit and by the optimizer step, written by the step "
+        "(engine/zero/optimizer_swap.py); frozen parameters' shards stay in memory; buffer_count, "
+        "buffer_size and max_in_cpu accepted without effect (the gathered units are bounded by "
+        "stage3_max_live_parameters); another stage or optimizer offload is refused at initialize",
     ),
     Entry(
         "zero_optimization.zero_quantized_weights",

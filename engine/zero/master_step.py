@@ -83,18 +83,16 @@ def offload_enabled(config: EngineConfig) -> bool:
     return config.zero.offload_optimizer.device in ("cpu", "nvme")
 
 
-def close_swap(stage: Any) -> None:
-    """Remove an NVMe run's swap files (the engine is destroyed)."""
-    swap = getattr(getattr(stage, "master_step", None), "swap", None)
-    if swap is not None:
-        swap.close()
+def swap_of(stage: Any) -> OptimizerSwap | None:
+    """A stage's NVMe swap (an NVMe run's), or None."""
+    return getattr(getattr(stage, "master_step", None), "swap", None)
 
 
 @contextmanager
 def optimizer_state_resident(stage: Any) -> Iterator[None]:
     """A stage's whole optimizer state in memory for the duration (a checkpoint's save or load): the
     swapped state of an NVMe run is read in and written back after; nothing to do otherwise."""
-    swap = getattr(getattr(stage, "master_step", None), "swap", None)
+    swap = swap_of(stage)
     if swap is None:
         yield
         return

@@ -47,11 +47,21 @@ class NvmeSettings:
     pipeline_write: bool
     sub_group_size: int
     aio: AioConfig
+    params: bool = False
+    """offload_param.device "nvme" too (stage 3): every fp32 master, the only persistent copy of a
+    trainable parameter there, lives on disk and each gather reads its unit's from the file."""
 
 
 def nvme_settings(config: EngineConfig) -> NvmeSettings | None:
     """The NVMe optimizer offload asked for, or None."""
     offload = config.zero.offload_optimizer
+    params = config.zero.offload_param.device == "nvme"
+    if params and (config.zero.stage != 3 or offload.device != "nvme"):
+        raise ConfigError(
+            'zero_optimization.offload_param.device "nvme": parameters go to NVMe at stage 3 together with the '
+            f'optimizer state (offload_optimizer.device "nvme"); here stage {config.zero.stage} with '
+            f'offload_optimizer.device "{offload.device}": set both, or use offload_param "cpu"/"none"'
+        )
     if offload.device != "nvme":
         return None
     if not offload.nvme_path:
@@ -65,6 +75,7 @@ def nvme_settings(config: EngineConfig) -> NvmeSettings | None:
         bool(offload.pipeline_write),
         max(int(config.zero.sub_group_size), 1),
         AioConfig.from_section(dict(config.aio)),
+        params,
     )
 
 
@@ -123,7 +134,9 @@ class OptimizerSwap:
 
         def build() -> None:
             for i, t in enumerate(targets):
-                swap_master = t.lp is not None  # else the master is the parameter's own storage: it stays
+                # A copy of a low-precision parameter is swapped; the parameter's own fp32 storage only when
+                # parameters go to NVMe too (stage 3, whose gathers then read it from the file).
+                swap_master = t.lp is not None or settings.params
                 lp = [t.lp] if t.lp is not None else []
                 master, grad, *lp_lists = contiguous_pieces([t.master, t.grad, *lp])
                 lp_pieces = lp_lists[0] if lp_lists else None
@@ -222,6 +235,16 @@ class OptimizerSwap:
         for _, handles in writing:
             for h in handles:
                 h.wait()
+
+    def read_master(self, master: torch.Tensor) -> torch.Tensor:
+        """A swapped master's values, read from its file now (flat, fp32); the tensor itself when it is
+        in memory (not swapped, or resident for a checkpoint)."""
+        s = self.by_master.get(id(master))
+        if s is None or "master" not in s.files or master.numel() == s.shape.numel():
+            return master
+        flat = torch.empty(s.shape.numel(), dtype=torch.float32)
+        s.files["master"].read(flat).wait()
+        return flat.view(s.shape)
 
     # ------------------------------------------------------------------------- resident state
     @contextmanager

@@ -62,6 +62,9 @@ class UnitGathers:
         grads_sent: Callable[[Unit], bool],
         group: comm.ProcessGroup | None = None,
     ) -> None:
+        self.read_stored: Callable[[torch.Tensor], torch.Tensor] = lambda stored: stored
+        """What a group keeps, as the all-gather sends it: itself, or (parameters on NVMe) its values read
+        from the swap file (engine/zero/optimizer_swap.py's read_master)."""
         self.units = units
         self.grads_sent = grads_sent
         """Whether a unit's gradients of this backward were sent (grads.UnitGradients.sent): its outputs'
@@ -100,7 +103,7 @@ class UnitGathers:
             mine = full[start:end]
             # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
             # master in the same pass for bf16/fp16), and the all-gather runs in place around it.
-            copy_into(full, [g.stored()], [start])
+            copy_into(full, [self.read_stored(g.stored())], [start])
             work = comm.all_gather(full, mine, async_op=True, key=unit.index, group=self._group)
             assert work is not None  # async_op=True always returns a handle
             works.append(work)
