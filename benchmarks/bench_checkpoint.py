@@ -73,13 +73,14 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=25e6)
     parser.add_argument("--consolidate", action="store_true", help="the consolidation benchmark instead")
     parser.add_argument("--workdir", default=None, help="consolidation: where the checkpoints go (deleted after)")
+    parser.add_argument("--keep", action="store_true", help="consolidation: keep the checkpoints in --workdir")
     parser.add_argument("--ds-save", default=None, help=argparse.SUPPRESS)  # in DeepSpeed's venv: save there
     args = parser.parse_args()
     if args.ds_save:
         torch.multiprocessing.spawn(_save_rank, args=("deepspeed", args.ds_save, args.params, _free_port()), nprocs=2)
         return
     if args.consolidate:
-        consolidate_benchmark(args.params, args.workdir)
+        consolidate_benchmark(args.params, args.workdir, args.keep)
         return
     integrity(args)
 
@@ -230,14 +231,17 @@ _CHILD = {
     ),
     "engine": (
         "from engine.checkpoint.consolidate import write_safetensors_dir\n"
-        "run = lambda: write_safetensors_dir(CKPT, OUT, dtype=DTYPE, workers=WORKERS)\n"
+        "run = lambda: write_safetensors_dir(CKPT, OUT, dtype=DTYPE, workers=WORKERS, verify=VERIFY)\n"
     ),
 }
 _TIMED = (
     "import json, os, time, psutil, torch\n"
     "rss = psutil.Process().memory_info().rss\n"
     "t0 = time.perf_counter(); run(); t = time.perf_counter() - t0\n"
-    "print(json.dumps({'seconds': t, 'interpreter_rss': rss}))\n"
+    "for f in os.listdir(OUT):  # the output on disk: the engine fsyncs its files, DeepSpeed does not\n"
+    "    fd = os.open(os.path.join(OUT, f), os.O_RDONLY); os.fsync(fd); os.close(fd)\n"
+    "durable = time.perf_counter() - t0\n"
+    "print(json.dumps({'seconds': t, 'durable': durable, 'interpreter_rss': rss}))\n"
 )
 
 
@@ -257,7 +261,7 @@ def _drop_cache(paths: list[str], read: bool) -> None:
             os.close(fd)
 
 
-def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, cold: bool) -> dict[str, float]:
+def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, verify: bool, cold: bool) -> dict[str, float]:
     """One consolidation in a fresh process: seconds of the call, the interpreter's RSS before it, and
     the peak RSS of the process and its workers together (sampled every 5 ms)."""
     import json
@@ -269,7 +273,7 @@ def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, cold: boo
     files = [os.path.join(ckpt, "global_step1", f) for f in os.listdir(os.path.join(ckpt, "global_step1"))]
     _drop_cache(files, read=not cold)
     shutil.rmtree(out, ignore_errors=True)
-    code = f"CKPT, OUT, WORKERS = {ckpt!r}, {out!r}, {workers}\n"
+    code = f"CKPT, OUT, WORKERS, VERIFY = {ckpt!r}, {out!r}, {workers}, {verify}\n"
     code += f"import torch; DTYPE = torch.{dtype}\n" + _CHILD[tool] + _TIMED
     python = DS_PYTHON if tool == "deepspeed" else sys.executable
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
@@ -294,7 +298,7 @@ def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, cold: boo
     return result | {"peak_pss": peak, "main_rss": main_peak}
 
 
-def consolidate_benchmark(params: float, workdir: str | None) -> None:
+def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False) -> None:
     import shutil
     import statistics
     import subprocess
@@ -304,57 +308,66 @@ def consolidate_benchmark(params: float, workdir: str | None) -> None:
     root = workdir or tempfile.mkdtemp(prefix="bench_consolidate_")
     ds_ckpt, ours_ckpt = os.path.join(root, "deepspeed"), os.path.join(root, "engine")
     try:
-        subprocess.run(
-            [DS_PYTHON, os.path.abspath(__file__), "--ds-save", ds_ckpt, "--params", str(params)],
-            env={**os.environ, "DS_ACCELERATOR": "cpu"},
-            check=True,
-        )
-        torch.multiprocessing.spawn(_save_rank, args=("engine", ours_ckpt, params, _free_port()), nprocs=2)
+        if not os.path.isdir(ds_ckpt):  # --keep: an earlier run's checkpoints are reused
+            subprocess.run(
+                [DS_PYTHON, os.path.abspath(__file__), "--ds-save", ds_ckpt, "--params", str(params)],
+                env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                check=True,
+            )
+        if not os.path.isdir(ours_ckpt):
+            torch.multiprocessing.spawn(_save_rank, args=("engine", ours_ckpt, params, _free_port()), nprocs=2)
         sizes = {
             ckpt: sum(e.stat().st_size for e in os.scandir(os.path.join(ckpt, "global_step1")))
             for ckpt in (ds_ckpt, ours_ckpt)
         }
         runs = [
-            ("DeepSpeed zero_to_fp32 (safe_serialization)", "deepspeed", ds_ckpt, "float32", 1),
-            ("engine consolidate, 2 workers", "engine", ds_ckpt, "float32", 2),
-            ("engine consolidate, 1 worker", "engine", ds_ckpt, "float32", 1),
-            ("engine consolidate, 2 workers", "engine", ours_ckpt, "float32", 2),
-            ("engine consolidate --dtype bf16, 2 workers", "engine", ours_ckpt, "bfloat16", 2),
+            ("DeepSpeed zero_to_fp32 (safe_serialization)", "deepspeed", ds_ckpt, "float32", 1, True),
+            ("engine consolidate", "engine", ds_ckpt, "float32", 2, True),
+            ("engine consolidate, 1 worker", "engine", ours_ckpt, "float32", 1, True),
+            ("engine consolidate", "engine", ours_ckpt, "float32", 2, True),
+            ("engine consolidate --no-verify", "engine", ours_ckpt, "float32", 2, False),
+            ("engine consolidate --dtype bf16", "engine", ours_ckpt, "bfloat16", 2, True),
         ]
-        rows = []
-        for name, tool, ckpt, dtype, workers in runs:
+        got: dict[tuple[int, bool], list[dict[str, float]]] = {}
+        for _ in range(REPEATS):  # interleaved, so that other work on the machine weighs on every tool alike
             for cold in (True, False):
-                got = [_measure(tool, ckpt, os.path.join(root, "out"), dtype, workers, cold) for _ in range(REPEATS)]
-                print(name, ckpt, "cold" if cold else "warm", got, flush=True)
-                seconds = statistics.median(g["seconds"] for g in got)
-                rows.append(
-                    (
-                        name,
-                        "DeepSpeed's" if ckpt == ds_ckpt else "engine's",
-                        "cold" if cold else "warm",
-                        seconds,
-                        sizes[ckpt],
-                        got[0]["out_bytes"],
-                        max(g["peak_pss"] for g in got),
-                        max(g["main_rss"] for g in got),
-                        got[0]["interpreter_rss"],
-                    )
+                for i, (name, tool, ckpt, dtype, workers, verify) in enumerate(runs):
+                    result = _measure(tool, ckpt, os.path.join(root, "out"), dtype, workers, verify, cold)
+                    print(name, ckpt, "cold" if cold else "warm", result, flush=True)
+                    got.setdefault((i, cold), []).append(result)
+        rows = []
+        for (i, cold), results in got.items():
+            name, _, ckpt, *_ = runs[i]
+            rows.append(
+                (
+                    name,
+                    "DeepSpeed's" if ckpt == ds_ckpt else "engine's",
+                    "cold" if cold else "warm",
+                    statistics.median(g["seconds"] for g in results),
+                    statistics.median(g["durable"] for g in results),
+                    sizes[ckpt],
+                    int(results[0]["out_bytes"]),
+                    int(max(g["peak_pss"] for g in results)),
+                    int(max(g["main_rss"] for g in results)),
+                    int(results[0]["interpreter_rss"]),
                 )
+            )
+        rows.sort(key=lambda r: (r[2], not r[0].startswith("DeepSpeed")))
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-        else:
+        elif not keep:
             shutil.rmtree(ds_ckpt, ignore_errors=True)
             shutil.rmtree(ours_ckpt, ignore_errors=True)
     _report(rows, params, load_before)
 
 
 def _report(
-    rows: list[tuple[str, str, str, float, int, int, int, int, int]], params: float, load_before: tuple
+    rows: list[tuple[str, str, str, float, float, int, int, int, int, int]], params: float, load_before: tuple
 ) -> None:
     layers = max(1, round(params / (WIDTH * WIDTH)))
     largest = WIDTH * WIDTH * 4
-    baseline = {(r[1], r[2]): r[3] for r in rows if r[0].startswith("DeepSpeed")}
+    baseline = {r[2]: r[4] for r in rows if r[0].startswith("DeepSpeed")}
     lines = [
         (
             f"# Consolidation into safetensors ({layers} x Linear({WIDTH}, {WIDTH}), "
@@ -362,25 +375,32 @@ def _report(
         ),
         "",
         (
-            "Median of 3 runs, each in a fresh process (the call timed, not the interpreter's start). cold: the "
-            "checkpoint's files dropped from the page cache first (posix_fadvise DONTNEED); warm: read into it "
-            "first. Input GB/s = the tag directory's bytes / s (DeepSpeed's checkpoint also holds a model-states "
-            "file of the fp32 weights; the engine's does not); output GB/s = safetensors bytes / s. The engine "
-            "fsyncs its output; DeepSpeed's zero_to_fp32 does not. Peak RSS: the process and its workers "
-            f"together, sampled every 5 ms; the largest tensor is {largest / 2**20:.0f} MiB."
+            f"Median of {REPEATS} runs, each in a fresh process, the tools interleaved (the call timed, not the "
+            "interpreter's start). cold: the checkpoint's files dropped from the page cache first "
+            "(posix_fadvise DONTNEED, per file); warm: read into it first. 'on disk' adds an fsync of the "
+            "output files after the call (the engine fsyncs before it returns, DeepSpeed's zero_to_fp32 does "
+            "not): the like-for-like time, which the GB/s and the ratio use. Input GB/s = the tag directory's "
+            "bytes / s (DeepSpeed's also holds a model-states file with the fp32 weights, which neither tool "
+            "needs); output GB/s = safetensors bytes / s. The engine checks the CRC-32 of each of its rank "
+            "files, reading every byte, moments included (--no-verify skips it); DeepSpeed's files have no "
+            "checksums. Peak memory: the PSS of the process and its workers together (pages shared since the "
+            "fork count once) and the main process's RSS, sampled every 5 ms, the largest of the runs; "
+            "interpreter: the main process's RSS before the call (Python, torch and the tool imported). The "
+            f"largest tensor is {largest / 2**20:.0f} MiB. Engine rows use 2 workers unless said."
         ),
         "",
         (
-            "| tool | checkpoint | cache | s | input GB/s | output GB/s | vs DeepSpeed | peak PSS, all processes MiB "
-            "| peak RSS, main MiB | interpreter MiB |"
+            "| tool | checkpoint | cache | s (call) | s (on disk) | input GB/s | output GB/s | vs DeepSpeed "
+            "| peak PSS, all processes MiB | peak RSS, main MiB | interpreter MiB |"
         ),
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, ckpt, cache, s, size, out, peak, main_rss, interp in rows:
-        ratio = baseline.get(("DeepSpeed's", cache), float("nan")) / s
+    for name, ckpt, cache, s, durable, size, out, peak, main_rss, interp in rows:
+        ratio = baseline.get(cache, float("nan")) / durable
         lines.append(
-            f"| {name} | {ckpt} ({size / 1e9:.2f} GB) | {cache} | {s:.2f} | {size / s / 1e9:.2f} | "
-            f"{out / s / 1e9:.2f} | {ratio:.1f}x | {peak / 2**20:.0f} | {main_rss / 2**20:.0f} | {interp / 2**20:.0f} |"
+            f"| {name} | {ckpt} ({size / 1e9:.2f} GB) | {cache} | {s:.2f} | {durable:.2f} | "
+            f"{size / durable / 1e9:.2f} | {out / durable / 1e9:.2f} | {ratio:.1f}x | {peak / 2**20:.0f} | "
+            f"{main_rss / 2**20:.0f} | {interp / 2**20:.0f} |"
         )
     lines += ["", "Machine:", *machine_facts(ROOT, load_before, busy_cores=2)]
     out_md = os.path.join(ROOT, "benchmarks", "results", "consolidate.md")
@@ -398,12 +418,12 @@ def _report(
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     labels = [f"{r[0]}\n{r[1]} ckpt, {r[2]}" for r in rows]
     ax1.barh(
-        labels, [r[3] for r in rows], color=["tab:red" if r[0].startswith("DeepSpeed") else "tab:blue" for r in rows]
+        labels, [r[4] for r in rows], color=["tab:red" if r[0].startswith("DeepSpeed") else "tab:blue" for r in rows]
     )
-    ax1.set_xlabel("seconds (median of 3)")
+    ax1.set_xlabel("seconds, output on disk (median of 3)")
     ax1.invert_yaxis()
-    ax2.barh(labels, [r[6] / 2**20 for r in rows], color="tab:gray", label="peak PSS, all processes")
-    ax2.barh(labels, [r[8] / 2**20 for r in rows], color="tab:green", label="interpreter")
+    ax2.barh(labels, [r[7] / 2**20 for r in rows], color="tab:gray", label="peak PSS, all processes")
+    ax2.barh(labels, [r[9] / 2**20 for r in rows], color="tab:green", label="interpreter")
     ax2.axvline(largest / 2**20, color="k", linestyle=":", label="largest tensor")
     ax2.set_xlabel("MiB")
     ax2.set_yticks([])

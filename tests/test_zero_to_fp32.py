@@ -11,7 +11,8 @@ checkpoints, saved at 2 ranks at stages 2 and 3 from a model whose last layer is
   semantics);
 - load_state_dict_from_zero_checkpoint and convert_zero_checkpoint_to_fp32_state_dict (one file, and
   shards with an index, torch and safetensors) give the same tensors;
-- a DeepSpeed checkpoint is named as such; the returned optimizer is a DeepSpeedOptimizer.
+- a DeepSpeed checkpoint directory consolidates to DeepSpeed's fp32 masters (get_optim_files names it as
+  DeepSpeed's); the returned optimizer is a DeepSpeedOptimizer.
 """
 
 from __future__ import annotations
@@ -168,11 +169,23 @@ def test_convert_to_files(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_pat
     torch.testing.assert_close(merged, reference)
 
 
-def test_a_deepspeed_checkpoint_is_named(tmp_path: Path) -> None:
+def test_a_deepspeed_checkpoint(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    # DeepSpeed's own directory (tests/data/deepspeed_checkpoints): its fp32 masters, as its zero_to_fp32 gives them.
+    fixture = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints" / "stage3_bf16"
+    reference = torch.load(fixture / "reference.pt", weights_only=True)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(fixture / "ckpt"))
+    assert set(state) == set(reference) | {"scale"}  # and the buffer
+    for name, values in reference.items():
+        assert torch.equal(state[name], values["master"]), name
+    convert_zero_checkpoint_to_fp32_state_dict(str(fixture / "ckpt"), str(tmp_path / "st"), safe_serialization=True)
+    torch.testing.assert_close(load_file(str(tmp_path / "st" / "model.safetensors")), state, rtol=0, atol=0)
+
     (tmp_path / "global_step1").mkdir()
     (tmp_path / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"")
     (tmp_path / "latest").write_text("global_step1")
-    with pytest.raises(CheckpointError, match="written by DeepSpeed, not by this engine"):
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt cannot be read"):
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
-    with pytest.raises(CheckpointError, match="written by DeepSpeed"):
+    with pytest.raises(CheckpointError, match="written by DeepSpeed"):  # its files are DeepSpeed's own
         get_optim_files(str(tmp_path / "global_step1"))

@@ -14,7 +14,8 @@ any OUT with --max-shard-size: transformers' layout there (model.safetensors, or
 model-00001-of-0000N.safetensors shards and model.safetensors.index.json), loadable with
 `from_pretrained` beside the model's config.json. Both are streamed at disk speed: the values go from
 the rank files to the output by --workers processes (default: up to 4, one per core), never all in
-memory (consolidate_stream.py). Any other OUT is written with torch.save, which needs the whole dict in
+memory (consolidate_stream.py); --no-verify skips the CRC-32 check of the engine's rank files, which
+reads every byte of them. Any other OUT is written with torch.save, which needs the whole dict in
 memory. Every output appears complete or not at all.
 """
 
@@ -58,10 +59,11 @@ def write_safetensors(
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
     workers: int | None = None,
+    verify: bool = True,
 ) -> int:
     """The consolidated state dict streamed into one .safetensors file at `out`; returns the bytes of
-    tensor data written."""
-    return write_file(tag_dir_of(ckpt_dir, tag), out, dtype, workers, progress)
+    tensor data written. verify=False: the engine's rank files' CRC-32s are not checked."""
+    return write_file(tag_dir_of(ckpt_dir, tag), out, dtype, workers, progress, verify)
 
 
 def write_safetensors_dir(
@@ -72,10 +74,11 @@ def write_safetensors_dir(
     max_shard_size: int | str = "5GB",
     progress: bool = False,
     workers: int | None = None,
+    verify: bool = True,
 ) -> list[str]:
     """The consolidated state dict streamed into out_dir as transformers lays it out (shards of at most
     max_shard_size and an index when it needs more than one); returns the file names written."""
-    return write_dir(tag_dir_of(ckpt_dir, tag), out_dir, dtype, max_shard_size, workers, progress)
+    return write_dir(tag_dir_of(ckpt_dir, tag), out_dir, dtype, max_shard_size, workers, progress, verify)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,17 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--max-shard-size", default=None, help="e.g. 5GB (10^9 bytes), 500MiB; OUT is a directory")
     parser.add_argument("--workers", type=int, default=None, help="copying processes (default: up to 4)")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the CRC-32 check of the engine's rank files (it reads every byte, optimizer moments too)",
+    )
     args = parser.parse_args(argv)
-    dtype = DTYPES[args.dtype]
+    dtype, verify = DTYPES[args.dtype], not args.no_verify
     as_dir = args.max_shard_size is not None or os.path.isdir(args.out) or args.out.endswith(("/", os.sep))
     try:
         if as_dir:
             names = write_safetensors_dir(
-                args.ckpt_dir, args.out, args.tag, dtype, args.max_shard_size or "5GB", True, args.workers
+                args.ckpt_dir, args.out, args.tag, dtype, args.max_shard_size or "5GB", True, args.workers, verify
             )
             total = sum(os.path.getsize(os.path.join(args.out, n)) for n in names)
         elif args.out.endswith(".safetensors"):
-            total = write_safetensors(args.ckpt_dir, args.out, args.tag, dtype, True, args.workers)
+            total = write_safetensors(args.ckpt_dir, args.out, args.tag, dtype, True, args.workers, verify)
         else:  # torch.save needs the whole dict
             state = consolidate(args.ckpt_dir, args.tag, dtype, progress=True)
             atomic_save(state, args.out)

@@ -75,11 +75,18 @@ def default_workers() -> int:
 
 
 def write_file(
-    tag_dir: str, path: str, dtype: torch.dtype = torch.float32, workers: int | None = None, progress: bool = False
+    tag_dir: str,
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    workers: int | None = None,
+    progress: bool = False,
+    verify: bool = True,
 ) -> int:
     """The consolidated state dict of a tag directory (engine or DeepSpeed) as one .safetensors file at
-    `path`. Returns the bytes of tensor data written."""
-    source = _Source(tag_dir, dtype, workers)
+    `path`. Returns the bytes of tensor data written. verify=False skips the CRC-32 check of the
+    engine's rank files (which reads every byte of them, optimizer moments included)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    source = _Source(tag_dir, dtype, workers, verify)
     try:
         shard = build_shard(os.path.basename(path), source.specs, {"source": tag_dir})
         source.write([(shard, path)], progress)
@@ -92,17 +99,18 @@ def write_dir(
     tag_dir: str,
     out_dir: str,
     dtype: torch.dtype = torch.float32,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = "5GB",
     workers: int | None = None,
     progress: bool = False,
+    verify: bool = True,
 ) -> list[str]:
     """The consolidated state dict as transformers lays it out in out_dir: model.safetensors, or shards
     of at most max_shard_size and model.safetensors.index.json. Other files there (config.json) are
     kept; shards and an index of an earlier run that this one does not write are removed. Returns the
-    names written."""
-    limit = parse_size(max_shard_size)
+    names written. max_shard_size None: one file."""
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
     os.makedirs(out_dir, exist_ok=True)
-    source = _Source(tag_dir, dtype, workers)
+    source = _Source(tag_dir, dtype, workers, verify)
     try:
         runs = split_shards(source.specs, limit)
         names = shard_names(len(runs))
@@ -125,11 +133,12 @@ class _Source:
     """An opened checkpoint, its plan and a pool of workers (forked: no second import of torch); close()
     when done."""
 
-    def __init__(self, tag_dir: str, dtype: torch.dtype, workers: int | None) -> None:
+    def __init__(self, tag_dir: str, dtype: torch.dtype, workers: int | None, verify: bool = True) -> None:
         self.workers = default_workers() if workers is None else max(1, workers)
         self.pool = multiprocessing.get_context("fork").Pool(self.workers, _init_worker) if self.workers > 1 else None
         try:
-            _check_crcs(tag_dir, self._map)
+            if verify:
+                _check_crcs(tag_dir, self._map)
             self.reader, manifest = open_checkpoint(tag_dir, verified=True)
             self.entries = plan(self.reader, manifest, dtype)
         except BaseException:
@@ -161,7 +170,7 @@ class _Source:
             with tqdm(total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress) as bar:
                 for entry, tmp, offset in in_memory:  # joined in memory, one tensor at a time
                     _pwrite_all(tmp, assemble(self.reader, entry).to(entry.dtype), offset)
-                for done in self._map(_run_copy, copies):
+                for done in self._map(_run_copies, _tasks(copies)):
                     bar.update(done)
             for tmp in tmps:
                 _fsync(tmp)
@@ -310,6 +319,24 @@ def _close_files() -> None:
     for fd in _FILES.values():
         os.close(fd)
     _FILES.clear()
+
+
+def _tasks(copies: list[Copy]) -> list[list[Copy]]:
+    """The worker tasks: every kept-dtype run into one output file is one task (writes into one file
+    take its inode's lock, so two workers copying into it take turns and only add switching: they run
+    in parallel on different shards); a cast run is a task of its own (the cast is the CPU's work)."""
+    by_file: dict[str, list[Copy]] = {}
+    cast: list[list[Copy]] = []
+    for c in copies:
+        if c.src_dtype == c.dst_dtype:
+            by_file.setdefault(c.dst, []).append(c)
+        else:
+            cast.append([c])
+    return sorted(by_file.values(), key=len, reverse=True) + cast
+
+
+def _run_copies(copies: list[Copy]) -> int:
+    return sum(_run_copy(c) for c in copies)
 
 
 def _run_copy(c: Copy) -> int:

@@ -1,5 +1,7 @@
-"""DeepSpeed's `deepspeed.utils.zero_to_fp32` over this engine's checkpoints: the fp32 state dict is
-consolidate.py's, and the files of a tag directory are the ones its manifest lists.
+"""DeepSpeed's `deepspeed.utils.zero_to_fp32` over this engine's checkpoints and DeepSpeed's own: the fp32
+state dict is consolidate.py's (which reads both), and the files of one of this engine's tag directories
+are the ones its manifest lists. safetensors output is streamed from the rank files
+(consolidate_stream.py), never the whole state dict in memory.
 
 Tools written for DeepSpeed also open those files themselves. Lightning's
 convert_zero_checkpoint_to_fp32_state_dict (lightning/pytorch/utilities/deepspeed.py) reads
@@ -17,7 +19,9 @@ from typing import Any
 import torch
 
 from engine.checkpoint.consolidate import consolidate
-from engine.checkpoint.files import MANIFEST, CheckpointError, model_file, optim_file, read_manifest, resolve_tag_dir
+from engine.checkpoint.consolidate_plan import open_checkpoint, tag_dir_of
+from engine.checkpoint.consolidate_stream import write_dir
+from engine.checkpoint.files import MANIFEST, CheckpointError, model_file, optim_file, read_manifest
 from engine.monitor.log import get_logger
 
 _DEEPSPEED_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -29,12 +33,12 @@ def get_fp32_state_dict_from_zero_checkpoint(
     """The model's state dict from checkpoint_dir/<tag> (tag None: the one `latest` names), in CPU
     memory: trainable parameters from the fp32 masters, frozen ones in fp32 (left out with
     exclude_frozen_parameters), buffers as saved, tied names sharing one tensor. Any stage, any world
-    size. lazy_mode is accepted for DeepSpeed's callers: the values are tensors already, which answer
-    the `.contiguous()` those callers use to materialise DeepSpeed's lazy ones."""
-    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
-    manifest = _manifest(tag_dir)
+    size, this engine's checkpoints and DeepSpeed's. lazy_mode is accepted for DeepSpeed's callers: the
+    values are tensors already, which answer the `.contiguous()` those callers use to materialise
+    DeepSpeed's lazy ones."""
     state = consolidate(checkpoint_dir, tag)
     if exclude_frozen_parameters:
+        _, manifest = open_checkpoint(tag_dir_of(checkpoint_dir, tag))
         frozen = {name for name, spec in manifest["params"].items() if spec.get("trainable") is False}
         frozen |= {alias for alias, target in manifest.get("aliases", {}).items() if target in frozen}
         state = {name: value for name, value in state.items() if name not in frozen}
@@ -82,7 +86,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 ) -> None:
     """As DeepSpeed's: the fp32 state dict written into output_dir as pytorch_model.bin (model.safetensors
     with safe_serialization), split into shards of at most max_shard_size with an index file as
-    Hugging Face names them when it is larger (huggingface_hub splits it, as in DeepSpeed)."""
+    Hugging Face names them when it is larger. safetensors are streamed from the rank files by worker
+    processes (consolidate_stream.py); pytorch_model.bin needs the state dict in memory
+    (huggingface_hub splits it, as in DeepSpeed)."""
+    if safe_serialization and not exclude_frozen_parameters:
+        names = write_dir(tag_dir_of(checkpoint_dir, tag), output_dir, max_shard_size=max_shard_size)
+        get_logger().info(
+            "wrote the fp32 state dict of %s into %s (%d file(s))", checkpoint_dir, output_dir, len(names)
+        )
+        return
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     files: dict[str, list[str]] = {weights_name: list(state)}
@@ -132,13 +144,14 @@ def _save(state: dict[str, torch.Tensor], path: str, safe_serialization: bool) -
 
 def _manifest(tag_dir: str) -> dict[str, Any]:
     """The tag directory's manifest; a DeepSpeed checkpoint (DeepSpeed's own files, no manifest) is named
-    as such instead of "not a complete checkpoint"."""
+    as such instead of "not a complete checkpoint": its files are DeepSpeed's, not these."""
     if not os.path.isfile(os.path.join(tag_dir, MANIFEST)) and any(
         os.path.isfile(os.path.join(tag_dir, name)) for name in _DEEPSPEED_FILES
     ):
         raise CheckpointError(
             f"{tag_dir} is a checkpoint written by DeepSpeed, not by this engine (it has DeepSpeed's "
-            f"model-state files and no {MANIFEST}); consolidate it with DeepSpeed's own zero_to_fp32.py "
-            "(saved beside it), or save it again with this engine"
+            f"model-state files and no {MANIFEST}); its files are DeepSpeed's own (list them there), and "
+            "get_fp32_state_dict_from_zero_checkpoint or python -m engine.checkpoint.consolidate "
+            "consolidate it"
         )
     return read_manifest(tag_dir)
