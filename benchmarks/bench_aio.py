@@ -1,7 +1,7 @@
 """Read and write GB/s of engine/ops/aio.py's two back-ends against dd, on one file system.
 
     python benchmarks/bench_aio.py [--dir /tmp] [--gib 1] [--repeats 5]
-    python benchmarks/bench_aio.py --plot-only benchmarks/results/aio.json   # the plot, matplotlib only
+    python benchmarks/bench_aio.py --from-json benchmarks/results/aio.json   # table and plot again
 
 One preallocated file of --gib GiB in --dir is written whole from one 4096-aligned buffer and read
 whole back into another (so every 1 MiB block goes through O_DIRECT), by the compiled pool
@@ -13,7 +13,7 @@ on both). One extra row per back-end moves a buffer one byte off alignment, so e
 through the page cache: what a caller without aligned_empty() gets. Every read-back is compared with
 what was written. Then: how much of a read a matmul loop on the calling thread hides. fio is not
 installed on this machine, so dd is the reference. The file is deleted at the end. Writes
-benchmarks/results/aio.md, aio.json and aio.png (with matplotlib; else run --plot-only where it is).
+benchmarks/results/aio.md, aio.json and aio.png (with matplotlib; else run --from-json where it is).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def measure(folder: Path, gib: float, repeats: int) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from engine.ops.aio import AioConfig, AioContext, aligned_empty, open_file
 
+    load_before = os.getloadavg()[0]
     nbytes = int(gib * (1 << 30)) // MIB * MIB
     path = folder / "zero_engine_bench_aio.bin"
     path.unlink(missing_ok=True)
@@ -128,6 +129,9 @@ def measure(folder: Path, gib: float, repeats: int) -> dict[str, Any]:
         "kernel": os.uname().release,
         "rows": rows,
         "overlap": overlap,
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
     }
 
 
@@ -228,8 +232,9 @@ def write_table(data: dict[str, Any], out: Path) -> None:
         f"- CPU: {data['cpu']}; {os.cpu_count()} logical cores; kernel {data['kernel']}",
         f"- file system (df -T): {data['df']}",
         (
-            f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; load average after the run {os.getloadavg()[0]:.2f} "
-            "(other work on the same cores makes the figures noisier)"
+            f"- date: {data['date']}; 1-minute load average {data['load_before']:.2f} before the run, "
+            f"{data['load_after']:.2f} after (up to 4 I/O threads and dd run here; more means other work "
+            "shared the 2 cores and the figures are noisier)"
         ),
         "",
     ]
@@ -243,7 +248,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"(no matplotlib: run `python {__file__} --plot-only {out.with_suffix('.json')}` where it is installed)")
+        print(f"(no matplotlib: run `python {__file__} --from-json {out.with_suffix('.json')}` where it is installed)")
         return
     rows = data["rows"]
     fs_type = data["df"].split()[1] if len(data["df"].split()) > 1 else ""
@@ -269,10 +274,12 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--plot-only", type=Path, default=None)
+    parser.add_argument("--from-json", type=Path, default=None, help="rewrite the table and plot of a saved run")
     args = parser.parse_args()
-    if args.plot_only is not None:
-        plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+    if args.from_json is not None:
+        data = json.loads(args.from_json.read_text())
+        write_table(data, args.from_json.with_suffix(".md"))
+        plot(data, args.from_json.with_suffix(".png"))
         return
     data = measure(args.dir, args.gib, args.repeats)
     RESULTS.mkdir(parents=True, exist_ok=True)
