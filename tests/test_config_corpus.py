@@ -140,6 +140,11 @@ EXPECTED: dict[str, str | Refused] = {
     "DeepSpeedExamples/training/data_efficiency/gpt_finetuning/config/ds_config_gpt_base_random_ltd.json": Refused(
         "data_efficiency", "data efficiency (random-LTD) is not implemented"
     ),
+    # ZeRO-Inference (parameters on NVMe, no optimizer); its train_batch_size 1 is one process's.
+    "DeepSpeedExamples/inference/sglang/ds_offload_nvme_aio.json": Refused(
+        r"train_batch_size|offload_param.device \"nvme\"",
+        "written for one inference process (train_batch_size 1); parameters on NVMe need the optimizer there too",
+    ),
     "DeepSpeedExamples/compression/cifar/config/ds_config.json": Refused(
         r"train_batch_size.*32", "train_batch_size 32 = micro 32 x 1 GPU: no 2-rank split (DeepSpeed fails too)"
     ),

@@ -190,3 +190,58 @@ def test_nvme_offload_needs_the_fused_adam(tmp_path: Path) -> None:
     config["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}
     with pytest.raises(ConfigError, match=r'device "nvme": the swapped step is the fused Adam .*SGD'):
         engine.initialize(model=make_model(0), config=config)
+
+
+def _hf_zero3_on_nvme(nvme_path: str) -> str:
+    """transformers' tests/deepspeed/ds_config_zero3.json with both offloads on NVMe as transformers'
+    DeepSpeed docs write them (nvme_path, buffer_count, buffer_size, max_in_cpu, the aio section),
+    through the corpus test's client code (the Trainer's "auto" fill, DeepSpeedCPUAdam)."""
+    import json
+
+    import test_config_corpus as corpus
+
+    raw = json.loads((corpus.CORPUS / "transformers/tests/deepspeed/ds_config_zero3.json").read_text())
+    zero = raw["zero_optimization"]
+    zero["offload_optimizer"] = {
+        "device": "nvme",
+        "nvme_path": nvme_path,
+        "pin_memory": True,
+        "buffer_count": 4,
+        "fast_init": False,
+    }
+    zero["offload_param"] = {
+        "device": "nvme",
+        "nvme_path": nvme_path,
+        "pin_memory": True,
+        "buffer_count": 5,
+        "buffer_size": 1e8,
+        "max_in_cpu": 1e9,
+    }
+    raw["aio"] = {
+        "block_size": 262144,
+        "queue_depth": 32,
+        "thread_count": 1,
+        "single_submit": False,
+        "overlap_events": True,
+    }
+    model = corpus._make_model()
+    config, kwargs = corpus._client("transformers/tests/deepspeed/ds_config_zero3.json", raw, model)
+    eng, *_ = engine.initialize(model=model, config=config, **kwargs)
+    before = eng.consolidated_state_dict()
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3 * eng.gradient_accumulation_steps()):
+        x, y = torch.randn(2, corpus.WIDTH, generator=g), torch.randn(2, corpus.WIDTH, generator=g)
+        dtype = torch.bfloat16 if eng.bfloat16_enabled() else torch.float16 if eng.fp16_enabled() else torch.float32
+        eng.backward(torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y))
+        eng.step()
+    after = eng.consolidated_state_dict()
+    on_disk = eng._stage.master_step.swap.disk_bytes()
+    eng.destroy()
+    moved = max((float((after[k].float() - v.float()).abs().max()) for k, v in before.items()), default=None)
+    return f"moved {moved}, {on_disk} bytes on disk"
+
+
+def test_transformers_zero3_config_with_nvme_trains(tmp_path: Path) -> None:
+    outcomes = run_distributed(_hf_zero3_on_nvme, 2, args=(str(tmp_path),))
+    assert outcomes[0].startswith("moved ") and not outcomes[0].startswith("moved 0.0,"), outcomes
+    assert int(outcomes[1].split(", ")[1].split()[0]) > 0, outcomes

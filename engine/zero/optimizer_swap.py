@@ -163,8 +163,11 @@ class OptimizerSwap:
             self._write_out(initial=True)
 
         _agreed(build, "writing the optimizer state to the NVMe swap files")
+        # Sized to the largest sub-group there is: sub_group_size is a bound (transformers' configs write 1e14).
+        largest = max((p.grad.numel() for sw in self.by_master.values() for p in sw.parts), default=0)
         self._buffers = [
-            {k: aligned_empty(size, torch.float32) for k in (*_MOMENTS, "master")} for _ in range(settings.buffer_count)
+            {k: aligned_empty(largest, torch.float32) for k in (*_MOMENTS, "master")}
+            for _ in range(settings.buffer_count)
         ]
 
     # --------------------------------------------------------------------------------- the step

@@ -24,6 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from engine import comm
+from engine.config.errors import ConfigError
 from engine.config.types import ARENA_AUTO, EngineConfig
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
@@ -98,12 +99,19 @@ class Stage3:
             )
         # The masters are the only persistent copy of trainable parameters (or the fp32 shard itself):
         # gathering casts, so the step has no low-precision copy to write.
+        nvme = nvme_settings(config)
+        if nvme is not None and nvme.params and optimizer is None:
+            raise ConfigError(
+                'zero_optimization.offload_param.device "nvme" without an optimizer (evaluation or ZeRO-Inference): '
+                "parameters go to NVMe here only with the optimizer state (training); use offload_param "
+                '"cpu"/"none" for an engine without optimizer'
+            )
         self.master_step = (
             MasterStep(
                 optimizer,
                 [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
                 offload=offload_enabled(config),
-                nvme=nvme_settings(config),
+                nvme=nvme,
             )
             if optimizer is not None
             else None
