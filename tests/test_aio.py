@@ -7,6 +7,7 @@ them instead of testing the fallback twice. A full disk is tested in tests/test_
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,7 +80,10 @@ def test_single_submit_and_one_thread_give_the_same_bytes(backend: str, tmp_path
     for kw in ({"single_submit": True}, {"thread_count": 1, "queue_depth": 1}, {"block_size": 1 << 20}):
         with context(backend, **kw) as ctx:
             file = sized_file(tmp_path / f"f{len(os.listdir(tmp_path))}", data.numel() * 4 + 100)
-            ctx.write(file, data, 100).wait()
+            handle = ctx.write(file, data, 100)
+            while not handle.done():  # done() polls without blocking; wait() then returns at once
+                time.sleep(0.001)
+            assert handle.wait() == data.numel() * 4 and handle.done()
             out = torch.empty_like(data)
             ctx.read(file, out, 100).wait()
             assert torch.equal(out, data)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -105,10 +106,16 @@ def _marker(folder: Path, pid: int, host: str, start: str | None) -> None:
 
 def test_next_start_removes_dead_runs_and_keeps_live_ones(tmp_path: Path) -> None:
     root = tmp_path / ROOT_NAME
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
-    )
-    dead_pid, here = int(dead.stdout), socket.gethostname()
+    dead_pid = os.fork()
+    if dead_pid == 0:  # a rank of another run, killed mid-swap: no exit handler runs (no torch code here)
+        try:
+            crashed = SwapDir.create(tmp_path, 5, "crashed")
+            (crashed.path / "exp_avg.0.swp").write_bytes(b"\0" * 64)
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(dead_pid, 0)
+    assert os.WIFSIGNALED(status) and (root / "crashed" / "rank5" / "exp_avg.0.swp").exists()
+    here = socket.gethostname()
     _marker(root / "killed" / "rank0", dead_pid, here, None)  # a run killed before its exit handlers
     _marker(root / "killed" / ".rank1.123.tmp", dead_pid, here, None)  # killed while making its folder
     _marker(root / "reused" / "rank0", os.getpid(), here, "1")  # this PID, but another process's start time
