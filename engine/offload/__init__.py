@@ -40,9 +40,9 @@ os.preadv/os.pwritev fallback; a request goes through O_DIRECT when its buffer a
 size are multiples of 4096 (aligned_empty() makes such buffers), through the page cache otherwise.
 Measured here (benchmarks/bench_aio.py, results/aio.md: 1 GiB on ext4, 2 cores shared with other
 work, so noisy): at 2-4 threads both back-ends write 2.0-2.8x and read 1.4-2.0x dd's O_DIRECT rate of
-the same run, at 1 thread 0.9-1.5x; an unaligned buffer (page cache) reads at 0.4-0.6x; a compiled-pool
-read runs while the calling thread computes, the fallback's less so (its threads take the GIL between
-blocks).
+the same run, at 1 thread 0.9-1.5x; an unaligned buffer (page cache) reads at 0.4-0.6x; a read runs
+while the calling thread computes (hidden share 1.2 with the compiled pool, 0.5-0.95 with the fallback
+over two runs: its threads take the GIL between blocks).
 """
 
 from engine.offload.errors import SwapFileError, SwapPathError
