@@ -428,8 +428,13 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank per category: the model states (params, master, gradients,
-        optimizer_state; `python -m engine.estimate` predicts them) and the stage's buffers."""
-        return self._require_alive().memory_report()
+        optimizer_state; `python -m engine.estimate` predicts them) and the stage's buffers; with NVMe
+        offload, "nvme": the bytes in this rank's swap files."""
+        report = self._require_alive().memory_report()
+        swap = swap_of(self._stage)
+        if swap is not None:
+            report["nvme"] = swap.disk_bytes()
+        return report
 
     def _trainable_numel(self) -> int:
         """Psi: elements of the trainable parameters (whole ones, also when stage 3 holds them empty)."""

@@ -245,3 +245,51 @@ def test_transformers_zero3_config_with_nvme_trains(tmp_path: Path) -> None:
     outcomes = run_distributed(_hf_zero3_on_nvme, 2, args=(str(tmp_path),))
     assert outcomes[0].startswith("moved ") and not outcomes[0].startswith("moved 0.0,"), outcomes
     assert int(outcomes[1].split(", ")[1].split()[0]) > 0, outcomes
+
+
+def _report_and_estimate(nvme_path: str) -> list[dict[str, Any]]:
+    ws = torch.distributed.get_world_size()
+    rows = []
+    for stage, bf16, params in (
+        (1, True, False),
+        (2, False, False),
+        (3, True, False),
+        (3, False, True),
+        (3, True, True),
+    ):
+        model = make_model(3)
+        estimate = engine.estimate_memory(
+            model,
+            stage=stage,
+            world_size=ws,
+            dtype="bf16" if bf16 else "fp32",
+            optimizer="adamw",
+            bucket_size=200,
+            offload_optimizer="nvme",
+            offload_param="nvme" if params else "none",
+        )
+        eng, *_ = engine.initialize(model=model, config=_config(stage, bf16, "nvme", nvme_path, True, params))
+        _steps(eng, range(2), torch.bfloat16 if bf16 else torch.float32)
+        report = eng.memory_report()
+        eng.destroy()
+        rows.append(
+            {
+                "case": (stage, bf16, params),
+                "report": {k: report.get(k, 0) for k in ("params", "master", "gradients", "optimizer_state", "nvme")},
+                "estimate": {
+                    "params": estimate.params,
+                    "master": estimate.master,
+                    "gradients": estimate.gradients,
+                    "optimizer_state": estimate.optimizer_state,
+                    "nvme": estimate.disk,
+                },
+            }
+        )
+    return rows
+
+
+def test_the_estimate_with_nvme_equals_memory_report(tmp_path: Path) -> None:
+    for rank_rows in run_distributed(_report_and_estimate, 2, args=(str(tmp_path),)):
+        for row in rank_rows:
+            assert row["report"] == row["estimate"], row
+            assert row["report"]["nvme"] > 0 and row["report"]["optimizer_state"] == 0, row

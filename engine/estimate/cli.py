@@ -46,17 +46,25 @@ def format_table(estimates: MemoryEstimate | Iterable[MemoryEstimate]) -> str:
         f"({costs.gradients} B; default the parameter dtype, as in DeepSpeed), master {master}, "
         f"optimizer {costs.optimizer} ({costs.optimizer_state} B/element)"
     )
+    disk = any(e.disk for e in rows)
     lines = [
         header,
         "",
-        "| stage | params | gradients | master | optimizer | total | P | S |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| stage | params | gradients | master | optimizer | total (RAM) |" + (" NVMe |" if disk else "") + " P | S |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if disk else "") + " ---: | ---: |",
     ]
     for e in rows:
         cells = [format_bytes(c) for c in (e.params, e.gradients, e.master, e.optimizer_state, e.total)]
+        if disk:
+            cells.append(format_bytes(e.disk))
         label = f"{e.stage} ({STAGE_NAMES[e.stage]})"
         lines.append("| " + " | ".join([label, *cells, f"{e.padded_numel:,}", f"{e.shard_numel:,}"]) + " |")
     lines += ["", _EXCLUDED]
+    if disk:
+        lines.append(
+            "NVMe: the model states ZeRO-Infinity keeps in swap files (offload_optimizer / offload_param "
+            '"nvme"), per rank, not counted in total (RAM); plus buffer_count x sub_group_size x 12 B of buffers.'
+        )
     if any(e.stage == 3 for e in rows):
         lines.append(
             "Stage 3 keeps the fp32 shard as the parameters (no master)."
@@ -127,6 +135,13 @@ def _parser() -> argparse.ArgumentParser:
         help="optimizer whose state is counted (default adam)",
     )
     parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="one stage only (default: all four)")
+    for what in ("optimizer", "param"):
+        parser.add_argument(
+            f"--offload-{what}",
+            default="none",
+            choices=("none", "cpu", "nvme"),
+            help=f'zero_optimization.offload_{what}.device (default none); "nvme" counts what goes to disk',
+        )
     return parser
 
 
@@ -136,7 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.paper:
         given = [
             f"--{dest.replace('_', '-')}"
-            for dest in ("params", "world_size", "dtype", "grad_accum_dtype", "optimizer", "stage")
+            for dest in (
+                "params",
+                "world_size",
+                "dtype",
+                "grad_accum_dtype",
+                "optimizer",
+                "stage",
+                "offload_optimizer",
+                "offload_param",
+            )
             if getattr(args, dest) != parser.get_default(dest)
         ]
         if given:
@@ -153,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         grad_accum_dtype=args.grad_accum_dtype,
         optimizer=args.optimizer,
+        offload_optimizer=args.offload_optimizer,
+        offload_param=args.offload_param,
     )
     print(format_table(result))
     return 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import overload
 
 import torch
@@ -151,6 +151,9 @@ class MemoryEstimate:
     """Bytes of optimizer state (e.g. Adam's two moments): s Psi at stage 0, s S from stage 1."""
     costs: ByteCosts
     """The per-element byte costs assumed."""
+    disk: int = 0
+    """Bytes in NVMe swap files (ZeRO-Infinity, `on_nvme`): model states moved out of memory, so not
+    in the four fields above nor in `total`."""
 
     @property
     def total(self) -> int:
@@ -250,6 +253,8 @@ def estimate_memory(
     grad_accum_dtype: str | torch.dtype | None = None,
     optimizer: str = "adam",
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
 ) -> list[MemoryEstimate]: ...
 
 
@@ -262,6 +267,8 @@ def estimate_memory(
     grad_accum_dtype: str | torch.dtype | None = None,
     optimizer: str = "adam",
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
 ) -> MemoryEstimate: ...
 
 
@@ -273,6 +280,8 @@ def estimate_memory(
     grad_accum_dtype: str | torch.dtype | None = None,
     optimizer: str = "adam",
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Per-rank model-state bytes at `stage` (0-3), or a list for stages 0..3 when `stage` is None.
 
@@ -280,7 +289,13 @@ def estimate_memory(
     assumed cast to `dtype` and in one optimizer param group) or an element count. `grad_accum_dtype`
     None means `dtype` (DeepSpeed's default). `bucket_size` is reduce_bucket_size in elements; it
     only matters for a module (bucket padding). See the module docstring for the formulas.
+    `offload_optimizer` / `offload_param` ("none", "cpu", "nvme"): DeepSpeed's offload devices; "nvme"
+    moves what the engine keeps in swap files to `disk` (see `on_nvme`); "cpu" changes nothing on a
+    CPU machine (the states are in host memory either way).
     """
+    for name, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(f'{name}={device!r} is not an offload device; use "none", "cpu" or "nvme"')
     _check_int(world_size, "world_size", "the number of data-parallel ranks")
     _check_int(bucket_size, "bucket_size", "reduce_bucket_size in elements")
     if stage is not None and (isinstance(stage, bool) or stage not in STAGES):
@@ -291,10 +306,30 @@ def estimate_memory(
     estimates = []
     for s in STAGES if stage is None else (stage,):
         numel, padded, shard = _sizes(model_or_numel, s, world_size, bucket_size, costs.params)
-        estimates.append(
-            estimate_from_costs(costs, s, world_size=world_size, numel=numel, padded_numel=padded, shard_numel=shard)
+        estimate = estimate_from_costs(
+            costs, s, world_size=world_size, numel=numel, padded_numel=padded, shard_numel=shard
         )
+        estimates.append(on_nvme(estimate, offload_optimizer == "nvme", offload_param == "nvme"))
     return estimates[0] if stage is not None else estimates
+
+
+def on_nvme(e: MemoryEstimate, optimizer: bool, params: bool) -> MemoryEstimate:
+    """`e` with what ZeRO-Infinity keeps in swap files moved to `disk` (engine/zero/optimizer_swap.py):
+    with the optimizer on NVMe (stages 1-3) its state, and the fp32 master where it is a copy of a
+    low-precision shard (stages 1-2); with parameters on NVMe too (stage 3) the fp32 shard, which is
+    the master (fp32: `params`; bf16/fp16: `master`). Stage 0 offloads nothing."""
+    if e.stage == 0 or not optimizer:
+        return e
+    master = e.stage in (1, 2) or params
+    shard = params and e.stage == 3
+    disk = e.optimizer_state + (e.master if master else 0) + (e.params if shard else 0)
+    return replace(
+        e,
+        optimizer_state=0,
+        master=0 if master else e.master,
+        params=0 if shard else e.params,
+        disk=e.disk + disk,
+    )
 
 
 def _dtype_name(dtype: str | torch.dtype, what: str) -> str:
