@@ -293,3 +293,57 @@ def test_the_estimate_with_nvme_equals_memory_report(tmp_path: Path) -> None:
         for row in rank_rows:
             assert row["report"] == row["estimate"], row
             assert row["report"]["nvme"] > 0 and row["report"]["optimizer_state"] == 0, row
+
+
+def _train_until_killed(nvme_path: str, save_dir: str) -> None:
+    """A rank that saves a checkpoint after 2 steps, then trains until it is killed (mid-swap, likely)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=0, world_size=1)
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", nvme_path, True, True))
+    _steps(eng, range(2), torch.float32)
+    eng.save_checkpoint(save_dir, tag="before")
+    Path(save_dir, "saved").write_text(str(eng._stage.master_step.swap.dir.path))
+    while True:
+        _steps(eng, range(2), torch.float32)
+
+
+def _resume_after_a_crash(nvme_path: str, save_dir: str, dead_folder: str) -> dict[str, Any]:
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", nvme_path, True, True))
+    left = os.path.exists(dead_folder)  # the next start removed the killed run's swap folder
+    eng.load_checkpoint(save_dir, tag="before")
+    losses = _steps(eng, range(2, 4), torch.float32)
+    eng.destroy()
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "cpu", nvme_path, True))
+    eng.load_checkpoint(save_dir, tag="before")
+    reference = _steps(eng, range(2, 4), torch.float32)  # the same checkpoint, resumed in memory
+    eng.destroy()
+    return {"left": left, "losses": losses, "reference": reference}
+
+
+def test_a_rank_killed_mid_swap_leaves_the_checkpoint_loadable_and_its_files_are_cleaned(tmp_path: Path) -> None:
+    import multiprocessing
+    import signal
+    import time
+
+    from distributed import free_port
+
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    ctx = multiprocessing.get_context("spawn")
+    os.environ["PORT"] = str(free_port())
+    child = ctx.Process(target=_train_until_killed, args=(str(tmp_path), str(save_dir)))
+    child.start()
+    deadline = time.monotonic() + 120
+    while not (save_dir / "saved").exists() and time.monotonic() < deadline and child.is_alive():
+        time.sleep(0.2)
+    time.sleep(1.0)  # into the training loop: swap reads and writes under way
+    assert child.is_alive() and child.pid is not None
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    dead = (save_dir / "saved").read_text()
+    assert os.path.isdir(dead)  # a killed process removes nothing
+    out = run_distributed(_resume_after_a_crash, 1, args=(str(tmp_path), str(save_dir), dead))[0]
+    assert not out["left"], dead
+    assert out["losses"] == out["reference"], out
