@@ -82,32 +82,42 @@ def _run(
     }
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_nvme_equals_the_in_memory_offload_bitwise(stage: int, tmp_path: Path) -> None:
-    for world, bf16 in ((2, False), (1, True), (2, True)):
-        nvme = run_distributed(_run, world, args=(stage, bf16, "nvme", str(tmp_path), stage != 2))
-        cpu = run_distributed(_run, world, args=(stage, bf16, "cpu", str(tmp_path)))
-        got, want = nvme[0], cpu[0]
-        assert got["losses"] == want["losses"], (stage, world, bf16)
-        for name, value in want["state"].items():
-            assert torch.equal(got["state"][name], value), (stage, world, bf16, name)
-        # The moments (and a bf16 run's separate masters) were on disk, and the folder is gone after destroy.
-        assert any(f.startswith("exp_avg_sq.") for f in got["files"]), got["files"]
-        assert any(f.startswith("master.") for f in got["files"]) == (bf16 and stage != 3), got["files"]
-        assert all(r["gone"] for r in nvme), [r["folder"] for r in nvme]
+def _pair(stage: int, bf16: bool, nvme_path: str, pipeline: bool, params: bool) -> dict[str, Any]:
+    """The NVMe run and the in-memory offload run, one after the other in the same processes."""
+    return {
+        "nvme": _run(stage, bf16, "nvme", nvme_path, pipeline, params),
+        "cpu": _run(stage, bf16, "cpu", nvme_path),
+    }
 
 
-def test_parameters_on_nvme_at_stage_3_equal_the_in_memory_run_bitwise(tmp_path: Path) -> None:
-    for world, bf16 in ((2, False), (1, True)):
-        nvme = run_distributed(_run, world, args=(3, bf16, "nvme", str(tmp_path), True, True))
-        cpu = run_distributed(_run, world, args=(3, bf16, "cpu", str(tmp_path)))
-        got, want = nvme[0], cpu[0]
-        assert got["losses"] == want["losses"], (world, bf16)
-        for name, value in want["state"].items():
-            assert torch.equal(got["state"][name], value), (world, bf16, name)
-        assert any(f.startswith("master.") for f in got["files"]), got["files"]
+# (stage, world size, bf16, pipelined reads and writes, parameters on NVMe too)
+CASES = [
+    (1, 2, False, True, False),
+    (1, 1, True, False, False),
+    (2, 2, True, True, False),
+    (3, 2, False, False, False),
+    (3, 1, True, True, False),
+    (3, 2, False, True, True),
+    (3, 1, True, False, True),
+]
+
+
+@pytest.mark.parametrize(("stage", "world", "bf16", "pipeline", "params"), CASES)
+def test_nvme_equals_the_in_memory_offload_bitwise(
+    stage: int, world: int, bf16: bool, pipeline: bool, params: bool, tmp_path: Path
+) -> None:
+    ranks = run_distributed(_pair, world, args=(stage, bf16, str(tmp_path), pipeline, params))
+    got, want = ranks[0]["nvme"], ranks[0]["cpu"]
+    assert got["losses"] == want["losses"]
+    for name, value in want["state"].items():
+        assert torch.equal(got["state"][name], value), name
+    # The moments were on disk, and the masters where they are a copy (bf16 stages 1-2) or the parameters
+    # go to NVMe too (then no master is in memory between steps); the folder is gone after destroy.
+    assert any(f.startswith("exp_avg_sq.") for f in got["files"]), got["files"]
+    assert any(f.startswith("master.") for f in got["files"]) == ((bf16 and stage != 3) or params), got["files"]
+    if params:
         assert got["masters in memory"] == 0
-        assert all(r["gone"] for r in nvme)
+    assert all(r["nvme"]["gone"] for r in ranks), [r["nvme"]["folder"] for r in ranks]
 
 
 def test_parameters_on_nvme_need_stage_3_and_the_optimizer_there(tmp_path: Path) -> None:
