@@ -42,13 +42,19 @@ FIXTURES = sorted(p.name for p in HERE.iterdir() if (p / "expected.json").is_fil
 RTOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2.5e-2}
 
 
-def _fixture_module() -> ModuleType:
-    """make_fixtures.py's model and data (it imports DeepSpeed only inside its own functions)."""
-    spec = importlib.util.spec_from_file_location("ds_make_fixtures", HERE / "make_fixtures.py")
+def load_script(path: Path) -> ModuleType:
+    """A fixture-making script as a module, for its model and data (it imports DeepSpeed only inside
+    its own functions)."""
+    spec = importlib.util.spec_from_file_location(f"ds_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _fixture_module() -> ModuleType:
+    """make_fixtures.py's model and data."""
+    return load_script(HERE / "make_fixtures.py")
 
 
 def _config(expected: dict[str, Any], world: int) -> dict[str, Any]:

@@ -11,7 +11,6 @@ orders; LOSS_RTOL is far below what a mis-cut slice or a lost moment gives (chec
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
@@ -28,11 +27,9 @@ LOSS_RTOL = 1e-5
 
 
 def _fixture() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ds_make_tp_fixture", HERE / "make_fixture.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from test_deepspeed_checkpoints import load_script
+
+    return load_script(HERE / "make_fixture.py")
 
 
 def _resume(tp: int, drop_moments: bool = False) -> dict[str, Any]:

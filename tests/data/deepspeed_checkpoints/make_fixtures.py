@@ -236,13 +236,15 @@ def _run_case(name: str, stage: int, precision: str) -> None:
     resumed.destroy()
 
 
-def _rank_main(rank: int, port: int, names: list[str]) -> None:
+def init_rank(rank: int, port: int, world: int = WORLD) -> None:
+    """This process as rank `rank` of `world` gloo ranks on this host, DeepSpeed's distributed set up
+    (make_tp_fixture in ../deepspeed_tp_checkpoint uses it too)."""
     os.environ.update(
         {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_WORLD_SIZE": str(WORLD),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
@@ -252,6 +254,10 @@ def _rank_main(rank: int, port: int, names: list[str]) -> None:
 
     _allow_fp16_on_cpu()
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _rank_main(rank: int, port: int, names: list[str]) -> None:
+    init_rank(rank, port)
     for name in names:
         stage, precision = CASES[name]
         _run_case(name, stage, precision)

@@ -76,21 +76,13 @@ def _step(engine: Any, step: int) -> float:
 
 
 def _rank_main(rank: int, port: int) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
-    torch.set_num_threads(1)
+    sys.path.insert(0, os.path.join(HERE, "..", "deepspeed_checkpoints"))
+    from make_fixtures import init_rank  # the golden checkpoints' script: one way to start a rank
+
+    init_rank(rank, port, WORLD)
     import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend="gloo")
     folder = os.path.join(HERE, CASE)
     ckpt = os.path.join(folder, "ckpt")
     if rank == 0:
