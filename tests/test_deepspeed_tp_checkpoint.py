@@ -98,3 +98,28 @@ def test_a_missing_tensor_parallel_rank_file_is_named(tmp_path: Path) -> None:
     (tag / "mp_rank_01_model_states.pt").unlink()
     with pytest.raises(CheckpointError, match=r"tensor-parallel size 2 .*mp_rank_01_model_states.pt is missing"):
         open_reader(str(tag), _fixture().make_model(seed=0))
+
+
+def test_consolidate_joins_deepspeeds_tensor_parallel_slices(tmp_path: Path) -> None:
+    """python -m engine.checkpoint.consolidate on the AutoTP checkpoint: the dense model's state dict,
+    each split tensor the concatenation of DeepSpeed's own per-rank module weights."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from engine.checkpoint.deepspeed_format.safe_load import load_deepspeed_file
+
+    out = tmp_path / "model.safetensors"
+    subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(CASE / "ckpt"), str(out)], check=True)
+    whole = load_file(str(out))
+    tag = CASE / "ckpt" / "global_step4"
+    modules = [load_deepspeed_file(str(tag / f"mp_rank_0{m}_model_states.pt"))["module"] for m in range(2)]
+    split = 0
+    for name, value in whole.items():
+        first, second = modules[0][name], modules[1][name]
+        if first.shape != value.shape:
+            dim = next(d for d in range(value.dim()) if first.shape[d] != value.shape[d])
+            first, split = torch.cat([first, second], dim), split + 1
+        assert torch.equal(first.float(), value.float()), name
+    assert split == 15  # q, k, v, o, gate, up and down of 2 layers, and lm_head
