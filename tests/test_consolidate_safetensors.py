@@ -148,3 +148,21 @@ def test_a_truncated_rank_file_is_named(saved: Path, tmp_path: Path) -> None:
                 write()
             assert str(path) in str(err.value), str(err.value)
         assert list(out.iterdir()) == []  # no output and no temporary file
+
+
+def test_a_flipped_byte_is_found_while_copying(saved: Path, tmp_path: Path) -> None:
+    # The CRC-32 is taken in the same read that copies the values (one pass over each rank file).
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "stage3", ckpt)
+    path = ckpt / "t" / "rank_0_optim_states.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    for workers in (1, 2):
+        with pytest.raises(CheckpointError, match="was modified or damaged after it was saved") as err:
+            write_safetensors_dir(str(ckpt), str(out), workers=workers)
+        assert str(path) in str(err.value)
+        assert list(out.iterdir()) == []
+    write_safetensors_dir(str(ckpt), str(out), workers=2, verify=False)  # told not to check: written
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]

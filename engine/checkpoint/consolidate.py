@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-verify",
         action="store_true",
-        help="skip the CRC-32 check of the engine's rank files (it reads every byte, optimizer moments too)",
+        help="safetensors outputs: skip the CRC-32 check of the engine's rank files (it reads every byte of them)",
     )
     args = parser.parse_args(argv)
     dtype, verify = DTYPES[args.dtype], not args.no_verify

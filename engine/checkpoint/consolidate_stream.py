@@ -16,7 +16,10 @@ one tensor at a time.
 
 Every output file is written under <name>.tmp.<pid>, fsynced, and renamed only when all are complete;
 a failure removes them, so a failed run leaves no half output. The engine's rank files' CRC-32s are
-checked first, by the same workers.
+checked on the way: a worker reads each rank file once, front to back, taking its CRC-32 and writing
+the runs it holds from the same blocks (consolidate_copy.scan_file), so verifying costs no second
+read; a mismatch fails the run before anything is renamed. DeepSpeed's files (no checksums), and
+verify=False, copy only the runs' bytes.
 """
 
 from __future__ import annotations
@@ -25,13 +28,23 @@ import bisect
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from tqdm import tqdm
 
-from engine.checkpoint.atomic_file import atomic_open, file_crc32, fsync_dir
+from engine.checkpoint.atomic_file import atomic_open, fsync_dir
+from engine.checkpoint.consolidate_copy import (
+    TASK_BYTES,
+    Copy,
+    close_files,
+    init_worker,
+    open_fd,
+    pwrite,
+    run_copies,
+    scan_file,
+    tasks,
+)
 from engine.checkpoint.consolidate_plan import Entry, assemble, open_checkpoint, plan
 from engine.checkpoint.deepspeed_format import is_deepspeed_tag_dir
 from engine.checkpoint.files import CheckpointError, model_file, optim_file, read_manifest
@@ -51,23 +64,6 @@ from engine.checkpoint.safetensors_writer import (
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-
-TASK_BYTES = 64 << 20
-"""The most source bytes one worker task copies (and, when casting, holds)."""
-
-
-@dataclass(frozen=True)
-class Copy:
-    """A run of one tensor's elements, from a rank file's bytes to an output file's."""
-
-    tensor: str
-    src: str
-    src_offset: int
-    dst: str
-    dst_offset: int
-    numel: int
-    src_dtype: torch.dtype
-    dst_dtype: torch.dtype
 
 
 def default_workers() -> int:
@@ -135,10 +131,10 @@ class _Source:
 
     def __init__(self, tag_dir: str, dtype: torch.dtype, workers: int | None, verify: bool = True) -> None:
         self.workers = default_workers() if workers is None else max(1, workers)
-        self.pool = multiprocessing.get_context("fork").Pool(self.workers, _init_worker) if self.workers > 1 else None
+        self.pool = multiprocessing.get_context("fork").Pool(self.workers, init_worker) if self.workers > 1 else None
         try:
-            if verify:
-                _check_crcs(tag_dir, self._map)
+            # path -> the manifest's {"crc32", "bytes"}: checked while the copies read the files
+            self.checksums = _checksums(tag_dir) if verify else {}
             self.reader, manifest = open_checkpoint(tag_dir, verified=True)
             self.entries = plan(self.reader, manifest, dtype)
         except BaseException:
@@ -151,7 +147,7 @@ class _Source:
             self.pool.terminate()
             self.pool.join()
             self.pool = None
-        _close_files()
+        close_files()
 
     def _map(self, fn: Callable[[_T], _R], items: list[_T]) -> Iterator[_R]:
         """fn over items, in the workers (in any order) or here when there is one worker."""
@@ -170,7 +166,13 @@ class _Source:
             with tqdm(total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress) as bar:
                 for entry, tmp, offset in in_memory:  # joined in memory, one tensor at a time
                     _pwrite_all(tmp, assemble(self.reader, entry).to(entry.dtype), offset)
-                for done in self._map(_run_copies, _tasks(copies)):
+                if self.checksums:  # each file read once: its CRC-32 and its runs from the same blocks
+                    by_src = {path: [c for c in copies if c.src == path] for path in self.checksums}
+                    for path, found, done in self._map(scan_file, list(by_src.items())):
+                        _check_crc(path, found, self.checksums[path])
+                        bar.update(done)
+                    copies = [c for c in copies if c.src not in by_src]
+                for done in self._map(run_copies, tasks(copies)):
                     bar.update(done)
             for tmp in tmps:
                 _fsync(tmp)
@@ -297,95 +299,8 @@ class _Mappings:
         return path, offset + ptr - lo
 
 
-# ---------------------------------------------------------------------------------- in the workers
-_FILES: dict[tuple[str, int], int] = {}
-"""This process's open descriptors by (path, flags), reused across tasks."""
-
-
-def _init_worker() -> None:
-    # One thread per worker (the pool is the parallelism), as DataLoader's forked workers do: it also
-    # keeps a forked child out of an OpenMP pool its parent may have started.
-    torch.set_num_threads(1)
-    _FILES.clear()  # the parent's descriptors are inherited, but each worker opens its own
-
-
-def _fd(path: str, flags: int) -> int:
-    if (path, flags) not in _FILES:
-        _FILES[(path, flags)] = os.open(path, flags)
-    return _FILES[(path, flags)]
-
-
-def _close_files() -> None:
-    for fd in _FILES.values():
-        os.close(fd)
-    _FILES.clear()
-
-
-def _tasks(copies: list[Copy]) -> list[list[Copy]]:
-    """The worker tasks: every kept-dtype run into one output file is one task (writes into one file
-    take its inode's lock, so two workers copying into it take turns and only add switching: they run
-    in parallel on different shards); a cast run is a task of its own (the cast is the CPU's work)."""
-    by_file: dict[str, list[Copy]] = {}
-    cast: list[list[Copy]] = []
-    for c in copies:
-        if c.src_dtype == c.dst_dtype:
-            by_file.setdefault(c.dst, []).append(c)
-        else:
-            cast.append([c])
-    return sorted(by_file.values(), key=len, reverse=True) + cast
-
-
-def _run_copies(copies: list[Copy]) -> int:
-    return sum(_run_copy(c) for c in copies)
-
-
-def _run_copy(c: Copy) -> int:
-    """One Copy run; returns the source bytes copied."""
-    try:
-        src, dst = _fd(c.src, os.O_RDONLY), _fd(c.dst, os.O_WRONLY)
-        nbytes = c.numel * c.src_dtype.itemsize
-        if c.src_dtype == c.dst_dtype:
-            _copy_bytes(src, c.src_offset, dst, c.dst_offset, nbytes)
-        else:
-            buf = bytearray(nbytes)
-            if os.preadv(src, [buf], c.src_offset) != nbytes:
-                raise EOFError("the file ends before the tensor's bytes do")
-            cast = torch.frombuffer(buf, dtype=c.src_dtype).to(c.dst_dtype)
-            _pwrite(dst, cast.view(torch.uint8).numpy().data, c.dst_offset)
-    except (OSError, EOFError) as err:
-        raise CheckpointError(
-            f"{c.src}: copying {c.numel} elements of {c.tensor!r} from byte {c.src_offset} into {c.dst} "
-            f"failed ({err}); the file is truncated or the disk is full"
-        ) from None
-    return nbytes
-
-
-def _copy_bytes(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
-    """nbytes from src to dst inside the kernel (copy_file_range), or by pread/pwrite where it is missing."""
-    done = 0
-    while done < nbytes:
-        try:
-            n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
-        except (AttributeError, OSError) as err:  # no copy_file_range here (or across these file systems)
-            if isinstance(err, OSError) and err.errno not in (18, 22, 38, 95):  # EXDEV EINVAL ENOSYS EOPNOTSUPP
-                raise
-            n = _pwrite(
-                dst, memoryview(os.pread(src, min(nbytes - done, 16 << 20), src_offset + done)), dst_offset + done
-            )
-        if n == 0:
-            raise EOFError("the file ends before the tensor's bytes do")
-        done += n
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> int:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-    return done
-
-
 def _pwrite_all(path: str, flat: torch.Tensor, offset: int) -> None:
-    _pwrite(_fd(path, os.O_WRONLY), flat.contiguous().view(torch.uint8).numpy().data, offset)
+    pwrite(open_fd(path, os.O_WRONLY), flat.contiguous().view(torch.uint8).numpy().data, offset)
 
 
 def _fsync(path: str) -> None:
@@ -396,31 +311,29 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _check_crcs(
-    tag_dir: str,
-    mapper: Callable[[Callable[[str], tuple[str, dict[str, int]]], list[str]], Iterator[tuple[str, dict[str, int]]]],
-) -> None:
-    """The engine's rank files against their manifest's CRC-32 and size, one file per worker task."""
+def _checksums(tag_dir: str) -> dict[str, dict[str, int]]:
+    """The manifest's {"crc32", "bytes"} of the engine's rank files by real path (as /proc/self/maps names
+    them); a missing or resized file is named here, before anything is loaded. DeepSpeed keeps none."""
     if is_deepspeed_tag_dir(tag_dir):
-        return  # DeepSpeed records no checksums
-    checksums = read_manifest(tag_dir).get("checksums", {})
-    paths = [os.path.join(tag_dir, name) for name in checksums]
-    for path in paths:
+        return {}
+    out = {}
+    for name, expected in read_manifest(tag_dir).get("checksums", {}).items():
+        path = os.path.realpath(os.path.join(tag_dir, name))
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-    for path, crc in mapper(_crc, paths):
-        expected = checksums[os.path.basename(path)]
-        if crc != expected:
-            what = (
-                f"{crc['bytes']} bytes, the manifest says {expected['bytes']}"
-                if crc["bytes"] != expected["bytes"]
-                else f"CRC-32 {crc['crc32']:08x}, the manifest says {expected['crc32']:08x}"
-            )
-            raise CheckpointError(
-                f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
-                "trusted: load an earlier tag"
-            )
+            raise CheckpointError(f"{os.path.join(tag_dir, name)} is missing; the checkpoint is incomplete")
+        _check_crc(path, {"crc32": expected["crc32"], "bytes": os.path.getsize(path)}, expected)
+        out[path] = expected
+    return out
 
 
-def _crc(path: str) -> tuple[str, dict[str, int]]:
-    return path, file_crc32(path)
+def _check_crc(path: str, found: dict[str, int], expected: dict[str, int]) -> None:
+    if found != expected:
+        what = (
+            f"{found['bytes']} bytes, the manifest says {expected['bytes']}"
+            if found["bytes"] != expected["bytes"]
+            else f"CRC-32 {found['crc32']:08x}, the manifest says {expected['crc32']:08x}"
+        )
+        raise CheckpointError(
+            f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
+            "trusted: load an earlier tag"
+        )
