@@ -1,0 +1,512 @@
+"""The largest GPT each system trains on this machine: 2 ranks, fp32, Adam, micro batch 1, sequence 128.
+
+    .venv/bin/python benchmarks/bench_capacity.py [--max-params N] [--systems ddp,fsdp2,...]
+                                                  [--nvme-dir /tmp] [--attempt-timeout 1800]
+
+For each system the GPT grows along one ladder of fixed aspect (GPT-2's: d_model = 64 x n_layers,
+head dim 64, GPT-2's vocabulary of 50257) by x1.5 parameters per rung until a run of 2 training steps
+fails, then once more between the last success and the first failure (the rung nearest their geometric
+mean). Each attempt is its own `python -m torch.distributed.run --nproc_per_node 2
+benchmarks/capacity_workers/worker.py ...` (the engine's .venv, or /tmp/dsvenv for DeepSpeed), started
+in its own process group and session, with oom_score_adj 1000 (so the kernel's OOM killer, should it
+ever act, picks the attempt and nothing else on the machine) and watched from here: when MemAvailable
+drops under --min-available-gib (3) the whole group is killed and the attempt counts as failed with
+reason "memory"; past --attempt-timeout it is killed with reason "time". Before an NVMe attempt the
+free space of --nvme-dir must stay >= 15 GB after the attempt's estimated swap files (16 B/param),
+otherwise the ladder stops with reason "disk".
+
+Systems: ddp (PyTorch DDP, gloo), fsdp2 (fully_shard per block and root, gloo, CPU), deepspeed-3
+(DeepSpeed 0.19.8 stage 3 in RAM, deepspeed.zero.Init, torch Adam), deepspeed-3-nvme (its optimizer
+and parameters on NVMe: only where its async_io op is compatible; otherwise its row says why),
+engine-3 (stage 3 in RAM, engine.zero.Init), engine-3-nvme (stage 3, offload_optimizer and
+offload_param on NVMe, engine.zero.Init).
+
+Reported per system: the largest model that trained (parameters, model-state bytes at 16 B/param, peak
+RSS summed over the 2 ranks, disk bytes of the swap folder, the second step's seconds), every attempt
+with its outcome, and for the engine's NVMe row the physical bound of that model's step: compute = its
+forward+backward FLOPs per rank / torch.mm GFLOP/s of one thread (each rank runs one), disk = the bytes
+both ranks read and wrote during the step (/proc/<pid>/io) / dd's direct-I/O read and write bandwidth,
+both measured in this run. Writes benchmarks/results/capacity.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import torch
+from machine import machine_facts
+
+WORKER = os.path.join(ROOT, "benchmarks", "capacity_workers", "worker.py")
+DS_PYTHON = "/tmp/dsvenv/bin/python"
+VOCAB, SEQ, STEPS, WORLD = 50257, 128, 2, 2
+GROWTH = 1.5
+BYTES_PER_PARAM = 16  # fp32 parameter + gradient + Adam's two moments
+DISK_RESERVE = 15e9
+"""Free bytes an NVMe attempt must leave on the swap file system."""
+SYSTEMS = ["ddp", "fsdp2", "deepspeed-3", "deepspeed-3-nvme", "engine-3", "engine-3-nvme"]
+LABELS = {
+    "ddp": "PyTorch DDP (gloo)",
+    "fsdp2": "PyTorch FSDP2 (fully_shard, gloo)",
+    "deepspeed-3": "DeepSpeed 0.19.8 stage 3, RAM",
+    "deepspeed-3-nvme": "DeepSpeed 0.19.8 stage 3, optimizer + params on NVMe",
+    "engine-3": "engine stage 3, RAM",
+    "engine-3-nvme": "engine stage 3, optimizer + params on NVMe",
+}
+
+
+# ------------------------------------------------------------------------------------------ the ladder
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    d_model: int
+    heads: int
+
+    @property
+    def params(self) -> int:
+        """examples/gpt.py's parameter count: token and position embeddings, blocks (ln1, qkv, proj,
+        ln2, mlp: 12 d^2 + 13 d), final LayerNorm, untied head."""
+        d = self.d_model
+        return 2 * VOCAB * d + SEQ * d + self.layers * (12 * d * d + 13 * d) + 2 * d
+
+    @property
+    def flops(self) -> float:
+        """Forward + backward FLOPs of one sequence: 6 x tokens x the matmul parameters (blocks and
+        head), plus attention's QK^T and AV (4 T^2 d per layer forward, x3 with backward)."""
+        d, t = self.d_model, SEQ
+        return 6.0 * t * (self.layers * 12 * d * d + VOCAB * d) + 12.0 * self.layers * t * t * d
+
+
+def ladder_shape(layers: int) -> Shape:
+    return Shape(layers, 64 * layers, layers)
+
+
+def next_rung(params: float) -> Shape:
+    """The smallest ladder shape with at least `params` parameters."""
+    layers = 1
+    while ladder_shape(layers).params < params:
+        layers += 1
+    return ladder_shape(layers)
+
+
+def refine_rung(ok: Shape, failed: Shape) -> Shape | None:
+    """The ladder shape strictly between the two nearest their geometric mean, if any."""
+    between = [ladder_shape(n) for n in range(ok.layers + 1, failed.layers)]
+    target = math.sqrt(ok.params * failed.params)
+    return min(between, key=lambda s: abs(math.log(s.params / target)), default=None)
+
+
+# ------------------------------------------------------------------------------------------ attempts
+@dataclass
+class Attempt:
+    system: str
+    shape: Shape
+    ok: bool = False
+    reason: str = ""  # why it failed: memory, time, disk, error text
+    seconds: float = 0.0
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    min_available_gib: float = 0.0
+
+    @property
+    def peak_rss(self) -> int:
+        """Peak RSS summed over the ranks, bytes (ru_maxrss of each rank process)."""
+        return sum(r["maxrss_after"] for r in self.ranks) * 1024
+
+    @property
+    def step_s(self) -> float:
+        """The last (second) step's seconds, slowest rank: the first holds one-time work."""
+        return max(r["times"][-1] for r in self.ranks)
+
+    @property
+    def io(self) -> tuple[int, int]:
+        """Bytes read and written during the last step, both ranks."""
+        return sum(r["io"][-1][0] for r in self.ranks), sum(r["io"][-1][1] for r in self.ranks)
+
+    @property
+    def disk(self) -> int:
+        """The swap folder's bytes after the steps (each rank sees both ranks' files: the largest)."""
+        return max((r["disk_bytes"] for r in self.ranks), default=0)
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+
+
+def _command(system: str, shape: Shape, out: str, nvme: str | None) -> list[str]:
+    python = DS_PYTHON if system.startswith("deepspeed") else sys.executable
+    # oom_score_adj 1000 before exec, inherited by torchrun's ranks: the kernel's OOM killer, should it ever
+    # act before the watchdog, picks the attempt and nothing else on the machine.
+    cmd = ["sh", "-c", 'echo 1000 > /proc/self/oom_score_adj && exec "$@"', "sh"]
+    cmd += [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD), WORKER]
+    cmd += ["--system", system, "--layers", str(shape.layers), "--d-model", str(shape.d_model)]
+    cmd += ["--heads", str(shape.heads), "--vocab", str(VOCAB), "--seq", str(SEQ), "--steps", str(STEPS)]
+    cmd += ["--out", out] + (["--nvme", nvme] if nvme else [])
+    return cmd
+
+
+def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
+    result = Attempt(system, shape)
+    nvme = None
+    if system.endswith("nvme"):
+        free = shutil.disk_usage(args.nvme_dir).free
+        need = BYTES_PER_PARAM * shape.params
+        if free - need < DISK_RESERVE:
+            result.reason = f"disk: {free / 1e9:.1f} GB free, needs {need / 1e9:.1f} GB + 15 GB reserve"
+            return result
+        nvme = tempfile.mkdtemp(prefix="capacity_swap_", dir=args.nvme_dir)
+    out = tempfile.mkdtemp(prefix=f"capacity_{system}_")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    log_path = os.path.join(out, "log.txt")
+    print(f"[capacity] {system} L={shape.layers} d={shape.d_model}: {shape.params / 1e6:.1f}M params", flush=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            _command(system, shape, out, nvme),
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, killed as one
+        )
+    lowest, killed = _available(), ""
+    while proc.poll() is None:
+        avail = _available()
+        lowest = min(lowest, avail)
+        if avail < args.min_available_gib * 2**30:
+            killed = "memory"
+        elif time.perf_counter() - t0 > args.attempt_timeout:
+            killed = "time"
+        if killed:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+        time.sleep(0.05)
+    # A rank of a killed group may outlive torchrun's wait: kill the group once more before moving on.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    result.seconds, result.min_available_gib = time.perf_counter() - t0, lowest / 2**30
+    files = [os.path.join(out, f"rank{r}.json") for r in range(WORLD)]
+    if not killed and proc.returncode == 0 and all(os.path.exists(p) for p in files):
+        result.ok = True
+        for p in files:
+            with open(p) as f:
+                result.ranks.append(json.load(f))
+    else:
+        with open(log_path) as f:
+            tail = [line for line in f.read().splitlines() if "Error" in line or "error" in line]
+        result.reason = killed or (tail[-1].strip()[:200] if tail else f"exit status {proc.returncode}")
+        sys.stderr.write(f"[capacity] failed ({result.reason}); log kept in {log_path}\n")
+    if result.ok:
+        shutil.rmtree(out, ignore_errors=True)
+    if nvme:
+        shutil.rmtree(nvme, ignore_errors=True)
+    print(
+        f"[capacity]   {'ok' if result.ok else 'FAILED: ' + result.reason} in {result.seconds:.0f} s, "
+        f"lowest MemAvailable {result.min_available_gib:.1f} GiB"
+        + (f", peak RSS {result.peak_rss / 2**30:.2f} GiB, step {result.step_s:.2f} s" if result.ok else ""),
+        flush=True,
+    )
+    return result
+
+
+def climb(system: str, args: argparse.Namespace) -> tuple[list[Attempt], str]:
+    """Every attempt of one system, and why the climb stopped."""
+    tried: list[Attempt] = []
+    shape = next_rung(args.start_params)
+    while True:
+        if args.max_params and shape.params > args.max_params:
+            return tried, f"cap: the next rung ({shape.params / 1e6:.0f}M) is over --max-params"
+        tried.append(attempt(system, shape, args))
+        if not tried[-1].ok:
+            break
+        shape = next_rung(max(shape.params * GROWTH, shape.params + 1))
+    oks = [a for a in tried if a.ok]
+    if tried[-1].reason.startswith("disk") or not oks:
+        return tried, tried[-1].reason
+    between = refine_rung(oks[-1].shape, tried[-1].shape)
+    if between is not None:
+        tried.append(attempt(system, between, args))
+    return tried, f"failed: {tried[-1].reason}" if not tried[-1].ok else "failed above the refined rung"
+
+
+# ------------------------------------------------------------------------------------------ the bounds
+def mm_gflops(seconds: float = 3.0, n: int = 1024) -> float:
+    """torch.mm GFLOP/s of one thread (each rank runs one), fp32."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b)
+        count += 1
+    rate = 2.0 * n**3 * count / (time.perf_counter() - t0) / 1e9
+    torch.set_num_threads(threads)
+    return rate
+
+
+def dd_bandwidth(folder: str, mib: int = 1024) -> tuple[float, float]:
+    """dd's direct-I/O write and read bytes/s on a `mib` MiB file in `folder` (deleted after)."""
+    path = os.path.join(folder, f"capacity_dd_{os.getpid()}.bin")
+    rates = []
+    try:
+        for io in (
+            ["if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "oflag=direct", "conv=fsync"],
+            [f"if={path}", "of=/dev/null", "bs=1M", f"count={mib}", "iflag=direct"],
+        ):
+            t0 = time.perf_counter()
+            subprocess.run(["dd", *io], capture_output=True, check=True)
+            rates.append(mib * 2**20 / (time.perf_counter() - t0))
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return rates[0], rates[1]
+
+
+def deepspeed_aio_status() -> str:
+    """Whether DeepSpeed's async_io op is compatible here, and if not its own words why."""
+    code = (
+        "from deepspeed.ops.op_builder import AsyncIOBuilder\n"
+        "print('COMPATIBLE' if AsyncIOBuilder().is_compatible(verbose=True) else 'INCOMPATIBLE')"
+    )
+    try:
+        done = subprocess.run(
+            [DS_PYTHON, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env=dict(os.environ, DS_ACCELERATOR="cpu"),
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"not checked: {exc}"
+    text = done.stdout + done.stderr
+    if "INCOMPATIBLE" not in text and "COMPATIBLE" in text:
+        return "compatible"
+    why = [line.split("[0m", 1)[-1].strip() for line in text.splitlines() if "async_io" in line]
+    return " ".join(why) or text.strip()[-300:]
+
+
+# ------------------------------------------------------------------------------------------ report
+def _g(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = ["# The largest GPT each system trains on this machine", ""]
+    if data["max_params"]:
+        lines += [
+            (
+                f"**Capped at {data['max_params'] / 1e6:.0f}M parameters: a harness check, not the capacity "
+                "figures.** Every system stopped at the cap, not at a failure. The uncapped run (the whole machine "
+                "for about an hour, nothing else running) is:"
+            ),
+            "",
+            "    .venv/bin/python benchmarks/bench_capacity.py --nvme-dir /tmp --attempt-timeout 1800",
+            "",
+        ]
+    lines += [
+        (
+            f"2 ranks (gloo, one thread each), fp32, Adam, micro batch 1, sequence {SEQ}, {STEPS} steps per attempt; "
+            f"GPT ladder d_model = 64 x layers, head dim 64, vocabulary {VOCAB}, x{GROWTH} parameters per rung, then "
+            "one rung between the last success and the first failure. Model states = 16 B/param (parameter, "
+            "gradient, two Adam moments, fp32). Peak RSS: ru_maxrss of the two rank processes, summed. Disk: the "
+            "swap folder's allocated bytes after the steps. Step: the second step, slowest rank."
+        ),
+        "",
+        (
+            "| system | largest that trained | params | model states GB | peak RSS GB (sum of ranks) | disk GB | "
+            "step s | stopped because |"
+        ),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for system, row in data["systems"].items():
+        best = row["best"]
+        if best is None:
+            lines.append(f"| {LABELS[system]} | none | | | | | | {row['stop']} |")
+            continue
+        lines.append(
+            f"| {LABELS[system]} | L={best['layers']} d={best['d_model']} | {best['params'] / 1e6:.1f}M | "
+            f"{_g(best['params'] * BYTES_PER_PARAM)} | {_g(best['peak_rss'])} | "
+            f"{_g(best['disk']) if best['disk'] else '-'} | {best['step_s']:.2f} | {row['stop']} |"
+        )
+    b = data.get("bound")
+    lines += ["", "## Step time against the physical bound (engine, NVMe row's largest model)", ""]
+    if b:
+        lines += [
+            (
+                f"torch.mm {data['mm_gflops']:.1f} GFLOP/s per thread; dd direct I/O write "
+                f"{data['dd_write'] / 1e9:.2f} GB/s, read {data['dd_read'] / 1e9:.2f} GB/s on {data['nvme_dir']} "
+                "(measured in this run). Compute: forward+backward FLOPs of one sequence per rank (the ranks run in "
+                "parallel on their own cores). Disk: bytes both ranks read and wrote during the step (one disk)."
+            ),
+            "",
+            (
+                "| params | FLOPs/rank | compute s | read GB | written GB | disk s | bound s = max | step s | "
+                "step / bound |"
+            ),
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            (
+                f"| {b['params'] / 1e6:.1f}M | {b['flops'] / 1e12:.3f} T | {b['compute_s']:.2f} | {_g(b['read'])} | "
+                f"{_g(b['written'])} | {b['disk_s']:.2f} | {max(b['compute_s'], b['disk_s']):.2f} | {b['step_s']:.2f} | "
+                f"{b['step_s'] / max(b['compute_s'], b['disk_s']):.2f} |"
+            ),
+        ]
+    else:
+        lines.append("No engine NVMe model trained in this run.")
+    lines += [
+        "",
+        "## Every attempt",
+        "",
+        "| system | L | d | params | outcome | s | lowest MemAvailable GiB |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for system, row in data["systems"].items():
+        for a in row["attempts"]:
+            lines.append(
+                f"| {system} | {a['layers']} | {a['d_model']} | {a['params'] / 1e6:.1f}M | "
+                f"{'ok' if a['ok'] else 'failed: ' + a['reason']} | {a['seconds']:.0f} | {a['min_available_gib']:.1f} |"
+            )
+    lines += [
+        "",
+        "Notes:",
+        "",
+        f"- DeepSpeed's NVMe offload: its async_io op here: {data['ds_aio']}",
+        (
+            f"- Safety: each attempt in its own process group, oom_score_adj 1000, killed when MemAvailable < "
+            f"{args.min_available_gib} GiB (reason memory) or after {args.attempt_timeout:.0f} s (reason time); "
+            "NVMe attempts only with >= 15 GB left free after their swap files."
+        ),
+        "",
+        "Machine:",
+        "",
+        *machine_facts(ROOT, tuple(data["load_before"]), WORLD),
+    ]
+    path = os.path.join(ROOT, "benchmarks", "results", "capacity.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return path
+
+
+def plot(data: dict[str, Any], md_path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {md_path}; matplotlib not installed: table only")
+        return
+    systems = list(data["systems"])
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(systems) + 2))
+    for i, system in enumerate(systems):
+        for a in data["systems"][system]["attempts"]:
+            ax.scatter(a["params"], i, marker="o" if a["ok"] else "x", color="#55a868" if a["ok"] else "#c44e52")
+        best = data["systems"][system]["best"]
+        if best:
+            ax.text(best["params"], i + 0.2, f"{best['params'] / 1e6:.0f}M", fontsize=8, ha="center")
+    ram = data["ram_bytes"] / BYTES_PER_PARAM
+    ax.axvline(ram, color="#888888", linestyle="--", linewidth=1)
+    ax.text(ram, -0.6, " model states = RAM", fontsize=8, color="#666666")
+    if data["max_params"]:
+        ax.axvline(data["max_params"], color="#dd8452", linestyle=":", linewidth=1)
+        ax.text(data["max_params"], len(systems) - 0.4, " cap (harness check)", fontsize=8, color="#dd8452")
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(systems)), [LABELS[s] for s in systems])
+    ax.invert_yaxis()
+    ax.set_xlabel("GPT parameters (o trained 2 steps, x failed)")
+    ax.set_title(
+        "Largest GPT trained, 2 ranks, fp32 Adam" + (" (capped: harness check)" if data["max_params"] else ""),
+        fontsize=10,
+    )
+    fig.tight_layout()
+    png = md_path[:-3] + ".png"
+    fig.savefig(png, dpi=110)
+    print(f"wrote {md_path} and {png}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument("--max-params", type=float, default=0, help="never try a rung above this (0: no cap)")
+    parser.add_argument("--start-params", type=float, default=25e6, help="the first rung's parameters (at least)")
+    parser.add_argument("--nvme-dir", default="/tmp", help="where the NVMe rows' swap files and dd's file go")
+    parser.add_argument("--attempt-timeout", type=float, default=1800, help="seconds per attempt")
+    parser.add_argument("--min-available-gib", type=float, default=3.0, help="kill an attempt under this")
+    args = parser.parse_args()
+    systems = [s for s in args.systems.split(",") if s]
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    data: dict[str, Any] = {"load_before": os.getloadavg(), "max_params": args.max_params, "nvme_dir": args.nvme_dir}
+    data["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    data["ds_aio"] = deepspeed_aio_status()
+    data["mm_gflops"] = mm_gflops()
+    data["dd_write"], data["dd_read"] = dd_bandwidth(args.nvme_dir)
+    data["systems"] = {}
+    for system in systems:
+        if system == "deepspeed-3-nvme" and data["ds_aio"] != "compatible":
+            data["systems"][system] = {"attempts": [], "best": None, "stop": f"not run: {data['ds_aio']}"}
+            continue
+        tried, stop = climb(system, args)
+        oks = [a for a in tried if a.ok]
+        best = max(oks, key=lambda a: a.shape.params, default=None)
+        data["systems"][system] = {
+            "stop": stop,
+            "attempts": [
+                {
+                    **asdict(a.shape),
+                    "params": a.shape.params,
+                    "ok": a.ok,
+                    "reason": a.reason,
+                    "seconds": a.seconds,
+                    "min_available_gib": a.min_available_gib,
+                }
+                for a in tried
+            ],
+            "best": None
+            if best is None
+            else {
+                **asdict(best.shape),
+                "params": best.shape.params,
+                "peak_rss": best.peak_rss,
+                "disk": best.disk,
+                "step_s": best.step_s,
+                "io": best.io,
+                "ranks": best.ranks,
+            },
+        }
+        if system == "engine-3-nvme" and best is not None:
+            read, written = best.io
+            data["bound"] = {
+                "params": best.shape.params,
+                "flops": best.shape.flops,
+                "step_s": best.step_s,
+                "compute_s": best.shape.flops / (data["mm_gflops"] * 1e9),
+                "read": read,
+                "written": written,
+                "disk_s": read / data["dd_read"] + written / data["dd_write"],
+            }
+    with open(os.path.join(ROOT, "benchmarks", "results", "capacity.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    plot(data, write_report(data, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""One rank of one bench_capacity attempt: build a GPT of the given shape, train it 2 steps, write a JSON.
+
+Started by benchmarks/bench_capacity.py through `python -m torch.distributed.run --nproc_per_node 2`,
+with this checkout's .venv for ddp, fsdp2 and the engine rows and /tmp/dsvenv (DeepSpeed 0.19.8) for
+the DeepSpeed rows, so this file imports nothing of the engine at module level (DeepSpeed's venv has
+no engine) and only the standard library plus torch.
+
+    worker.py --system S --layers L --d-model D --heads H --vocab V --seq 128 --steps 2 --out DIR [--nvme DIR]
+
+Each rank writes DIR/rank<r>.json: parameters, ru_maxrss (KiB) after building, wrapping and the last
+step, the seconds of every step, the bytes this process read from and wrote to storage during each
+step (/proc/self/io read_bytes/write_bytes: every thread's real I/O, O_DIRECT included, the page
+cache's hits not), and the disk bytes its swap folder holds after the steps (NVMe rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # this checkout's engine (the engine rows)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import torch
+from gpt import GPT, GPTConfig
+
+LR = 1e-4
+SYSTEMS = ("ddp", "fsdp2", "deepspeed-3", "deepspeed-3-nvme", "engine-3", "engine-3-nvme")
+SUB_GROUP = 20_000_000
+"""sub_group_size of the NVMe rows (elements stepped at a time): buffer_count (4) x 20M x 12 B = 0.96 GB
+of host buffers whatever the model; DeepSpeed's default of 1e9 would need 48 GB."""
+
+
+def _maxrss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+def _io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process (all its threads) moved to or from storage so far."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def _disk_bytes(folder: str | None) -> int:
+    """Bytes allocated on disk under `folder` (st_blocks, so reserved space counts)."""
+    total = 0
+    for base, _, files in os.walk(folder or "/nonexistent"):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(base, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _ds_config(nvme: str | None) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": 3}
+    if nvme:
+        zero.update(
+            offload_optimizer={
+                "device": "nvme",
+                "nvme_path": nvme,
+                "buffer_count": 4,
+                "pipeline_read": True,
+                "pipeline_write": True,
+            },
+            offload_param={"device": "nvme", "nvme_path": nvme},
+            sub_group_size=SUB_GROUP,
+        )
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+    }
+
+
+def _torch_step(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> Callable[..., None]:
+    opt = torch.optim.Adam(params, lr=LR, foreach=False)  # foreach would copy every state list at once
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        opt.step()
+
+    return step
+
+
+def _build(args: argparse.Namespace, cfg: GPTConfig) -> tuple[Callable[..., None], Callable[[], None]]:
+    """The model wrapped by the system under test: (step(x, y), close())."""
+    system, nvme = args.system, args.nvme
+    if system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(GPT(cfg))
+        return _torch_step(ddp, list(ddp.parameters())), lambda: None
+    if system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        model = GPT(cfg)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return _torch_step(model, list(model.parameters())), lambda: None
+    if system.startswith("deepspeed"):
+        import deepspeed
+
+        conf = _ds_config(nvme)
+        if not nvme:
+            conf["optimizer"]["params"]["torch_adam"] = True  # no offload: its CPU Adam is refused
+            conf["zero_force_ds_cpu_optimizer"] = False
+        with deepspeed.zero.Init(config_dict_or_path=conf):
+            model = GPT(cfg)
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    else:
+        import engine
+
+        conf = _ds_config(nvme)
+        with engine.zero.Init(config_dict_or_path=conf):
+            model = GPT(cfg)
+        eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=conf)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        eng.backward(eng(x, y))
+        eng.step()
+
+    return step, eng.destroy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    for name in ("--layers", "--d-model", "--heads", "--vocab", "--seq", "--steps"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--nvme", default=None)
+    args = parser.parse_args()
+    if args.system.startswith("deepspeed"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=3600))
+    rank = torch.distributed.get_rank()
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
+    )
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g),) * 2 for _ in range(args.steps)]
+    rec: dict[str, Any] = {"rank": rank, "maxrss_start": _maxrss_kib()}
+    torch.manual_seed(0)
+    step, close = _build(args, cfg)
+    rec["maxrss_wrapped"] = _maxrss_kib()
+    times, io = [], []
+    for x, y in data:
+        torch.distributed.barrier()
+        io0, t0 = _io(), time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - t0)
+        io1 = _io()
+        io.append([io1[0] - io0[0], io1[1] - io0[1]])
+    rec.update(maxrss_after=_maxrss_kib(), times=times, io=io, disk_bytes=_disk_bytes(args.nvme))
+    close()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(rec, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
