@@ -239,10 +239,12 @@ def climb(system: str, args: argparse.Namespace) -> tuple[list[Attempt], str]:
     oks = [a for a in tried if a.ok]
     if tried[-1].reason.startswith("disk") or not oks:
         return tried, tried[-1].reason
-    between = refine_rung(oks[-1].shape, tried[-1].shape)
+    failed = tried[-1]
+    between = refine_rung(oks[-1].shape, failed.shape)
     if between is not None:
         tried.append(attempt(system, between, args))
-    return tried, f"failed: {tried[-1].reason}" if not tried[-1].ok else "failed above the refined rung"
+    stop = f"{failed.shape.params / 1e6:.0f}M failed: {failed.reason}"
+    return tried, stop + (f"; {between.params / 1e6:.0f}M failed too" if between and not tried[-1].ok else "")
 
 
 # ------------------------------------------------------------------------------------------ the bounds
@@ -314,7 +316,7 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
         lines += [
             (
                 f"**Capped at {data['max_params'] / 1e6:.0f}M parameters: a harness check, not the capacity "
-                "figures.** Every system stopped at the cap, not at a failure. The uncapped run (the whole machine "
+                "figures.** A row stopped by the cap says so in its last column. The uncapped run (the whole machine "
                 "for about an hour, nothing else running) is:"
             ),
             "",
@@ -398,7 +400,7 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         *machine_facts(ROOT, tuple(data["load_before"]), WORLD),
     ]
-    path = os.path.join(ROOT, "benchmarks", "results", "capacity.md")
+    path = os.path.join(ROOT, "benchmarks", "results", f"{args.name}.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -415,7 +417,7 @@ def plot(data: dict[str, Any], md_path: str) -> None:
         print(f"wrote {md_path}; matplotlib not installed: table only")
         return
     systems = list(data["systems"])
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(systems) + 2))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(systems) + 2.5))
     for i, system in enumerate(systems):
         for a in data["systems"][system]["attempts"]:
             ax.scatter(a["params"], i, marker="o" if a["ok"] else "x", color="#55a868" if a["ok"] else "#c44e52")
@@ -450,6 +452,7 @@ def main() -> None:
     parser.add_argument("--nvme-dir", default="/tmp", help="where the NVMe rows' swap files and dd's file go")
     parser.add_argument("--attempt-timeout", type=float, default=1800, help="seconds per attempt")
     parser.add_argument("--min-available-gib", type=float, default=3.0, help="kill an attempt under this")
+    parser.add_argument("--name", default="capacity", help="results file names: benchmarks/results/NAME.{md,json,png}")
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in systems if s not in SYSTEMS]:
@@ -503,7 +506,7 @@ def main() -> None:
                 "written": written,
                 "disk_s": read / data["dd_read"] + written / data["dd_write"],
             }
-    with open(os.path.join(ROOT, "benchmarks", "results", "capacity.json"), "w") as f:
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot(data, write_report(data, args))
 
