@@ -391,6 +391,16 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"- DeepSpeed's NVMe offload: its async_io op here: {data['ds_aio']}",
         (
+            "- Disk bytes per step are measured (/proc/<pid>/io read_bytes and write_bytes of each rank, all its "
+            "threads), not modelled: the step writes the fp32 master and both moments (12 B/param) and reads them "
+            "(12 B/param); each gather of a unit reads its master shard (4 B/param per gather)."
+        ),
+        (
+            "- Peak RSS counts the two rank processes only (not torchrun's agent). The load average below says how "
+            "much other work shared the 2 cores: step times, and so step / bound, are noisier when it is over 2."
+        ),
+        "- Plot: capacity.png (every attempt per system, o trained, x failed; dashed: model states = this RAM).",
+        (
             f"- Safety: each attempt in its own process group, oom_score_adj 1000, killed when MemAvailable < "
             f"{args.min_available_gib} GiB (reason memory) or after {args.attempt_timeout:.0f} s (reason time); "
             "NVMe attempts only with >= 15 GB left free after their swap files."
