@@ -436,10 +436,11 @@ def plot(data: dict[str, Any], md_path: str) -> None:
             ax.text(best["params"], i + 0.2, f"{best['params'] / 1e6:.0f}M", fontsize=8, ha="center")
     ram = data["ram_bytes"] / BYTES_PER_PARAM
     ax.axvline(ram, color="#888888", linestyle="--", linewidth=1)
-    ax.text(ram, -0.6, " model states = RAM", fontsize=8, color="#666666")
+    top = ax.get_xaxis_transform()  # x in data, y in axes fraction: labels above the plot
+    ax.text(ram, 1.01, "model states = RAM", fontsize=8, color="#666666", ha="center", transform=top)
     if data["max_params"]:
         ax.axvline(data["max_params"], color="#dd8452", linestyle=":", linewidth=1)
-        ax.text(data["max_params"], len(systems) - 0.4, " cap (harness check)", fontsize=8, color="#dd8452")
+        ax.text(data["max_params"], 1.01, "cap", fontsize=8, color="#dd8452", ha="center", transform=top)
     ax.set_xscale("log")
     ax.set_yticks(range(len(systems)), [LABELS[s] for s in systems])
     ax.invert_yaxis()
@@ -447,6 +448,7 @@ def plot(data: dict[str, Any], md_path: str) -> None:
     ax.set_title(
         "Largest GPT trained, 2 ranks, fp32 Adam" + (" (capped: harness check)" if data["max_params"] else ""),
         fontsize=10,
+        pad=14,
     )
     fig.tight_layout()
     png = md_path[:-3] + ".png"
@@ -463,7 +465,12 @@ def main() -> None:
     parser.add_argument("--attempt-timeout", type=float, default=1800, help="seconds per attempt")
     parser.add_argument("--min-available-gib", type=float, default=3.0, help="kill an attempt under this")
     parser.add_argument("--name", default="capacity", help="results file names: benchmarks/results/NAME.{md,json,png}")
+    parser.add_argument("--replot", action="store_true", help="redraw NAME.png from NAME.json, run nothing")
     args = parser.parse_args()
+    if args.replot:
+        with open(os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json")) as f:
+            plot(json.load(f), os.path.join(ROOT, "benchmarks", "results", f"{args.name}.md"))
+        return
     systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in systems if s not in SYSTEMS]:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
