@@ -415,8 +415,8 @@ def _report(
     except ImportError:
         print("(pip install matplotlib for the plot)")
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    labels = [f"{r[0]}\n{r[1]} ckpt, {r[2]}" for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 1.5), width_ratios=[3, 2])
+    labels = [f"{r[0]} ({r[1]} ckpt, {r[2]})" for r in rows]
     ax1.barh(
         labels, [r[4] for r in rows], color=["tab:red" if r[0].startswith("DeepSpeed") else "tab:blue" for r in rows]
     )
