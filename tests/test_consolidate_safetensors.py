@@ -166,3 +166,18 @@ def test_a_flipped_byte_is_found_while_copying(saved: Path, tmp_path: Path) -> N
         assert list(out.iterdir()) == []
     write_safetensors_dir(str(ckpt), str(out), workers=2, verify=False)  # told not to check: written
     assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+
+
+def test_shard_sizes_and_names_as_transformers_writes_them() -> None:
+    from engine.checkpoint.safetensors_writer import TensorSpec, parse_size, shard_names, split_shards
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size(7) == 7
+    for bad in ("5XB", "-1", 0):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+    specs = [TensorSpec(n, torch.float32, (s,)) for n, s in [("a", 10), ("b", 10), ("big", 100), ("c", 5)]]
+    runs = split_shards(specs, 80)  # 40 + 40 bytes fill one; the 400-byte tensor gets its own
+    assert [[t.name for t in run] for run in runs] == [["a", "b"], ["big"], ["c"]]
+    assert split_shards(specs, None) == [specs]
+    assert shard_names(3) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert shard_names(1) == ["model.safetensors"]
