@@ -6,14 +6,14 @@
 For each system the GPT grows along one ladder of fixed aspect (GPT-2's: d_model = 64 x n_layers,
 head dim 64, GPT-2's vocabulary of 50257) by x1.5 parameters per rung until a run of 2 training steps
 fails, then once more between the last success and the first failure (the rung nearest their geometric
-mean). Each attempt is its own `python -m torch.distributed.run --nproc_per_node 2
-benchmarks/capacity_workers/worker.py ...` (the engine's .venv, or /tmp/dsvenv for DeepSpeed), started
-in its own process group and session, with oom_score_adj 1000 (so the kernel's OOM killer, should it
-ever act, picks the attempt and nothing else on the machine) and watched from here: when MemAvailable
-drops under --min-available-gib (3) the whole group is killed and the attempt counts as failed with
-reason "memory"; past --attempt-timeout it is killed with reason "time". Before an NVMe attempt the
-free space of --nvme-dir must stay >= 15 GB after the attempt's estimated swap files (16 B/param),
-otherwise the ladder stops with reason "disk".
+mean). Each attempt runs its 2 ranks (benchmarks/capacity_workers/worker.py under the engine's .venv, or
+/tmp/dsvenv for DeepSpeed; started from here, not by torchrun, whose ranks live in sessions of their own
+that a watchdog could not reach) each in its own process group, with oom_score_adj 1000 (so the kernel's
+OOM killer, should it ever act, picks the attempt and nothing else on the machine), watched from here:
+when MemAvailable drops under --min-available-gib (3) every rank's group is killed and the attempt
+counts as failed with reason "memory"; past --attempt-timeout it is killed with reason "time"; a rank
+that fails ends the other. Before an NVMe attempt the free space of --nvme-dir must stay >= 15 GB after
+the attempt's estimated swap files (16 B/param), otherwise the ladder stops with reason "disk".
 
 Systems: ddp (PyTorch DDP, gloo), fsdp2 (fully_shard per block and root, gloo, CPU), deepspeed-3
 (DeepSpeed 0.19.8 stage 3 in RAM, deepspeed.zero.Init, torch Adam), deepspeed-3-nvme (its optimizer
@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -148,14 +149,50 @@ def _available() -> int:
 
 def _command(system: str, shape: Shape, out: str, nvme: str | None) -> list[str]:
     python = DS_PYTHON if system.startswith("deepspeed") else sys.executable
-    # oom_score_adj 1000 before exec, inherited by torchrun's ranks: the kernel's OOM killer, should it ever
-    # act before the watchdog, picks the attempt and nothing else on the machine.
-    cmd = ["sh", "-c", 'echo 1000 > /proc/self/oom_score_adj && exec "$@"', "sh"]
-    cmd += [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD), WORKER]
+    # oom_score_adj 1000 before exec: the kernel's OOM killer, should it ever act before the watchdog,
+    # picks the attempt and nothing else on the machine.
+    cmd = ["sh", "-c", 'echo 1000 > /proc/self/oom_score_adj && exec "$@"', "sh", python, WORKER]
     cmd += ["--system", system, "--layers", str(shape.layers), "--d-model", str(shape.d_model)]
     cmd += ["--heads", str(shape.heads), "--vocab", str(VOCAB), "--seq", str(SEQ), "--steps", str(STEPS)]
     cmd += ["--out", out] + (["--nvme", nvme] if nvme else [])
     return cmd
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL every rank's process group (a rank and anything it started), then reap the ranks."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        proc.wait()
+
+
+def _launch(system: str, shape: Shape, out: str, nvme: str | None, log: Any) -> list[subprocess.Popen[bytes]]:
+    """The ranks, started here rather than by torchrun: torchrun starts each rank in a session of its
+    own, out of reach of a kill of torchrun's group, while this watchdog must be able to kill them all."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD))
+    env.update(LOCAL_WORLD_SIZE=str(WORLD))
+    cmd = _command(system, shape, out, nvme)
+    return [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, killed as one
+        )
+        for r in range(WORLD)
+    ]
 
 
 def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
@@ -169,40 +206,29 @@ def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
             return result
         nvme = tempfile.mkdtemp(prefix="capacity_swap_", dir=args.nvme_dir)
     out = tempfile.mkdtemp(prefix=f"capacity_{system}_")
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     log_path = os.path.join(out, "log.txt")
     print(f"[capacity] {system} L={shape.layers} d={shape.d_model}: {shape.params / 1e6:.1f}M params", flush=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            _command(system, shape, out, nvme),
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, killed as one
-        )
+        procs = _launch(system, shape, out, nvme, log)
     lowest, killed = _available(), ""
-    while proc.poll() is None:
-        avail = _available()
-        lowest = min(lowest, avail)
-        if avail < args.min_available_gib * 2**30:
-            killed = "memory"
-        elif time.perf_counter() - t0 > args.attempt_timeout:
-            killed = "time"
-        if killed:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            break
-        time.sleep(0.05)
-    # A rank of a killed group may outlive torchrun's wait: kill the group once more before moving on.
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        while any(p.poll() is None for p in procs):
+            avail = _available()
+            lowest = min(lowest, avail)
+            if avail < args.min_available_gib * 2**30:
+                killed = "memory"
+            elif time.perf_counter() - t0 > args.attempt_timeout:
+                killed = "time"
+            if killed or any(p.returncode not in (None, 0) for p in procs):
+                break  # a failed rank leaves the other waiting in a collective: end both
+            time.sleep(0.05)
+    finally:
+        _kill(procs)  # also on ^C: no rank outlives its attempt
+    codes = [p.returncode for p in procs]
     result.seconds, result.min_available_gib = time.perf_counter() - t0, lowest / 2**30
     files = [os.path.join(out, f"rank{r}.json") for r in range(WORLD)]
-    if not killed and proc.returncode == 0 and all(os.path.exists(p) for p in files):
+    if not killed and codes == [0] * WORLD and all(os.path.exists(p) for p in files):
         result.ok = True
         for p in files:
             with open(p) as f:
@@ -210,7 +236,7 @@ def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
     else:
         with open(log_path) as f:
             tail = [line for line in f.read().splitlines() if "Error" in line or "error" in line]
-        result.reason = killed or (tail[-1].strip()[:200] if tail else f"exit status {proc.returncode}")
+        result.reason = killed or (tail[-1].strip()[:200] if tail else f"exit status {codes}")
         sys.stderr.write(f"[capacity] failed ({result.reason}); log kept in {log_path}\n")
     if result.ok:
         shutil.rmtree(out, ignore_errors=True)
@@ -366,7 +392,8 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             (
                 f"| {b['params'] / 1e6:.1f}M | {b['flops'] / 1e12:.3f} T | {b['compute_s']:.2f} | {_g(b['read'])} | "
-                f"{_g(b['written'])} | {b['disk_s']:.2f} | {max(b['compute_s'], b['disk_s']):.2f} | {b['step_s']:.2f} | "
+                f"{_g(b['written'])} | {b['disk_s']:.2f} | {max(b['compute_s'], b['disk_s']):.2f} | "
+                f"{b['step_s']:.2f} | "
                 f"{b['step_s'] / max(b['compute_s'], b['disk_s']):.2f} |"
             ),
         ]
@@ -396,7 +423,8 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
             "(12 B/param); each gather of a unit reads its master shard (4 B/param per gather)."
         ),
         (
-            "- Peak RSS counts the two rank processes only (not torchrun's agent). The load average below says how "
+            "- Peak RSS counts the two rank processes (started directly, no launcher process). The load average "
+            "below says how "
             "much other work shared the 2 cores: step times, and so step / bound, are noisier when it is over 2."
         ),
         "- Plot: capacity.png (every attempt per system, o trained, x failed; dashed: model states = this RAM).",

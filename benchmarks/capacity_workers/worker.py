@@ -1,8 +1,8 @@
 """One rank of one bench_capacity attempt: build a GPT of the given shape, train it 2 steps, write a JSON.
 
-Started by benchmarks/bench_capacity.py through `python -m torch.distributed.run --nproc_per_node 2`,
-with this checkout's .venv for ddp, fsdp2 and the engine rows and /tmp/dsvenv (DeepSpeed 0.19.8) for
-the DeepSpeed rows, so this file imports nothing of the engine at module level (DeepSpeed's venv has
+Started twice by benchmarks/bench_capacity.py (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment,
+as torchrun would set them), with this checkout's .venv for ddp, fsdp2 and the engine rows and
+/tmp/dsvenv (DeepSpeed 0.19.8) for the DeepSpeed rows, so this file imports nothing of the engine at module level (DeepSpeed's venv has
 no engine) and only the standard library plus torch.
 
     worker.py --system S --layers L --d-model D --heads H --vocab V --seq 128 --steps 2 --out DIR [--nvme DIR]
