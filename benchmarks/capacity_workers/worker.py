@@ -2,13 +2,12 @@
 
 Started twice by benchmarks/bench_capacity.py (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment,
 as torchrun would set them), with this checkout's .venv for ddp, fsdp2 and the engine rows and
-/tmp/dsvenv (DeepSpeed 0.19.8) for the DeepSpeed rows, so this file imports nothing of the engine at module level (DeepSpeed's venv has
-no engine) and only the standard library plus torch.
+/tmp/dsvenv (DeepSpeed 0.19.8) for the DeepSpeed rows, so it imports nothing of the engine at module
+level (DeepSpeed's venv has no engine).
 
     worker.py --system S --layers L --d-model D --heads H --vocab V --seq 128 --steps 2 --out DIR [--nvme DIR]
 
-Each rank writes DIR/rank<r>.json: parameters, ru_maxrss (KiB) after building, wrapping and the last
-step, the seconds of every step, the bytes this process read from and wrote to storage during each
+Each rank writes DIR/rank<r>.json: ru_maxrss (KiB) at the start, after wrapping and after the last step, the seconds of every step, the bytes this process read from and wrote to storage during each
 step (/proc/self/io read_bytes/write_bytes: every thread's real I/O, O_DIRECT included, the page
 cache's hits not), and the disk bytes its swap folder holds after the steps (NVMe rows).
 """
