@@ -8,7 +8,8 @@ level (DeepSpeed's venv has no engine).
     worker.py --system S --layers L --d-model D --heads H --vocab V --seq 128 --steps 2 --out DIR [--nvme DIR]
 
 Each rank writes DIR/rank<r>.json: ru_maxrss (KiB) at the start, after wrapping and after the last
-step, the seconds of every step, the bytes this process read from and wrote to storage during each step (/proc/self/io read_bytes/write_bytes: every thread's real I/O, O_DIRECT included, the page
+step, the seconds of every step, the bytes this process read from and wrote to storage during each
+step (/proc/self/io read_bytes/write_bytes: every thread's real I/O, O_DIRECT included, the page
 cache's hits not), and the disk bytes its swap folder holds after the steps (NVMe rows).
 """
 
