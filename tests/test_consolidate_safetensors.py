@@ -140,12 +140,12 @@ def test_a_truncated_rank_file_is_named(saved: Path, tmp_path: Path) -> None:
         os.truncate(path, path.stat().st_size // 2)
         out = tmp_path / f"out_{source.parent.name}"
         out.mkdir()
-        for write in (
-            lambda: write_safetensors(str(ckpt), str(out / "m.safetensors"), workers=2),
-            lambda: write_safetensors_dir(str(ckpt), str(out), max_shard_size=20_000, workers=2),
+        for write, args, kwargs in (
+            (write_safetensors, (str(ckpt), str(out / "m.safetensors")), {"workers": 2}),
+            (write_safetensors_dir, (str(ckpt), str(out)), {"max_shard_size": 20_000, "workers": 2}),
         ):
             with pytest.raises(CheckpointError) as err:
-                write()
+                write(*args, **kwargs)
             assert str(path) in str(err.value), str(err.value)
         assert list(out.iterdir()) == []  # no output and no temporary file
 
