@@ -36,13 +36,18 @@ def atomic_open(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
     fsync_dir(directory)
 
 
-def fsync_dir(directory: str) -> None:
-    """Make renames and creations in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str) -> None:
+    """Make a file's data, or renames and creations in a directory, durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make renames and creations in `directory` durable."""
+    fsync_path(directory)
 
 
 class _Crc32Writer:

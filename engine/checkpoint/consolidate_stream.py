@@ -33,7 +33,7 @@ from typing import TypeVar
 import torch
 from tqdm import tqdm
 
-from engine.checkpoint.atomic_file import atomic_open, fsync_dir
+from engine.checkpoint.atomic_file import atomic_open, fsync_dir, fsync_path
 from engine.checkpoint.consolidate_copy import (
     TASK_BYTES,
     Copy,
@@ -47,7 +47,7 @@ from engine.checkpoint.consolidate_copy import (
 )
 from engine.checkpoint.consolidate_plan import Entry, assemble, open_checkpoint, plan
 from engine.checkpoint.deepspeed_format import is_deepspeed_tag_dir
-from engine.checkpoint.files import CheckpointError, model_file, optim_file, read_manifest
+from engine.checkpoint.files import CheckpointError, check_checksum, model_file, optim_file, read_manifest
 from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.safetensors_writer import (
     INDEX_NAME,
@@ -169,13 +169,13 @@ class _Source:
                 if self.checksums:  # each file read once: its CRC-32 and its runs from the same blocks
                     by_src = {path: [c for c in copies if c.src == path] for path in self.checksums}
                     for path, found, done in self._map(scan_file, list(by_src.items())):
-                        _check_crc(path, found, self.checksums[path])
+                        check_checksum(path, found, self.checksums[path])
                         bar.update(done)
                     copies = [c for c in copies if c.src not in by_src]
                 for done in self._map(run_copies, tasks(copies)):
                     bar.update(done)
             for tmp in tmps:
-                _fsync(tmp)
+                fsync_path(tmp)
             for (_, path), tmp in zip(outputs, tmps):
                 os.replace(tmp, path)
         except BaseException:
@@ -303,14 +303,6 @@ def _pwrite_all(path: str, flat: torch.Tensor, offset: int) -> None:
     pwrite(open_fd(path, os.O_WRONLY), flat.contiguous().view(torch.uint8).numpy().data, offset)
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _checksums(tag_dir: str) -> dict[str, dict[str, int]]:
     """The manifest's {"crc32", "bytes"} of the engine's rank files by real path (as /proc/self/maps names
     them); a missing or resized file is named here, before anything is loaded. DeepSpeed keeps none."""
@@ -321,19 +313,6 @@ def _checksums(tag_dir: str) -> dict[str, dict[str, int]]:
         path = os.path.realpath(os.path.join(tag_dir, name))
         if not os.path.isfile(path):
             raise CheckpointError(f"{os.path.join(tag_dir, name)} is missing; the checkpoint is incomplete")
-        _check_crc(path, {"crc32": expected["crc32"], "bytes": os.path.getsize(path)}, expected)
+        check_checksum(path, {"crc32": expected["crc32"], "bytes": os.path.getsize(path)}, expected)
         out[path] = expected
     return out
-
-
-def _check_crc(path: str, found: dict[str, int], expected: dict[str, int]) -> None:
-    if found != expected:
-        what = (
-            f"{found['bytes']} bytes, the manifest says {expected['bytes']}"
-            if found["bytes"] != expected["bytes"]
-            else f"CRC-32 {found['crc32']:08x}, the manifest says {expected['crc32']:08x}"
-        )
-        raise CheckpointError(
-            f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
-            "trusted: load an earlier tag"
-        )

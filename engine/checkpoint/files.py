@@ -308,23 +308,27 @@ def unpickling_reason(err: Exception) -> str:
     return (named or lines or [type(err).__name__])[0]
 
 
+def check_checksum(path: str, found: dict[str, int], expected: dict[str, int]) -> None:
+    """A rank file's {"crc32", "bytes"} as read against the manifest's: a named error when they differ."""
+    if found != expected:
+        what = (
+            f"{found['bytes']} bytes, the manifest says {expected['bytes']}"
+            if found["bytes"] != expected["bytes"]
+            else f"CRC-32 {found['crc32']:08x}, the manifest says {expected['crc32']:08x}"
+        )
+        raise CheckpointError(
+            f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
+            "trusted: load an earlier tag"
+        )
+
+
 def load_file(path: str, expected: dict[str, int] | None = None) -> dict[str, Any]:
     """One rank file, memory-mapped (pieces are read on demand), with a named error when it is bad.
     `expected` is the manifest's {"crc32", "bytes"} for it (None: a checkpoint saved before checksums)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
     if expected is not None:
-        found = file_crc32(path)
-        if found != expected:
-            what = (
-                f"{found['bytes']} bytes, the manifest says {expected['bytes']}"
-                if found["bytes"] != expected["bytes"]
-                else f"CRC-32 {found['crc32']:08x}, the manifest says {expected['crc32']:08x}"
-            )
-            raise CheckpointError(
-                f"{path} was modified or damaged after it was saved ({what}); its values cannot be "
-                "trusted: load an earlier tag"
-            )
+        check_checksum(path, file_crc32(path), expected)
     return load_dict(
         path,
         refused=lambda reason: (
