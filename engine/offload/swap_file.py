@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.offload.errors import SwapFileError
-from engine.ops.aio import AioContext, DiskFullError, IOHandle, free_bytes, open_file, transfer_error
+from engine.ops.aio import AioContext, DiskFullError, IOHandle, free_bytes, open_file, transfer_error, wait_each
 
 SUFFIX = ".swp"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -203,12 +203,7 @@ class SwapFile:
         transfer's error, if one failed and was not waited for."""
         with self._lock:
             in_flight, self._in_flight = [h for h in self._in_flight if not h.waited], []
-        first: OSError | None = None
-        for io in in_flight:  # a handle waited already raised its error to whoever waited
-            try:
-                io.wait()
-            except OSError as error:
-                first = first or error
+        first = wait_each(in_flight)
         if self._file.fd >= 0:
             self._file.close()
         if remove:

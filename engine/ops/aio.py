@@ -358,6 +358,18 @@ def _compiled_library() -> ctypes.CDLL | None:
     return ops.library if ops is not None and hasattr(ops.library, "ze_aio_create") else None
 
 
+def wait_each(handles: list[IOHandle]) -> AioError | None:
+    """Waits for every handle (one waited already raised its error to whoever waited); returns the first
+    error, after all are done."""
+    first: AioError | None = None
+    for handle in handles:
+        try:
+            handle.wait()
+        except AioError as error:
+            first = first or error
+    return first
+
+
 class AioContext:
     """Moves bytes between OpenFiles and CPU tensors on the back-end the config picks (see the module
     docstring); handles of every transfer are kept until waited, and close() waits for them all."""
@@ -409,12 +421,7 @@ class AioContext:
         """Waits for every transfer not yet waited; raises the first one's error after all are done."""
         with self._lock:
             pending, self._pending = [h for h in self._pending if not h.waited], []
-        first: AioError | None = None
-        for handle in pending:  # a handle waited already raised its error to whoever waited
-            try:
-                handle.wait()
-            except AioError as error:
-                first = first or error
+        first = wait_each(pending)
         if first is not None:
             raise first
 
