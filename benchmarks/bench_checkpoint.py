@@ -31,6 +31,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -147,18 +148,8 @@ def integrity(args: argparse.Namespace) -> None:
     ]
     lines += [f"| {name} | {t:.3f} | {size / t / 1e9:.2f} | {t / save:.1%} |" for name, t in hashes.items()]
     lines += ["", "Machine:", *machine_facts(ROOT, load_before, busy_cores=1)]
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(ROOT, "benchmarks", "results", "checkpoint.md")
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(pip install matplotlib for the plot)")
+    plt = _write_table("checkpoint.md", lines)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3))
     names = ["save", "load"]
@@ -168,7 +159,7 @@ def integrity(args: argparse.Namespace) -> None:
     ax.set_title(f"Checkpoint integrity cost, {size / 1e6:.0f} MB")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out.replace(".md", ".png"), dpi=100)
+    fig.savefig(os.path.join(ROOT, "benchmarks", "results", "checkpoint.png"), dpi=100)
 
 
 # ---------------------------------------------------------------------------------------- consolidation
@@ -403,17 +394,8 @@ def _report(
             f"{main_rss / 2**20:.0f} | {interp / 2**20:.0f} |"
         )
     lines += ["", "Machine:", *machine_facts(ROOT, load_before, busy_cores=2)]
-    out_md = os.path.join(ROOT, "benchmarks", "results", "consolidate.md")
-    with open(out_md, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(pip install matplotlib for the plot)")
+    plt = _write_table("consolidate.md", lines)
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 1.5), width_ratios=[3, 2])
     labels = [f"{r[0]} ({r[1]} ckpt, {r[2]})" for r in rows]
@@ -431,8 +413,26 @@ def _report(
     ax2.legend(fontsize=7)
     fig.suptitle("Consolidating a ZeRO-2 checkpoint into safetensors")
     fig.tight_layout()
-    fig.savefig(out_md.replace(".md", ".png"), dpi=100)
+    fig.savefig(os.path.join(ROOT, "benchmarks", "results", "consolidate.png"), dpi=100)
 
 
 if __name__ == "__main__":
     main()
+
+
+def _write_table(name: str, lines: list[str]) -> Any:
+    """Write and print a results table (benchmarks/results/<name>); matplotlib's pyplot for its plot, or
+    None when matplotlib is not installed."""
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(pip install matplotlib for the plot)")
+        return None
+    return plt
