@@ -28,6 +28,7 @@ import engine
 from engine.checkpoint import CheckpointError
 from engine.checkpoint.consolidate import main, write_safetensors, write_safetensors_dir
 from engine.checkpoint.deepspeed_format.safe_load import load_deepspeed_file
+from engine.checkpoint.files import load_file as load_checkpoint_file
 
 DS_FIXTURES = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
 
@@ -151,14 +152,23 @@ def test_a_truncated_rank_file_is_named(saved: Path, tmp_path: Path) -> None:
 
 
 def test_a_flipped_byte_is_found_while_copying(saved: Path, tmp_path: Path) -> None:
-    # The CRC-32 is taken in the same read that copies the values (one pass over each rank file).
+    # The CRC-32 is taken in the same read that copies the values (one pass over the head of each
+    # optimizer file, which holds its pickle and its masters: the manifest's "masters" entry).
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved / "stage3", ckpt)
     path = ckpt / "t" / "rank_0_optim_states.pt"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
+    digest = json.loads((ckpt / "t" / "manifest.json").read_text())["checksums"][path.name]
+    masters = digest["masters"]
+    assert 0 < masters["offset"] and masters["offset"] + masters["bytes"] < digest["bytes"] // 2  # moments after
+    good = path.read_bytes()
+
+    def flip(at: int) -> None:
+        data = bytearray(good)
+        data[at] ^= 0x10
+        path.write_bytes(bytes(data))
+
     out = tmp_path / "out"
+    flip(masters["offset"] + masters["bytes"] // 2)  # a master's value
     for workers in (1, 2):
         with pytest.raises(CheckpointError, match="was modified or damaged after it was saved") as err:
             write_safetensors_dir(str(ckpt), str(out), workers=workers)
@@ -166,6 +176,30 @@ def test_a_flipped_byte_is_found_while_copying(saved: Path, tmp_path: Path) -> N
         assert list(out.iterdir()) == []
     write_safetensors_dir(str(ckpt), str(out), workers=2, verify=False)  # told not to check: written
     assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+
+    # A moment's byte: not in the output, which is written exactly; loading the file refuses it.
+    flip((masters["offset"] + masters["bytes"] + digest["bytes"]) // 2)
+    write_safetensors(str(ckpt), str(out / "m.safetensors"), workers=2)
+    _equal(load_file(str(out / "m.safetensors")), torch.load(saved / "stage3_reference.pt", weights_only=True))
+    with pytest.raises(CheckpointError, match="was modified or damaged after it was saved"):
+        load_checkpoint_file(str(path), digest)
+
+
+def test_a_checkpoint_without_masters_checksums_is_checked_whole(saved: Path, tmp_path: Path) -> None:
+    # As saved before the manifest had "masters": the whole file is read and checked (a moment's byte too).
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "stage1", ckpt)
+    manifest = json.loads((ckpt / "t" / "manifest.json").read_text())
+    for digest in manifest["checksums"].values():
+        digest.pop("masters", None)
+    (ckpt / "t" / "manifest.json").write_text(json.dumps(manifest))
+    path = ckpt / "t" / "rank_1_optim_states.pt"
+    data = bytearray(path.read_bytes())
+    data[-len(data) // 4] ^= 0x10  # in the last moment
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="was modified or damaged after it was saved") as err:
+        write_safetensors(str(ckpt), str(tmp_path / "m.safetensors"), workers=2)
+    assert str(path) in str(err.value)
 
 
 def test_shard_sizes_and_names_as_transformers_writes_them() -> None:

@@ -119,18 +119,18 @@ def pwrite(fd: int, data: memoryview, offset: int) -> int:
     return done
 
 
-def scan_file(task: tuple[str, list[Copy]]) -> tuple[str, dict[str, int], int]:
-    """One rank file read once, front to back: its CRC-32 taken and every run of `copies` (all from this
-    file) written out of the same blocks, so checking a file and copying from it cost one read of it.
-    Returns (path, {"crc32", "bytes"}, source bytes copied)."""
-    path, copies = task
+def scan_file(task: tuple[str, tuple[list[Copy], int]]) -> tuple[str, dict[str, int], int]:
+    """A rank file's first `limit` bytes read once, front to back: their CRC-32 taken and every run of
+    `copies` (all from this file, all within them) written out of the same blocks, so checking a file
+    and copying from it cost one read of it. Returns (path, {"crc32", "bytes"}, source bytes copied)."""
+    path, (copies, limit) = task
     copies = sorted(copies, key=lambda c: c.src_offset)
     buf = bytearray(SCAN_BYTES)
     crc, pos, copied, first = 0, 0, 0, 0
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
-            while n := os.preadv(fd, [buf], pos):
+            while pos < limit and (n := os.preadv(fd, [memoryview(buf)[: min(SCAN_BYTES, limit - pos)]], pos)):
                 block = memoryview(buf)[:n]
                 crc = zlib.crc32(block, crc)
                 while first < len(copies) and _end(copies[first]) <= pos:

@@ -18,8 +18,10 @@ Every output file is written under <name>.tmp.<pid>, fsynced, and renamed only w
 a failure removes them, so a failed run leaves no half output. The engine's rank files' CRC-32s are
 checked on the way: a worker reads each rank file once, front to back, taking its CRC-32 and writing
 the runs it holds from the same blocks (consolidate_copy.scan_file), so verifying costs no second
-read; a mismatch fails the run before anything is renamed. DeepSpeed's files (no checksums), and
-verify=False, copy only the runs' bytes.
+read; a mismatch fails the run before anything is renamed. Of an optimizer file whose manifest entry
+has "masters" (files.py) only the head is read and checked, up to the end of its masters, which
+hold every value copied from it: not its Adam moments, two thirds of it. DeepSpeed's files (no
+checksums), and verify=False, copy only the runs' bytes.
 """
 
 from __future__ import annotations
@@ -167,7 +169,10 @@ class _Source:
                 for entry, tmp, offset in in_memory:  # joined in memory, one tensor at a time
                     _pwrite_all(tmp, assemble(self.reader, entry).to(entry.dtype), offset)
                 if self.checksums:  # each file read once: its CRC-32 and its runs from the same blocks
-                    by_src = {path: [c for c in copies if c.src == path] for path in self.checksums}
+                    by_src = {
+                        path: (_within_checked(path, [c for c in copies if c.src == path], check), check["bytes"])
+                        for path, check in self.checksums.items()
+                    }
                     for path, found, done in self._map(scan_file, list(by_src.items())):
                         check_checksum(path, found, self.checksums[path])
                         bar.update(done)
@@ -304,8 +309,11 @@ def _pwrite_all(path: str, flat: torch.Tensor, offset: int) -> None:
 
 
 def _checksums(tag_dir: str) -> dict[str, dict[str, int]]:
-    """The manifest's {"crc32", "bytes"} of the engine's rank files by real path (as /proc/self/maps names
-    them); a missing or resized file is named here, before anything is loaded. DeepSpeed keeps none."""
+    """What to check of each of the engine's rank files, by real path (as /proc/self/maps names them):
+    {"crc32", "bytes", "start"}, the CRC-32 of its first "bytes" bytes, and from which byte the values
+    copied from it may be taken. For an optimizer file with a "masters" entry (files.py) that is the
+    head of the file up to the end of the masters; otherwise the whole file, from byte 0. A missing or
+    resized file is named here, before anything is loaded. DeepSpeed keeps no checksums."""
     if is_deepspeed_tag_dir(tag_dir):
         return {}
     out = {}
@@ -314,5 +322,24 @@ def _checksums(tag_dir: str) -> dict[str, dict[str, int]]:
         if not os.path.isfile(path):
             raise CheckpointError(f"{os.path.join(tag_dir, name)} is missing; the checkpoint is incomplete")
         check_checksum(path, {"crc32": expected["crc32"], "bytes": os.path.getsize(path)}, expected)
-        out[path] = expected
+        masters = expected.get("masters")
+        if masters is None:
+            out[path] = {"crc32": expected["crc32"], "bytes": expected["bytes"], "start": 0}
+        else:
+            end = masters["offset"] + masters["bytes"]
+            out[path] = {"crc32": masters["crc32"], "bytes": end, "start": masters["offset"]}
     return out
+
+
+def _within_checked(path: str, copies: list[Copy], check: dict[str, int]) -> list[Copy]:
+    """copies (all from `path`), refused by name if one takes bytes outside the part of the file its
+    checksum covers (the zip's directory, which is not checked, would have to point elsewhere)."""
+    for c in copies:
+        end = c.src_offset + c.numel * c.src_dtype.itemsize
+        if c.src_offset < check["start"] or end > check["bytes"]:
+            raise CheckpointError(
+                f"{path}: {c.tensor!r} is read from bytes [{c.src_offset}, {end}) but the manifest's "
+                f"checksum covers its values at [{check['start']}, {check['bytes']}); the file was "
+                "modified or damaged after it was saved; load an earlier tag"
+            )
+    return copies

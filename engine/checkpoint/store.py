@@ -114,6 +114,8 @@ class _Pieces:
     scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per optimizer group, the state not shaped like a master (Adam's step), from its first record."""
     index: PieceIndex = field(default_factory=list)
+    masters_bytes: int | None = None
+    """The optimizer file's masters' bytes when they are one storage (_pack), else None."""
 
 
 def _agree_on_client_state(client_state: dict[str, Any] | None) -> dict[str, Any]:
@@ -163,7 +165,33 @@ def _collect_pieces(records: list[ShardRecord], optimizer: torch.optim.Optimizer
     for record in records:
         if record.write:
             _add_record(pieces, record, optimizer, left_out)
+    pieces.masters_bytes = _pack(pieces.optim)
     return pieces
+
+
+def _pack(optim: dict[str, list[dict[str, Any]]]) -> int | None:
+    """Every optimizer piece's tensors copied into one flat tensor per (key, dtype), each piece's value a
+    view of it, in the pieces' order: torch.save writes one storage each, so the file holds its masters
+    as one run of bytes, before the moments (the first piece's "master" is the first tensor pickled),
+    and few records to unpickle. Returns the masters' bytes when they are all one dtype (one storage,
+    whose checksum goes into the manifest on its own for consolidate, files.py), else None."""
+    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+    for entries in optim.values():
+        for entry in entries:
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    groups.setdefault((key, value.dtype), []).append(value)
+    views = {
+        group: iter(torch.cat(parts).split([p.numel() for p in parts]) if parts else [])
+        for group, parts in groups.items()
+    }
+    for entries in optim.values():
+        for entry in entries:
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    entry[key] = next(views[(key, value.dtype)])
+    masters = [parts for (key, _), parts in groups.items() if key == "master"]
+    return sum(p.numel() * p.element_size() for p in masters[0]) if len(masters) == 1 else None
 
 
 def _add_record(
@@ -182,8 +210,8 @@ def _add_record(
     pieces.scalars.setdefault(record.opt_group, _scalar_state(optimizer, record))
     for piece in record.pieces:
         lo, hi = piece.tensor_offset, piece.tensor_offset + piece.numel
-        entry = {"offset": piece.param_offset, "master": flat[lo:hi].clone()}
-        entry.update({k: v[lo:hi].clone() for k, v in states.items()})
+        entry = {"offset": piece.param_offset, "master": flat[lo:hi]}  # views: _pack copies them
+        entry.update({k: v[lo:hi] for k, v in states.items()})
         pieces.optim.setdefault(piece.name, []).append(entry)
         pieces.index.append(("optim", piece.name, piece.param_offset, piece.numel))
 
@@ -249,22 +277,25 @@ def _rank0_head(state: TrainingState, client_state: dict[str, Any]) -> dict[str,
 
 def _write_rank_files(
     partial: str, rank: int, model_state: dict[str, Any], pieces: _Pieces, stage: int
-) -> dict[str, dict[str, int]]:
+) -> dict[str, dict[str, Any]]:
     """This rank's two files, each written atomically; their checksums, for the manifest. The optimizer
     file also names the ZeRO stage under DeepSpeed's keys, which tools written for DeepSpeed read from
     it themselves (Lightning: optim_state["optimizer_state_dict"]["zero_stage"])."""
     optim_state = {"pieces": pieces.optim, "scalars": pieces.scalars, "optimizer_state_dict": {"zero_stage": stage}}
-    return {
-        model_file(rank): atomic_save(model_state, os.path.join(partial, model_file(rank))),
-        optim_file(rank): atomic_save(optim_state, os.path.join(partial, optim_file(rank))),
-    }
+    model = atomic_save(model_state, os.path.join(partial, model_file(rank)))
+    optim = atomic_save(optim_state, os.path.join(partial, optim_file(rank)))
+    model.pop("first_storage", None)
+    first = optim.pop("first_storage", None)
+    if first is not None and first["bytes"] == pieces.masters_bytes:  # the masters, as _pack laid them out
+        optim["masters"] = first
+    return {model_file(rank): model, optim_file(rank): optim}
 
 
 def _manifest(
     state: TrainingState,
     tag: str,
     world: int,
-    gathered: list[tuple[PieceIndex, dict[str, dict[str, int]]]],
+    gathered: list[tuple[PieceIndex, dict[str, dict[str, Any]]]],
     tensor_parallel: dict[str, Any],
     exclude_frozen_parameters: bool,
 ) -> dict[str, Any]:
