@@ -75,13 +75,19 @@ def main() -> None:
     parser.add_argument("--consolidate", action="store_true", help="the consolidation benchmark instead")
     parser.add_argument("--workdir", default=None, help="consolidation: where the checkpoints go (deleted after)")
     parser.add_argument("--keep", action="store_true", help="consolidation: keep the checkpoints in --workdir")
+    parser.add_argument(
+        "--before",
+        default=None,
+        help="consolidation: a source tree of an earlier commit (git archive), whose engine saves a checkpoint too: "
+        "rows for it, consolidated by this engine, measured in the same rounds",
+    )
     parser.add_argument("--ds-save", default=None, help=argparse.SUPPRESS)  # in DeepSpeed's venv: save there
     args = parser.parse_args()
     if args.ds_save:
         torch.multiprocessing.spawn(_save_rank, args=("deepspeed", args.ds_save, args.params, _free_port()), nprocs=2)
         return
     if args.consolidate:
-        consolidate_benchmark(args.params, args.workdir, args.keep)
+        consolidate_benchmark(args.params, args.workdir, args.keep, args.before)
         return
     integrity(args)
 
@@ -289,7 +295,19 @@ def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, verify: b
     return result | {"peak_pss": peak, "main_rss": main_peak}
 
 
-def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False) -> None:
+def _save_before(tree: str, save_dir: str, params: float) -> None:
+    """An engine checkpoint saved by the engine in `tree` (an earlier commit's files), with its own _save_rank."""
+    import subprocess
+
+    code = (
+        f"import sys, torch; sys.path.insert(0, {os.path.join(tree, 'benchmarks')!r})\n"
+        "from bench_checkpoint import _save_rank, _free_port\n"
+        f"torch.multiprocessing.spawn(_save_rank, args=('engine', {save_dir!r}, {params}, _free_port()), nprocs=2)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": tree}, cwd=tree, check=True)
+
+
+def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False, before: str | None = None) -> None:
     import shutil
     import statistics
     import subprocess
@@ -307,9 +325,13 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
             )
         if not os.path.isdir(ours_ckpt):
             torch.multiprocessing.spawn(_save_rank, args=("engine", ours_ckpt, params, _free_port()), nprocs=2)
+        before_ckpt = os.path.join(root, "engine_before")
+        if before is not None and not os.path.isdir(before_ckpt):
+            _save_before(before, before_ckpt, params)
         sizes = {
             ckpt: sum(e.stat().st_size for e in os.scandir(os.path.join(ckpt, "global_step1")))
-            for ckpt in (ds_ckpt, ours_ckpt)
+            for ckpt in (ds_ckpt, ours_ckpt, before_ckpt)
+            if os.path.isdir(ckpt)
         }
         runs = [
             ("DeepSpeed zero_to_fp32 (safe_serialization)", "deepspeed", ds_ckpt, "float32", 1, True),
@@ -319,6 +341,8 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
             ("engine consolidate --no-verify", "engine", ours_ckpt, "float32", 2, False),
             ("engine consolidate --dtype bf16", "engine", ours_ckpt, "bfloat16", 2, True),
         ]
+        if before is not None:
+            runs.append(("engine consolidate", "engine", before_ckpt, "float32", 2, True))
         got: dict[tuple[int, bool], list[dict[str, float]]] = {}
         for _ in range(REPEATS):  # interleaved, so that other work on the machine weighs on every tool alike
             for cold in (True, False):
@@ -332,7 +356,7 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
             rows.append(
                 (
                     name,
-                    "DeepSpeed's" if ckpt == ds_ckpt else "engine's",
+                    {ds_ckpt: "DeepSpeed's", ours_ckpt: "engine's"}.get(ckpt, "engine's, saved before"),
                     "cold" if cold else "warm",
                     statistics.median(g["seconds"] for g in results),
                     statistics.median(g["durable"] for g in results),
@@ -350,6 +374,7 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
         elif not keep:
             shutil.rmtree(ds_ckpt, ignore_errors=True)
             shutil.rmtree(ours_ckpt, ignore_errors=True)
+            shutil.rmtree(os.path.join(root, "engine_before"), ignore_errors=True)
     _report(rows, params, load_before)
 
 
@@ -372,9 +397,11 @@ def _report(
             "output files after the call (the engine fsyncs before it returns, DeepSpeed's zero_to_fp32 does "
             "not): the like-for-like time, which the GB/s and the ratio use. Input GB/s = the tag directory's "
             "bytes / s (DeepSpeed's also holds a model-states file with the fp32 weights, which neither tool "
-            "needs); output GB/s = safetensors bytes / s. The engine checks the CRC-32 of each of its rank "
-            "files, reading every byte, moments included (--no-verify skips it); DeepSpeed's files have no "
-            "checksums. Peak memory: the PSS of the process and its workers together (pages shared since the "
+            "needs); output GB/s = safetensors bytes / s. The engine checks CRC-32s (--no-verify skips them): "
+            "of each model file whole, and of each optimizer file's head up to the end of its fp32 masters "
+            "(the manifest's 'masters' entry), not its Adam moments; a checkpoint saved before that entry "
+            "existed ('saved before' rows: older commit, same model) has every byte of its files checked, "
+            "moments included. DeepSpeed's files have no checksums. Peak memory: the PSS of the process and its workers together (pages shared since the "
             "fork count once) and the main process's RSS, sampled every 5 ms, the largest of the runs; "
             "interpreter: the main process's RSS before the call (Python, torch and the tool imported). The "
             f"largest tensor is {largest / 2**20:.0f} MiB. Engine rows use 2 workers unless said."
