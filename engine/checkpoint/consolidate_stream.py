@@ -203,6 +203,7 @@ class _Source:
                     in_memory.append((entry, dst, start))
                 else:
                     located.append((entry, dst, start, _pieces(self.reader, entry)))
+        self._check_masters_storage()
         maps = _Mappings()
         copies: list[Copy] = []
         for entry, dst, start, pieces in located:
@@ -212,6 +213,37 @@ class _Source:
             else:
                 copies.extend(runs)
         return copies, in_memory
+
+    def _check_masters_storage(self) -> None:
+        """Of each optimizer file checked only up to its masters' end: its masters' storage, which every
+        master piece is a view of (the checked pickle says so), lies exactly where the manifest's checksum
+        covers it. Where a storage lies comes from the zip's directory at the file's end, which is not
+        checked: this keeps any value, copied or joined in memory, inside the checked bytes."""
+        ranks = [
+            (rank, path)
+            for rank in range(len(self.reader.manifest["pieces"]))
+            if self.checksums.get(
+                path := os.path.realpath(os.path.join(self.reader.tag_dir, optim_file(rank))), {}
+            ).get("start")
+        ]
+        files = {rank: self.reader.file(optim_file(rank)) for rank, _ in ranks}  # mapped before maps are read
+        maps = _Mappings()
+        for rank, path in ranks:
+            check = self.checksums[path]
+            pieces = files[rank].get("pieces")
+            masters = [e["master"] for es in pieces.values() for e in es] if isinstance(pieces, dict) else []
+            storage = masters[0].untyped_storage() if masters and torch.is_tensor(masters[0]) else None
+            whole = None if storage is None else torch.empty(0, dtype=torch.uint8).set_(storage)
+            if (
+                whole is None
+                or maps.locate(whole) != (path, check["start"])
+                or whole.numel() != check["bytes"] - check["start"]
+            ):
+                raise CheckpointError(
+                    f"{path}: its masters are not at bytes [{check['start']}, {check['bytes']}), where the "
+                    "manifest's checksum covers them; the file was modified or damaged after it was saved; "
+                    "load an earlier tag"
+                )
 
 
 def _pieces(reader: PieceReader, entry: Entry) -> list[tuple[int, torch.Tensor]]:
