@@ -443,10 +443,6 @@ def _report(
     fig.savefig(os.path.join(ROOT, "benchmarks", "results", "consolidate.png"), dpi=100)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _write_table(name: str, lines: list[str]) -> Any:
     """Write and print a results table (benchmarks/results/<name>); matplotlib's pyplot for its plot, or
     None when matplotlib is not installed."""
@@ -463,3 +459,7 @@ def _write_table(name: str, lines: list[str]) -> Any:
         print("(pip install matplotlib for the plot)")
         return None
     return plt
+
+
+if __name__ == "__main__":
+    main()
