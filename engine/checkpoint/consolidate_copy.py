@@ -15,8 +15,11 @@ from engine.checkpoint.files import CheckpointError
 
 TASK_BYTES = 64 << 20
 """The most source bytes one worker task copies (and, when casting, holds)."""
-SCAN_BYTES = 16 << 20
-"""The block a worker reads a whole rank file in (scan_file): a multiple of every element size."""
+SCAN_BYTES = 1 << 20
+"""The block a worker reads a rank file in (scan_file): a multiple of every element size. Small enough to
+stay in cache between the read, the CRC-32 and the write, and to hold the output's inode lock briefly:
+two workers scanning 370 MB each into one output file took 2.0 s with 16 MiB blocks, 0.57 s with 4 MiB,
+0.50 s with 1 MiB, 0.68 s with 256 KiB (2 cores, warm cache; 0.42-0.53 s into separate files)."""
 
 
 @dataclass(frozen=True)

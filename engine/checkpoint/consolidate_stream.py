@@ -30,7 +30,7 @@ import bisect
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -49,7 +49,7 @@ from engine.checkpoint.consolidate_copy import (
 )
 from engine.checkpoint.consolidate_plan import Entry, assemble, open_checkpoint, plan
 from engine.checkpoint.deepspeed_format import is_deepspeed_tag_dir
-from engine.checkpoint.files import CheckpointError, check_checksum, model_file, optim_file, read_manifest
+from engine.checkpoint.files import CheckpointError, check_checksum, model_file, optim_file
 from engine.checkpoint.piece_reader import PieceReader
 from engine.checkpoint.safetensors_writer import (
     INDEX_NAME,
@@ -136,8 +136,8 @@ class _Source:
         self.pool = multiprocessing.get_context("fork").Pool(self.workers, init_worker) if self.workers > 1 else None
         try:
             # path -> the manifest's {"crc32", "bytes"}: checked while the copies read the files
-            self.checksums = _checksums(tag_dir) if verify else {}
             self.reader, manifest = open_checkpoint(tag_dir, verified=True)
+            self.checksums = _checksums(tag_dir, manifest) if verify else {}
             self.entries = plan(self.reader, manifest, dtype)
         except BaseException:
             self.close()
@@ -340,7 +340,7 @@ def _pwrite_all(path: str, flat: torch.Tensor, offset: int) -> None:
     pwrite(open_fd(path, os.O_WRONLY), flat.contiguous().view(torch.uint8).numpy().data, offset)
 
 
-def _checksums(tag_dir: str) -> dict[str, dict[str, int]]:
+def _checksums(tag_dir: str, manifest: dict[str, Any]) -> dict[str, dict[str, int]]:
     """What to check of each of the engine's rank files, by real path (as /proc/self/maps names them):
     {"crc32", "bytes", "start"}, the CRC-32 of its first "bytes" bytes, and from which byte the values
     copied from it may be taken. For an optimizer file with a "masters" entry (files.py) that is the
@@ -349,7 +349,7 @@ def _checksums(tag_dir: str) -> dict[str, dict[str, int]]:
     if is_deepspeed_tag_dir(tag_dir):
         return {}
     out = {}
-    for name, expected in read_manifest(tag_dir).get("checksums", {}).items():
+    for name, expected in manifest.get("checksums", {}).items():
         path = os.path.realpath(os.path.join(tag_dir, name))
         if not os.path.isfile(path):
             raise CheckpointError(f"{os.path.join(tag_dir, name)} is missing; the checkpoint is incomplete")
