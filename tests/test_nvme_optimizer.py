@@ -70,6 +70,10 @@ def _run(
     in_memory = sum(s.master.numel() for s in swap.by_master.values()) if swap is not None else None
     folder = str(swap.dir.path) if swap is not None else None
     files = sorted(os.listdir(folder)) if folder else []
+    # Stage 3's shard gradients are memory-mapped swap files (engine/offload/mapped_file.py).
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split()[-1] for line in maps if folder and folder in line and "/grad." in line}
+    grads = [g.shard_grad for u in eng._stage.units for g in u.trainable] if stage == 3 else []
     state = eng.consolidated_state_dict()
     eng.destroy()
     return {
@@ -79,6 +83,8 @@ def _run(
         "files": files,
         "gone": folder is None or not os.path.exists(folder),
         "masters in memory": in_memory,
+        "mapped grad files": sorted(os.path.basename(m) for m in mapped),
+        "grad targets": len(grads),
     }
 
 
@@ -117,6 +123,10 @@ def test_nvme_equals_the_in_memory_offload_bitwise(
     assert any(f.startswith("master.") for f in got["files"]) == ((bf16 and stage != 3) or params), got["files"]
     if params:
         assert got["masters in memory"] == 0
+    # At stage 3 every shard gradient lives in a mapped swap file; stages 1-2 keep them in memory.
+    grad_files = [f for f in got["files"] if f.startswith("grad.")]
+    assert got["mapped grad files"] == grad_files, got
+    assert len(grad_files) == (got["grad targets"] if stage == 3 else 0) and (stage != 3 or grad_files), got
     assert all(r["nvme"]["gone"] for r in ranks), [r["nvme"]["folder"] for r in ranks]
 
 
@@ -303,6 +313,7 @@ def test_the_estimate_with_nvme_equals_memory_report(tmp_path: Path) -> None:
         for row in rank_rows:
             assert row["report"] == row["estimate"], row
             assert row["report"]["nvme"] > 0 and row["report"]["optimizer_state"] == 0, row
+            assert (row["report"]["gradients"] == 0) == (row["case"][0] == 3), row
 
 
 def _train_until_killed(nvme_path: str, save_dir: str) -> None:

@@ -317,17 +317,20 @@ def on_nvme(e: MemoryEstimate, optimizer: bool, params: bool) -> MemoryEstimate:
     """`e` with what ZeRO-Infinity keeps in swap files moved to `disk` (engine/zero/optimizer_swap.py):
     with the optimizer on NVMe (stages 1-3) its state, and the fp32 master where it is a copy of a
     low-precision shard (stages 1-2); with parameters on NVMe too (stage 3) the fp32 shard, which is
-    the master (fp32: `params`; bf16/fp16: `master`). Stage 0 offloads nothing."""
+    the master (fp32: `params`; bf16/fp16: `master`). At stage 3 the shard gradients too (mapped swap
+    files, engine/offload/mapped_file.py). Stage 0 offloads nothing."""
     if e.stage == 0 or not optimizer:
         return e
     master = e.stage in (1, 2) or params
     shard = params and e.stage == 3
-    disk = e.optimizer_state + (e.master if master else 0) + (e.params if shard else 0)
+    grads = e.stage == 3
+    disk = e.optimizer_state + (e.master if master else 0) + (e.params if shard else 0) + (e.gradients if grads else 0)
     return replace(
         e,
         optimizer_state=0,
         master=0 if master else e.master,
         params=0 if shard else e.params,
+        gradients=0 if grads else e.gradients,
         disk=e.disk + disk,
     )
 

@@ -20,6 +20,9 @@ swap and when).
   `run_id` must be the same on every rank of a run (e.g. rank 0's, broadcast) and differ between runs.
 - swap_file.py: SwapFile, `<name>.swp` of `numel` elements of one dtype, space reserved at creation;
   read/write by element offset return a SwapHandle; see [Note: what a swap file checks].
+- mapped_file.py: MappedFile, a swap file mapped shared into memory as a plain tensor (stage 3's shard
+  gradients with the optimizer on NVMe), space reserved at creation; see [Note: state the step touches
+  in place].
 - errors.py: SwapPathError, SwapFileError. engine/ops/aio.py's AioError (a short or failed transfer:
   path, offset, bytes expected and moved, errno text) and DiskFullError (ENOSPC/EFBIG/EDQUOT, with the
   file system's free space) are re-exported here.
@@ -46,6 +49,7 @@ over two runs: its threads take the GIL between blocks).
 """
 
 from engine.offload.errors import SwapFileError, SwapPathError
+from engine.offload.mapped_file import MappedFile
 from engine.offload.swap_dir import SwapDir, check_nvme_path
 from engine.offload.swap_file import SwapFile, SwapHandle
 from engine.ops.aio import AioConfig, AioContext, AioError, DiskFullError, aligned_empty
@@ -55,6 +59,7 @@ __all__ = [
     "AioContext",
     "AioError",
     "DiskFullError",
+    "MappedFile",
     "SwapDir",
     "SwapFile",
     "SwapFileError",

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.offload.errors import SwapPathError
+from engine.offload.mapped_file import MappedFile
 from engine.offload.swap_file import SwapFile
 from engine.ops.aio import AioContext
 
@@ -136,6 +137,7 @@ class SwapDir:
         self.path, self.rank, self.run_id = path, rank, run_id
         self.pid = os.getpid()
         self.files: dict[str, SwapFile] = {}
+        self.mapped_files: dict[str, MappedFile] = {}
         self._closed = False
         atexit.register(self._remove_at_exit)
 
@@ -195,6 +197,16 @@ class SwapDir:
         self.files[name] = swap
         return swap
 
+    def mapped(self, name: str, numel: int, dtype: torch.dtype) -> MappedFile:
+        """A new memory-mapped swap file `<name>.swp` (see engine/offload/mapped_file.py)."""
+        if self._closed:
+            raise RuntimeError(f"swap folder {self.path} is closed")
+        if name in self.files or name in self.mapped_files:
+            raise ValueError(f"swap file {name!r} already exists in {self.path}")
+        mapped = MappedFile(self.path, name, numel, dtype)
+        self.mapped_files[name] = mapped
+        return mapped
+
     def close(self) -> None:
         """Closes every swap file and removes the folder (and the run folder when it is left empty)."""
         if self._closed:
@@ -204,6 +216,9 @@ class SwapDir:
         for swap in self.files.values():
             swap.close()
         self.files.clear()
+        for mapped in self.mapped_files.values():
+            mapped.close()
+        self.mapped_files.clear()
         shutil.rmtree(self.path, ignore_errors=True)
         try:
             self.path.parent.rmdir()

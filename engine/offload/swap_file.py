@@ -35,6 +35,14 @@ SUFFIX = ".swp"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
+def check_name(name: str, numel: int) -> None:
+    """A swap file's name and size as asked for: a ValueError naming what is wrong."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"swap file name {name!r}: use letters, digits, '_', '.' and '-' only")
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+        raise ValueError(f"swap file {name!r}: numel must be a positive integer, got {numel!r}")
+
+
 class Ranges:
     """Disjoint, sorted half-open element ranges [lo, hi) (the elements a completed write covers)."""
 
@@ -105,10 +113,7 @@ class SwapFile:
     swap file checks]. Element offsets everywhere (bytes only in messages)."""
 
     def __init__(self, folder: Path, name: str, numel: int, dtype: torch.dtype, context: AioContext) -> None:
-        if not _NAME.fullmatch(name):
-            raise ValueError(f"swap file name {name!r}: use letters, digits, '_', '.' and '-' only")
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
-            raise ValueError(f"swap file {name!r}: numel must be a positive integer, got {numel!r}")
+        check_name(name, numel)
         self.path = Path(folder) / f"{name}{SUFFIX}"
         self.name, self.numel, self.dtype, self.context = name, numel, dtype, context
         self.element_size = torch.empty((), dtype=dtype).element_size()

@@ -32,7 +32,7 @@ import torch
 from engine import comm
 from engine.config.errors import ConfigError
 from engine.config.types import EngineConfig
-from engine.offload import AioConfig, AioContext, SwapDir, SwapFile, SwapHandle, aligned_empty
+from engine.offload import AioConfig, AioContext, MappedFile, SwapDir, SwapFile, SwapHandle, aligned_empty
 from engine.ops.adam import AdamScalars, AdamTensors, adam_step
 
 KEY = "zero_optimization.offload_optimizer"
@@ -50,6 +50,9 @@ class NvmeSettings:
     params: bool = False
     """offload_param.device "nvme" too (stage 3): every fp32 master, the only persistent copy of a
     trainable parameter there, lives on disk and each gather reads its unit's from the file."""
+    grads: bool = False
+    """Stage 3: each target's gradient is a memory-mapped swap file, released from memory after its
+    reduction and after the step (engine/offload/mapped_file.py, [Note: state the step touches in place])."""
 
 
 def nvme_settings(config: EngineConfig) -> NvmeSettings | None:
@@ -114,6 +117,8 @@ class _Swapped:
     """exp_avg, exp_avg_sq, and "master" when the master is swapped."""
     parts: list[_Part]
     state: dict[str, Any]
+    grad_file: MappedFile | None
+    """The mapped swap file holding the gradient (NvmeSettings.grads), else None."""
 
 
 class OptimizerSwap:
@@ -130,6 +135,8 @@ class OptimizerSwap:
         )
         self.context = AioContext(settings.aio)
         self.by_master: dict[int, _Swapped] = {}
+        self._mapped_grads: dict[int, MappedFile] = {}
+        """id(gradient) -> the mapped swap file that holds it (settings.grads)."""
         size = settings.sub_group_size
 
         def build() -> None:
@@ -137,6 +144,7 @@ class OptimizerSwap:
                 # A copy of a low-precision parameter is swapped; the parameter's own fp32 storage only when
                 # parameters go to NVMe too (stage 3, whose gathers then read it from the file).
                 swap_master = t.lp is not None or settings.params
+                grad_file = self._map_grad(f"grad.{i}", t.grad) if settings.grads else None
                 lp = [t.lp] if t.lp is not None else []
                 master, grad, *lp_lists = contiguous_pieces([t.master, t.grad, *lp])
                 lp_pieces = lp_lists[0] if lp_lists else None
@@ -159,7 +167,7 @@ class OptimizerSwap:
                         offset += n
                 state = optimizer.state[t.master]
                 state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-                self.by_master[id(t.master)] = _Swapped(t.master, t.master.shape, files, parts, state)
+                self.by_master[id(t.master)] = _Swapped(t.master, t.master.shape, files, parts, state, grad_file)
             self._write_out(initial=True)
 
         _agreed(build, "writing the optimizer state to the NVMe swap files")
@@ -169,6 +177,23 @@ class OptimizerSwap:
             {k: aligned_empty(largest, torch.float32) for k in (*_MOMENTS, "master")}
             for _ in range(settings.buffer_count)
         ]
+
+    def _map_grad(self, name: str, grad: torch.Tensor) -> MappedFile:
+        """Move `grad`'s values into a mapped swap file and make that file its storage (in place: every
+        holder of the tensor, the stage's shard_grad and the master's .grad, sees the mapping)."""
+        mapped = self.dir.mapped(name, grad.numel(), grad.dtype)
+        mapped.tensor.copy_(grad.reshape(-1))
+        grad.set_(mapped.tensor.untyped_storage(), 0, grad.shape, grad.stride())
+        mapped.release(mapped.tensor)
+        self._mapped_grads[id(grad)] = mapped
+        return mapped
+
+    def release_grad(self, grad: torch.Tensor) -> None:
+        """A mapped gradient's pages leave this process's memory (values kept in its file); no-op for
+        gradients that are not mapped."""
+        mapped = self._mapped_grads.get(id(grad))
+        if mapped is not None:
+            mapped.release(grad.reshape(-1))
 
     # --------------------------------------------------------------------------------- the step
     def step_group(self, group: dict[str, Any], coef: float, adamw_mode: bool, bias_correction: bool) -> None:
@@ -228,6 +253,8 @@ class OptimizerSwap:
                     grad_scale=coef,
                 ),
             )
+            if s.grad_file is not None:  # read for the last time this step: out of memory, kept in its file
+                s.grad_file.release(part.grad)
             writes = [f.write(buf[name][:n], part.offset) for name, f in s.files.items()]
             if self.settings.pipeline_write:
                 writing.append((b, writes))
@@ -283,7 +310,8 @@ class OptimizerSwap:
         del initial
 
     def disk_bytes(self) -> int:
-        return sum(f.numel * 4 for s in self.by_master.values() for f in s.files.values())
+        files = sum(f.numel * 4 for s in self.by_master.values() for f in s.files.values())
+        return files + sum(m.nbytes for m in self._mapped_grads.values())
 
     def close(self) -> None:
         self.context.close()

@@ -45,6 +45,7 @@ class UnitGradients:
         release: Callable[[Unit], None],
         where: Callable[[], str],
         group: ProcessGroup | None = None,
+        reduced: Callable[[torch.Tensor], None] = lambda shard_grad: None,
     ) -> None:
         self.units = units
         self._memory = memory
@@ -54,6 +55,8 @@ class UnitGradients:
         """Position in `group`, the data-parallel group gradients are reduced over (None: the world)."""
         self._group = group
         self._release = release
+        self._reduced = reduced
+        """Told each shard gradient a reduction has just written (NVMe: its pages leave memory)."""
         """Release a unit whose gradients were sent (its parameters are not needed in this backward)."""
         self._where = where
         """Where training is (optimizer step, backward), for errors."""
@@ -145,6 +148,7 @@ class UnitGradients:
         g.arrived.clear()
         self._recycle_bucket(g)
         g.move_grads(GradState.REDUCED)
+        self._reduced(g.shard_grad)
 
     def _recycle_bucket(self, g: TrainableGroup) -> None:
         if g.grad_bucket is not None:

@@ -18,6 +18,7 @@ gathered when the model's forward starts and stays gathered until its gradients 
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -111,7 +112,8 @@ class Stage3:
                 optimizer,
                 [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
                 offload=offload_enabled(config),
-                nvme=nvme,
+                # ZeRO-Infinity at stage 3 keeps the shard gradients on NVMe too (as DeepSpeed's swapper does)
+                nvme=dataclasses.replace(nvme, grads=True) if nvme is not None else None,
             )
             if optimizer is not None
             else None
@@ -140,6 +142,9 @@ class Stage3:
             release=lambda unit: self._gathers.release(unit),
             where=self._where_in_training,
             group=self._group,
+            reduced=self.master_step.swap.release_grad
+            if self.master_step and self.master_step.swap
+            else lambda g: None,
         )
         self._gathers = UnitGathers(
             self.units,
@@ -257,6 +262,8 @@ class Stage3:
         groups = [g for u in self.units for g in u.groups]
         trainable = [g for u in self.units for g in u.trainable]
         opt_state = self.optimizer.state if self.optimizer is not None else {}
+        swap = self.master_step.swap if self.master_step is not None else None
+        grads_on_disk = swap is not None and swap.settings.grads  # counted in memory_report()["nvme"]
         state = sum(
             nbytes(v)
             for g in trainable
@@ -266,7 +273,7 @@ class Stage3:
         return {
             "params": sum(nbytes(g.shard) for g in groups),
             "master": sum(nbytes(g.master) for g in trainable if g.shard is None),
-            "gradients": sum(nbytes(g.shard_grad) for g in trainable),
+            "gradients": 0 if grads_on_disk else sum(nbytes(g.shard_grad) for g in trainable),
             "optimizer_state": state,
             **self._memory.report(),
             "gathered": self._gathers.gathered_bytes,

@@ -1,0 +1,90 @@
+"""A swap file mapped into memory: a plain tensor whose pages live in a file under nvme_path.
+
+    f = MappedFile(folder, "grad.3", numel, torch.float32)   # space reserved now (or DiskFullError)
+    g = f.tensor                     # reads as zeros; written in place like any tensor
+    f.release(g[lo:hi])              # those pages leave this process's memory; the values stay in the file
+
+# [Note: state the step touches in place]
+Stage 3's shard gradients are written by the reduce-scatter of each unit, read for the global norm,
+scaled, and read by the Adam step: several consumers that each want a tensor, at 4 bytes per parameter
+of this rank's shard (a 3B model's gradients are 6 GB per rank at 2 ranks). With the optimizer on NVMe
+they are the one part of the model states still in memory. Rather than a second swap protocol for
+every consumer, the gradient is a MAP_SHARED mapping of a swap file: the consumers read and write it
+unchanged (bitwise the same arithmetic), and the kernel moves its pages to and from the disk. Each
+unit's gradient range leaves this process's memory as soon as its reduction is done (release(), i.e.
+madvise MADV_DONTNEED: for a shared file mapping the values stay in the file and the page cache, and
+the next touch reads them back), and again after the optimizer step. What stays is clean page cache,
+which the kernel reclaims when memory is short (MemAvailable counts it); dirty pages are written back
+by the kernel (at most vm.dirty_ratio of memory is dirty at a time).
+
+A mapped file must have its blocks reserved: a store into a hole on a full disk would kill the
+process with SIGBUS instead of raising. So creation checks the free space and posix_fallocates the
+whole size (DiskFullError before anything is mapped); a file system without fallocate is refused by
+name rather than mapped sparse.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+from engine.offload.swap_file import SUFFIX, check_name
+from engine.ops.aio import DiskFullError, free_bytes, transfer_error
+
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class MappedFile:
+    """`<folder>/<name>.swp`, `numel` elements of `dtype`, reserved on disk and mapped shared as `tensor`."""
+
+    def __init__(self, folder: Path, name: str, numel: int, dtype: torch.dtype) -> None:
+        check_name(name, numel)
+        self.path = Path(folder) / f"{name}{SUFFIX}"
+        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        path = str(self.path)
+        if free_bytes(str(folder)) >= 0 and self.nbytes > free_bytes(str(folder)):
+            raise DiskFullError("create", path, 0, self.nbytes, 0, errno.ENOSPC)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            except OSError as error:
+                got = os.fstat(fd).st_size
+                if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise OSError(
+                        error.errno,
+                        f"{path}: this file system cannot reserve space (posix_fallocate: {os.strerror(error.errno)}); "
+                        "a memory-mapped swap file needs it (a full disk would otherwise kill the process): "
+                        "put nvme_path on ext4, xfs, btrfs or tmpfs",
+                    ) from error
+                raise transfer_error("create", path, 0, self.nbytes, got, error.errno or errno.EIO) from error
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+    def release(self, view: torch.Tensor) -> None:
+        """Drop the pages wholly inside `view` (a contiguous view of `tensor`) from this process's memory;
+        their values stay in the file (see [Note: state the step touches in place])."""
+        if view.numel() == 0:
+            return
+        start = view.data_ptr()
+        end = start + view.numel() * view.element_size()
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, end // page * page
+        if hi > lo and _libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise(MADV_DONTNEED) on {self.path}: {os.strerror(err)}")
+
+    def close(self) -> None:
+        """Remove the file; the mapping stays valid until the last tensor viewing it is freed."""
+        self.path.unlink(missing_ok=True)
