@@ -242,6 +242,10 @@ _TIMED = (
 )
 
 
+_BEFORE: list[str] = []
+"""--before's source tree, when given."""
+
+
 def _drop_cache(paths: list[str], read: bool) -> None:
     """Inputs out of the page cache (cold: posix_fadvise DONTNEED, per file, no effect on others' files)
     or all read into it (warm)."""
@@ -271,10 +275,11 @@ def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, verify: b
     _drop_cache(files, read=not cold)
     shutil.rmtree(out, ignore_errors=True)
     code = f"CKPT, OUT, WORKERS, VERIFY = {ckpt!r}, {out!r}, {workers}, {verify}\n"
-    code += f"import torch; DTYPE = torch.{dtype}\n" + _CHILD[tool] + _TIMED
+    code += f"import torch; DTYPE = torch.{dtype}\n" + _CHILD["engine" if tool == "engine-before" else tool] + _TIMED
     python = DS_PYTHON if tool == "deepspeed" else sys.executable
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
-    proc = psutil.Popen([python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    tree = _BEFORE[0] if tool == "engine-before" else ROOT  # an earlier commit's engine, from its own files
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": tree}
+    proc = psutil.Popen([python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=tree)
     peak, main_peak = 0, 0
     while proc.poll() is None:
         try:  # PSS: pages the workers share with the process they were forked from count once
@@ -342,7 +347,11 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
             ("engine consolidate --dtype bf16", "engine", ours_ckpt, "bfloat16", 2, True),
         ]
         if before is not None:
-            runs.append(("engine consolidate", "engine", before_ckpt, "float32", 2, True))
+            _BEFORE[:] = [before]
+            runs += [
+                ("engine consolidate, the earlier commit's code", "engine-before", before_ckpt, "float32", 2, True),
+                ("engine consolidate", "engine", before_ckpt, "float32", 2, True),
+            ]
         got: dict[tuple[int, bool], list[dict[str, float]]] = {}
         for _ in range(REPEATS):  # interleaved, so that other work on the machine weighs on every tool alike
             for cold in (True, False):
@@ -400,8 +409,9 @@ def _report(
             "needs); output GB/s = safetensors bytes / s. The engine checks CRC-32s (--no-verify skips them): "
             "of each model file whole, and of each optimizer file's head up to the end of its fp32 masters "
             "(the manifest's 'masters' entry), not its Adam moments; a checkpoint saved before that entry "
-            "existed ('saved before' rows: older commit, same model) has every byte of its files checked, "
-            "moments included. DeepSpeed's files have no checksums. Peak memory: the PSS of the process and its workers together (pages shared since the "
+            "existed ('saved before' rows: --before's commit saved it, same model) has every byte of its files "
+            "checked, moments included; the row \"the earlier commit's code\" consolidates it with that commit's "
+            "engine too (the state before). DeepSpeed's files have no checksums. Peak memory: the PSS of the process and its workers together (pages shared since the "
             "fork count once) and the main process's RSS, sampled every 5 ms, the largest of the runs; "
             "interpreter: the main process's RSS before the call (Python, torch and the tool imported). The "
             f"largest tensor is {largest / 2**20:.0f} MiB. Engine rows use 2 workers unless said."
