@@ -185,6 +185,21 @@ def test_a_flipped_byte_is_found_while_copying(saved: Path, tmp_path: Path) -> N
         load_checkpoint_file(str(path), digest)
 
 
+def test_masters_must_lie_where_their_checksum_covers_them(saved: Path, tmp_path: Path) -> None:
+    # The checked head still ends at the masters' end (so its CRC-32 matches), but claims they start 64
+    # bytes earlier: the file's own directory places them elsewhere, and that is refused by name.
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "stage1", ckpt)
+    manifest = json.loads((ckpt / "t" / "manifest.json").read_text())
+    masters = manifest["checksums"]["rank_0_optim_states.pt"]["masters"]
+    masters["offset"], masters["bytes"] = masters["offset"] - 64, masters["bytes"] + 64
+    (ckpt / "t" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="its masters are not at bytes") as err:
+        write_safetensors(str(ckpt), str(tmp_path / "m.safetensors"), workers=1)
+    assert str(ckpt / "t" / "rank_0_optim_states.pt") in str(err.value)
+    assert list(tmp_path.glob("m.safetensors*")) == []
+
+
 def test_a_checkpoint_without_masters_checksums_is_checked_whole(saved: Path, tmp_path: Path) -> None:
     # As saved before the manifest had "masters": the whole file is read and checked (a moment's byte too).
     ckpt = tmp_path / "ckpt"
