@@ -81,11 +81,15 @@ def main() -> None:
         help="consolidation: a source tree of an earlier commit (git archive), whose engine saves a checkpoint too: "
         "rows for it, consolidated by this engine, measured in the same rounds",
     )
+    parser.add_argument("--rounds", type=int, default=None, help="consolidation: rounds (default 3)")
     parser.add_argument("--ds-save", default=None, help=argparse.SUPPRESS)  # in DeepSpeed's venv: save there
     args = parser.parse_args()
     if args.ds_save:
         torch.multiprocessing.spawn(_save_rank, args=("deepspeed", args.ds_save, args.params, _free_port()), nprocs=2)
         return
+    if args.rounds is not None:
+        global REPEATS
+        REPEATS = max(1, args.rounds)
     if args.consolidate:
         consolidate_benchmark(args.params, args.workdir, args.keep, args.before)
         return
@@ -439,7 +443,7 @@ def _report(
     ax1.barh(
         labels, [r[4] for r in rows], color=["tab:red" if r[0].startswith("DeepSpeed") else "tab:blue" for r in rows]
     )
-    ax1.set_xlabel("seconds, output on disk (median of 3)")
+    ax1.set_xlabel(f"seconds, output on disk (median of {REPEATS})")
     ax1.invert_yaxis()
     ax2.barh(labels, [r[7] / 2**20 for r in rows], color="tab:gray", label="peak PSS, all processes")
     ax2.barh(labels, [r[9] / 2**20 for r in rows], color="tab:green", label="interpreter")
