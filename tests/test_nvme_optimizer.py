@@ -74,6 +74,7 @@ def _run(
     with open("/proc/self/maps") as maps:
         mapped = {line.split()[-1] for line in maps if folder and folder in line and "/grad." in line}
     grads = [g.shard_grad for u in eng._stage.units for g in u.trainable] if stage == 3 else []
+    reads_ahead = eng._stage._gathers.reads_ahead if stage == 3 else 0
     state = eng.consolidated_state_dict()
     eng.destroy()
     return {
@@ -85,6 +86,7 @@ def _run(
         "masters in memory": in_memory,
         "mapped grad files": sorted(os.path.basename(m) for m in mapped),
         "grad targets": len(grads),
+        "reads ahead": reads_ahead,
     }
 
 
@@ -123,6 +125,8 @@ def test_nvme_equals_the_in_memory_offload_bitwise(
     assert any(f.startswith("master.") for f in got["files"]) == ((bf16 and stage != 3) or params), got["files"]
     if params:
         assert got["masters in memory"] == 0
+    # Parameters on NVMe: every gather's shard was read from disk, its all-gather launched at a later use.
+    assert (got["reads ahead"] > 0) == params, got["reads ahead"]
     # At stage 3 every shard gradient lives in a mapped swap file; stages 1-2 keep them in memory.
     grad_files = [f for f in got["files"] if f.startswith("grad.")]
     assert got["mapped grad files"] == grad_files, got

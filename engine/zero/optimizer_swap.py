@@ -266,15 +266,15 @@ class OptimizerSwap:
             for h in handles:
                 h.wait()
 
-    def read_master(self, master: torch.Tensor) -> torch.Tensor:
-        """A swapped master's values, read from its file now (flat, fp32); the tensor itself when it is
-        in memory (not swapped, or resident for a checkpoint)."""
+    def start_read_master(self, master: torch.Tensor) -> tuple[torch.Tensor, SwapHandle | None]:
+        """A swapped master's values, with the read from its file that fills them started now (wait on
+        the handle before using them); the tensor itself and None when it is in memory (not swapped,
+        or resident for a checkpoint)."""
         s = self.by_master.get(id(master))
         if s is None or "master" not in s.files or master.numel() == s.shape.numel():
-            return master
-        flat = torch.empty(s.shape.numel(), dtype=torch.float32)
-        s.files["master"].read(flat).wait()
-        return flat.view(s.shape)
+            return master, None
+        flat = aligned_empty(s.shape.numel(), torch.float32)  # aligned: the read can take O_DIRECT
+        return flat.view(s.shape), s.files["master"].read(flat)
 
     # ------------------------------------------------------------------------- resident state
     @contextmanager

@@ -15,6 +15,15 @@ Lifecycle of a unit (engine/zero/stage3/units.py, UnitState) in a step:
 The root unit (parameters outside the repeated blocks: embeddings, final norm, a tied head) is
 gathered when the model's forward starts and stays gathered until its gradients are reduced.
 
+# [Note: reads ahead of the all-gather]
+With parameters on NVMe (ZeRO-Infinity), a unit's shard is read from its swap file before its
+all-gather can send it. The read is started when the unit is (pre)fetched and runs in the aio threads
+while the model computes; the all-gather is launched at the next use of any unit (or at this unit's
+own use, whichever comes first), after waiting for the read. The all-gathers must be launched in the
+same order on every rank (gloo pairs collectives by order), so the launch happens only at those
+points, which are the same on every rank, never when a read happens to finish. With nothing read from
+disk the all-gather starts at once, as before.
+
 Gathered buffers are allocated fresh and never recycled while gathered views might still be
 referenced: autograd may have saved a view of a weight (e.g. `w.t()`) for backward, and a recycled
 buffer would silently feed it another unit's numbers. Released storage is freed by refcounting.
@@ -23,7 +32,7 @@ buffer would silently feed it another unit's numbers. Released storage is freed 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -62,9 +71,9 @@ class UnitGathers:
         grads_sent: Callable[[Unit], bool],
         group: comm.ProcessGroup | None = None,
     ) -> None:
-        self.read_stored: Callable[[torch.Tensor], torch.Tensor] = lambda stored: stored
-        """What a group keeps, as the all-gather sends it: itself, or (parameters on NVMe) its values read
-        from the swap file (engine/zero/optimizer_swap.py's read_master)."""
+        self.read_stored: Callable[[torch.Tensor], StoredRead] = lambda stored: (stored, None)
+        """What a group keeps, as the all-gather sends it: itself, or (parameters on NVMe) a read of its
+        values from the swap file started now (engine/zero/optimizer_swap.py's start_read_master)."""
         self.units = units
         self.grads_sent = grads_sent
         """Whether a unit's gradients of this backward were sent (grads.UnitGradients.sent): its outputs'
@@ -76,12 +85,18 @@ class UnitGathers:
         self._group = group
         self._where = where
         """Where training is (optimizer step, backward), for errors."""
+        self._reading: dict[int, list[tuple[ShardedGroup, StoredRead]]] = {}
+        """Unit index -> the reads of its groups' stored values in flight (parameters on NVMe), for a
+        GATHERING unit whose all-gathers are not launched yet; see [Note: reads ahead of the all-gather]."""
         self._in_flight: dict[int, list[comm.Handle]] = {}
         """Unit index -> the async all-gathers of a GATHERING unit, in launch order: a use waits for
         its unit's, the end of a micro-step for those nobody used. Data of that state, not a record of
         it: the unit's state says whether it is GATHERING."""
         self.prefetched = 0
         """All-gathers started ahead of use, over the stage's life."""
+        self.reads_ahead = 0
+        """Units whose stored values were read from disk while other units computed (their all-gather
+        launched at a later use than the read started), over the stage's life."""
         self.gathered_bytes = 0
         """Bytes of full buffers held now (GATHERING and GATHERED units)."""
         self.peak_gathered_bytes = 0
@@ -91,27 +106,45 @@ class UnitGathers:
         """Units gathered or gathering."""
         return {u.index for u in self.units if u.state is not UnitState.PARTITIONED}
 
-    def _start(self, unit: Unit) -> list[comm.Handle]:
-        """PARTITIONED -> GATHERING: start the unit's all-gathers into fresh full buffers."""
+    def _start(self, unit: Unit) -> None:
+        """PARTITIONED -> GATHERING: fresh full buffers, and the all-gathers into them started, or (a
+        stored value being read from disk) left to _launch once the read is in."""
         # Every buffer first: an allocation that fails (a full arena) then fails before any collective
         # starts, on every rank alike, and leaves nothing allocated.
         fulls = [self._memory.gathered(g.layout.padded_numel, g.dtype, g.device, unit.name) for g in unit.groups]
-        works = []
         for g, full in zip(unit.groups, fulls):
             g.full = full
-            start, end = g.layout.slice_range(0, self._rank)
-            mine = full[start:end]
-            # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
-            # master in the same pass for bf16/fp16), and the all-gather runs in place around it.
-            copy_into(full, [self.read_stored(g.stored())], [start])
-            work = comm.all_gather(full, mine, async_op=True, key=unit.index, group=self._group)
-            assert work is not None  # async_op=True always returns a handle
-            works.append(work)
             self.gathered_bytes += _nbytes(full)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         unit.move(UnitState.GATHERING)
+        reads = [(g, self.read_stored(g.stored())) for g in unit.groups]
+        self._reading[unit.index] = reads
+        if all(pending is None for _, (_, pending) in reads):
+            self._launch(unit)
+        else:
+            self.reads_ahead += 1
+
+    def _launch(self, unit: Unit) -> None:
+        """Start a GATHERING unit's all-gathers (waiting for its reads first, if any are still running)."""
+        works = []
+        for g, (values, pending) in self._reading.pop(unit.index):
+            if pending is not None:
+                pending.wait()
+            full = _full(g)
+            start, end = g.layout.slice_range(0, self._rank)
+            # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
+            # master in the same pass for bf16/fp16), and the all-gather runs in place around it.
+            copy_into(full, [values], [start])
+            work = comm.all_gather(full, full[start:end], async_op=True, key=unit.index, group=self._group)
+            assert work is not None  # async_op=True always returns a handle
+            works.append(work)
         self._in_flight[unit.index] = works
-        return works
+
+    def _launch_read_ahead(self) -> None:
+        """Launch the all-gathers of every unit whose read was started before this point (oldest first);
+        see [Note: reads ahead of the all-gather]."""
+        for index in list(self._reading):
+            self._launch(self.units[index])
 
     def gather(self, unit: Unit) -> None:
         """Make the unit GATHERED (a use: recorded, and the plan may prefetch what follows)."""
@@ -120,6 +153,8 @@ class UnitGathers:
             return
         if unit.state is UnitState.PARTITIONED:
             self._start(unit)
+        if unit.index in self._reading:
+            self._launch(unit)
         for work in self._in_flight.pop(unit.index):
             comm.wait(work, f"all-gather of stage-3 unit {unit.name!r} ({self._where()})")
         for g in unit.groups:
@@ -147,6 +182,7 @@ class UnitGathers:
     def _follow_trace(self, unit: Unit) -> None:
         """Record this use and, while the recorded order holds, prefetch the next units."""
         match = self.plan.record(unit.index, in_training=torch.is_grad_enabled() or in_backward())
+        self._launch_read_ahead()  # reads started at earlier uses have had this unit's wait to finish
         if match is TraceMatch.FOLLOWED:
             for index in self.plan.to_prefetch(self.live()):
                 self._start(self.units[index])
@@ -162,13 +198,18 @@ class UnitGathers:
         for unit in self.units:
             if unit.state is not UnitState.GATHERING:
                 continue
+            if unit.index in self._reading:  # read, never sent: wait for the reads and drop them
+                for _, (_, pending) in self._reading.pop(unit.index):
+                    if pending is not None:
+                        pending.wait()
+                self._in_flight[unit.index] = []
             for work in self._in_flight.pop(unit.index):
                 comm.wait(work, "a prefetched all-gather nobody used")
             for g in unit.groups:
                 self.gathered_bytes -= _nbytes(_full(g))
                 g.full = None
             unit.move(UnitState.PARTITIONED)
-        assert not self._in_flight, "stage 3: all-gathers in flight for units that are not GATHERING"
+        assert not self._in_flight and not self._reading, "stage 3: gathers in flight for units that are not GATHERING"
 
     def start_micro_step(self) -> None:
         """The model's forward begins: a new micro-step in the recorded order (unless this is a forward
@@ -203,6 +244,14 @@ class UnitGathers:
         for i, t in zip(positions, wrapped):
             flat[i] = t
         return tree_unflatten(flat, spec)
+
+
+class PendingRead(Protocol):
+    def wait(self) -> Any: ...
+
+
+StoredRead = tuple[torch.Tensor, PendingRead | None]
+"""A group's stored values as the all-gather sends them, and the read filling them (None: ready)."""
 
 
 def _full(g: ShardedGroup) -> torch.Tensor:
