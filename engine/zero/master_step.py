@@ -46,6 +46,7 @@ import torch
 
 from engine.config.errors import ConfigError
 from engine.config.types import EngineConfig
+from engine.offload import SwapDir
 from engine.ops.adam import AdamEntry, CPUAdam, adam_state, adam_step_entries
 from engine.optim.adam import ReferenceAdam
 from engine.zero.layout import contiguous_pieces
@@ -138,10 +139,12 @@ class MasterStep:
         offload: bool,
         refresh: Callable[[], None] | None = None,
         nvme: NvmeSettings | None = None,
+        swap_dir: SwapDir | None = None,
     ) -> None:
         """`refresh`: after the plain path, write the updated masters into the low-precision parameters
         (the stage's own cast, one call per group); None when no target has a low-precision copy.
-        `nvme`: the optimizer state lives in swap files (engine/zero/optimizer_swap.py)."""
+        `nvme`: the optimizer state lives in swap files (engine/zero/optimizer_swap.py), in `swap_dir`
+        when the stage opened it already."""
         self.optimizer = optimizer
         self._refresh = refresh
         self.targets = {id(t.master): t for t in targets}
@@ -160,7 +163,7 @@ class MasterStep:
                     f"(Adam/AdamW, DeepSpeed's Adam/AdamW/CPUAdam, no amsgrad); {type(optimizer).__name__} "
                     'cannot take it: use an Adam optimizer or device "cpu"/"none"'
                 )
-            self.swap = OptimizerSwap(optimizer, targets, nvme)
+            self.swap = OptimizerSwap(optimizer, targets, nvme, swap_dir)
         self.fused_steps = 0
         """Steps taken by the fused kernel (the rest ran the optimizer's own step)."""
 

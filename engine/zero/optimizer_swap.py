@@ -121,18 +121,42 @@ class _Swapped:
     """The mapped swap file holding the gradient (NvmeSettings.grads), else None."""
 
 
+def open_swap_dir(settings: NvmeSettings) -> SwapDir:
+    """This rank's swap folder of a new run (one run id, rank 0's), made on every rank or refused on all."""
+    run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
+    return _agreed(
+        lambda: SwapDir.create(settings.nvme_path, comm.get_rank(), run_id, f"{KEY}.nvme_path"),
+        "creating the NVMe swap folder",
+    )
+
+
+def map_gradients(swap_dir: SwapDir, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """One gradient per (numel, dtype), each a memory-mapped swap file `grad.<i>` reading as zeros and
+    holding no memory yet ([Note: state the step touches in place]); made on every rank or refused on all."""
+    return _agreed(
+        lambda: [
+            swap_dir.mapped(f"grad.{i}", n, dtype).tensor if n else torch.zeros(0, dtype=dtype)
+            for i, (n, dtype) in enumerate(sizes)
+        ],
+        "creating the gradient swap files",
+    )
+
+
 class OptimizerSwap:
     """The swapped state of MasterStep's targets and the step over it (see [Note: the swapped step])."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, targets: list[Any], settings: NvmeSettings) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        targets: list[Any],
+        settings: NvmeSettings,
+        swap_dir: SwapDir | None = None,
+    ) -> None:
+        """`swap_dir`: the folder already opened (stage 3 maps the gradients into it first), else a new one."""
         from engine.zero.layout import contiguous_pieces
 
         self.settings = settings
-        run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
-        self.dir: SwapDir = _agreed(
-            lambda: SwapDir.create(settings.nvme_path, comm.get_rank(), run_id, f"{KEY}.nvme_path"),
-            "creating the NVMe swap folder",
-        )
+        self.dir: SwapDir = swap_dir if swap_dir is not None else open_swap_dir(settings)
         self.context = AioContext(settings.aio)
         self.by_master: dict[int, _Swapped] = {}
         self._mapped_grads: dict[int, MappedFile] = {}
@@ -144,7 +168,7 @@ class OptimizerSwap:
                 # A copy of a low-precision parameter is swapped; the parameter's own fp32 storage only when
                 # parameters go to NVMe too (stage 3, whose gathers then read it from the file).
                 swap_master = t.lp is not None or settings.params
-                grad_file = self._map_grad(f"grad.{i}", t.grad) if settings.grads else None
+                grad_file = self._mapped_grad(t.grad) if settings.grads else None
                 lp = [t.lp] if t.lp is not None else []
                 master, grad, *lp_lists = contiguous_pieces([t.master, t.grad, *lp])
                 lp_pieces = lp_lists[0] if lp_lists else None
@@ -178,13 +202,14 @@ class OptimizerSwap:
             for _ in range(settings.buffer_count)
         ]
 
-    def _map_grad(self, name: str, grad: torch.Tensor) -> MappedFile:
-        """Move `grad`'s values into a mapped swap file and make that file its storage (in place: every
-        holder of the tensor, the stage's shard_grad and the master's .grad, sees the mapping)."""
-        mapped = self.dir.mapped(name, grad.numel(), grad.dtype)
-        mapped.tensor.copy_(grad.reshape(-1))
-        grad.set_(mapped.tensor.untyped_storage(), 0, grad.shape, grad.stride())
-        mapped.release(mapped.tensor)
+    def _mapped_grad(self, grad: torch.Tensor) -> MappedFile | None:
+        """The swap file `grad` (made by map_gradients) is mapped from; None for an empty gradient."""
+        if grad.numel() == 0:
+            return None
+        by_address = {m.tensor.data_ptr(): m for m in self.dir.mapped_files.values()}
+        mapped = by_address.get(grad.data_ptr())
+        if mapped is None:
+            raise RuntimeError("NVMe settings say the gradients are swapped, but this one is not in a swap file")
         self._mapped_grads[id(grad)] = mapped
         return mapped
 

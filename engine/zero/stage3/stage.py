@@ -35,7 +35,7 @@ from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
-from engine.zero.optimizer_swap import nvme_settings
+from engine.zero.optimizer_swap import map_gradients, nvme_settings, open_swap_dir
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3 import memory_efficient_linear
@@ -73,6 +73,14 @@ class Stage3:
         self.steps = 0  # optimizer steps and backwards so far, to say where in training an error happened
         self.backwards = 0
 
+        nvme = nvme_settings(config)
+        if nvme is not None and nvme.params and optimizer is None:
+            raise ConfigError(
+                'zero_optimization.offload_param.device "nvme" without an optimizer (evaluation or ZeRO-Inference): '
+                "parameters go to NVMe here only with the optimizer state (training); use offload_param "
+                '"cpu"/"none" for an engine without optimizer'
+            )
+        nvme = nvme if optimizer is not None else None
         self.units: list[Unit] = build_units(
             module,
             optimizer,
@@ -81,7 +89,15 @@ class Stage3:
             world=self.parallel.dp_size,
             rank=self._rank,
             grad_dtype=precision.grad_accum_dtype,
+            allocate_grads=nvme is None,
         )
+        swap_dir = None
+        if nvme is not None:  # ZeRO-Infinity keeps the shard gradients on NVMe too (as DeepSpeed's swapper does)
+            swap_dir = open_swap_dir(nvme)
+            to_map = [t for u in self.units for t in u.trainable]
+            sizes = [(t.layout.slice_numel, t.shard_grad.dtype) for t in to_map]
+            for t, grad in zip(to_map, map_gradients(swap_dir, sizes)):
+                t.shard_grad = grad
         for unit in self.units:
             handle = owners.UnitHandle(
                 gather=partial(self.gather_for_user, unit),
@@ -100,20 +116,13 @@ class Stage3:
             )
         # The masters are the only persistent copy of trainable parameters (or the fp32 shard itself):
         # gathering casts, so the step has no low-precision copy to write.
-        nvme = nvme_settings(config)
-        if nvme is not None and nvme.params and optimizer is None:
-            raise ConfigError(
-                'zero_optimization.offload_param.device "nvme" without an optimizer (evaluation or ZeRO-Inference): '
-                "parameters go to NVMe here only with the optimizer state (training); use offload_param "
-                '"cpu"/"none" for an engine without optimizer'
-            )
         self.master_step = (
             MasterStep(
                 optimizer,
                 [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
                 offload=offload_enabled(config),
-                # ZeRO-Infinity at stage 3 keeps the shard gradients on NVMe too (as DeepSpeed's swapper does)
                 nvme=dataclasses.replace(nvme, grads=True) if nvme is not None else None,
+                swap_dir=swap_dir,
             )
             if optimizer is not None
             else None

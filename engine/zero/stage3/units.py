@@ -221,10 +221,12 @@ def build_units(
     world: int,
     rank: int,
     grad_dtype: Callable[[torch.dtype], torch.dtype],
+    allocate_grads: bool = True,
 ) -> list[Unit]:
     """Plan the units (engine/zero/stage3/unit_plan.py) and shard each: afterwards every parameter is empty and
     this rank holds its slices (parameters built under engine.zero.Init are re-laid from their own
-    partition, all-gathering one parameter at a time). Gradient shards are in grad_dtype(param dtype)."""
+    partition, all-gathering one parameter at a time). Gradient shards are in grad_dtype(param dtype),
+    zeros in memory, or (allocate_grads=False: the caller places them, e.g. in swap files) empty."""
     opt_groups = optimizer.param_groups if optimizer is not None else []
     group_of = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"] if p.requires_grad}
     is_leaf = leaf_test(leaf_module)
@@ -246,6 +248,7 @@ def build_units(
                 world=world,
                 rank=rank,
                 grad_dtype=grad_dtype(dtype),
+                allocate_grad=allocate_grads,
             )
             for (opt_group, dtype), idx in keys.items()
         ]
@@ -270,6 +273,7 @@ def shard_group(
     world: int,
     rank: int,
     grad_dtype: torch.dtype,
+    allocate_grad: bool = True,
 ) -> ShardedGroup:
     """Lay `params` (one dtype) out flat, keep this rank's slice, and leave each parameter empty."""
     shapes = [full_shape(p) for p in params]
@@ -305,7 +309,7 @@ def shard_group(
             unit_name=unit_name,
         )
     master = shard if dtype == torch.float32 else shard.to(torch.float32)
-    shard_grad = torch.zeros(layout.slice_numel, dtype=grad_dtype, device=device)
+    shard_grad = torch.zeros(layout.slice_numel if allocate_grad else 0, dtype=grad_dtype, device=device)
     return TrainableGroup(
         params=params,
         names=names,
