@@ -12,8 +12,9 @@ that a watchdog could not reach) each in its own process group, with oom_score_a
 OOM killer, should it ever act, picks the attempt and nothing else on the machine), watched from here:
 when MemAvailable drops under --min-available-gib (3) every rank's group is killed and the attempt
 counts as failed with reason "memory"; past --attempt-timeout it is killed with reason "time"; a rank
-that fails ends the other. Before an NVMe attempt the free space of --nvme-dir must stay >= 15 GB after
-the attempt's estimated swap files (16 B/param), otherwise the ladder stops with reason "disk".
+that fails ends the other. Before an NVMe attempt the free space of --nvme-dir must stay >= 10 GB after
+the attempt's estimated swap files (16 B/param), otherwise the ladder stops with reason "disk" (then the largest
+shape between the last success and that rung that fits the disk is tried).
 
 Systems: ddp (PyTorch DDP, gloo), fsdp2 (fully_shard per block and root, gloo, CPU), deepspeed-3
 (DeepSpeed 0.19.8 stage 3 in RAM, deepspeed.zero.Init, torch Adam), deepspeed-3-nvme (its optimizer
@@ -56,7 +57,7 @@ DS_PYTHON = "/tmp/dsvenv/bin/python"
 VOCAB, SEQ, STEPS, WORLD = 50257, 128, 2, 2
 GROWTH = 1.5
 BYTES_PER_PARAM = 16  # fp32 parameter + gradient + Adam's two moments
-DISK_RESERVE = 15e9
+DISK_RESERVE = 10e9
 """Free bytes an NVMe attempt must leave on the swap file system."""
 SYSTEMS = ["ddp", "fsdp2", "deepspeed-3", "deepspeed-3-nvme", "engine-3", "engine-3-nvme"]
 LABELS = {
@@ -108,6 +109,11 @@ def refine_rung(ok: Shape, failed: Shape) -> Shape | None:
     between = [ladder_shape(n) for n in range(ok.layers + 1, failed.layers)]
     target = math.sqrt(ok.params * failed.params)
     return min(between, key=lambda s: abs(math.log(s.params / target)), default=None)
+
+
+def disk_need(shape: Shape) -> int:
+    """The NVMe rows' swap files: master, two moments and the gradient, fp32."""
+    return BYTES_PER_PARAM * shape.params
 
 
 # ------------------------------------------------------------------------------------------ attempts
@@ -178,7 +184,11 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
 def _launch(system: str, shape: Shape, out: str, nvme: str | None, log: Any) -> list[subprocess.Popen[bytes]]:
     """The ranks, started here rather than by torchrun: torchrun starts each rank in a session of its
     own, out of reach of a kill of torchrun's group, while this watchdog must be able to kill them all."""
+    # glibc's malloc serves blocks under its dynamic mmap threshold (up to 32 MiB) from heaps that hold on
+    # to freed memory: measured, 1.1 GB a rank at 253M parameters. Every system runs with the threshold at
+    # 1 MiB, so freed tensors go back to the kernel.
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD))
     env.update(LOCAL_WORLD_SIZE=str(WORLD))
     cmd = _command(system, shape, out, nvme)
@@ -200,9 +210,11 @@ def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
     nvme = None
     if system.endswith("nvme"):
         free = shutil.disk_usage(args.nvme_dir).free
-        need = BYTES_PER_PARAM * shape.params
+        need = disk_need(shape)
         if free - need < DISK_RESERVE:
-            result.reason = f"disk: {free / 1e9:.1f} GB free, needs {need / 1e9:.1f} GB + 15 GB reserve"
+            result.reason = (
+                f"disk: {free / 1e9:.1f} GB free, needs {need / 1e9:.1f} GB + {DISK_RESERVE / 1e9:.0f} GB reserve"
+            )
             return result
         nvme = tempfile.mkdtemp(prefix="capacity_swap_", dir=args.nvme_dir)
     out = tempfile.mkdtemp(prefix=f"capacity_{system}_")
@@ -263,8 +275,17 @@ def climb(system: str, args: argparse.Namespace) -> tuple[list[Attempt], str]:
             break
         shape = next_rung(max(shape.params * GROWTH, shape.params + 1))
     oks = [a for a in tried if a.ok]
-    if tried[-1].reason.startswith("disk") or not oks:
+    if not oks:
         return tried, tried[-1].reason
+    if tried[-1].reason.startswith("disk"):  # the disk, not the system, stopped it: the largest shape that fits
+        fits = [ladder_shape(n) for n in range(oks[-1].shape.layers + 1, tried[-1].shape.layers)]
+        fits = [s for s in fits if disk_need(s) + DISK_RESERVE <= shutil.disk_usage(args.nvme_dir).free]
+        stop = tried[-1].reason
+        if fits:
+            tried.append(attempt(system, fits[-1], args))
+            outcome = "trained" if tried[-1].ok else f"failed: {tried[-1].reason}"
+            stop += f"; the largest shape that fits the disk, {fits[-1].params / 1e6:.0f}M, {outcome}"
+        return tried, stop
     failed = tried[-1]
     between = refine_rung(oks[-1].shape, failed.shape)
     if between is not None:
@@ -431,7 +452,8 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
         (
             f"- Safety: each attempt in its own process group, oom_score_adj 1000, killed when MemAvailable < "
             f"{args.min_available_gib} GiB (reason memory) or after {args.attempt_timeout:.0f} s (reason time); "
-            "NVMe attempts only with >= 15 GB left free after their swap files."
+            "NVMe attempts only with >= 10 GB left free after their swap files; when the disk stops the ladder, "
+            "the largest shape that fits is tried."
         ),
         "",
         "Machine:",

@@ -35,6 +35,9 @@ from gpt import GPT, GPTConfig
 LR = 1e-4
 SYSTEMS = ("ddp", "fsdp2", "deepspeed-3", "deepspeed-3-nvme", "engine-3", "engine-3-nvme")
 SUB_GROUP = 20_000_000
+LIVE = 100_000_000
+"""stage3_max_live_parameters and stage3_max_reuse_distance of the stage-3 rows (elements): 0.4 GB of
+fp32 gathered parameters a rank beyond the units in use."""
 """sub_group_size of the NVMe rows (elements stepped at a time): buffer_count (4) x 20M x 12 B = 0.96 GB
 of host buffers whatever the model; DeepSpeed's default of 1e9 would need 48 GB."""
 
@@ -62,8 +65,14 @@ def _disk_bytes(folder: str | None) -> int:
     return total
 
 
-def _ds_config(nvme: str | None) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": 3}
+def _ds_config(nvme: str | None, largest_param: int = 0) -> dict[str, Any]:
+    """The stage-3 config of DeepSpeed and the engine rows. `largest_param`: elements of the largest
+    parameter (the embedding), which DeepSpeed's parameter swap buffers must hold (offload_param.buffer_size;
+    its default 1e8 is refused above d_model 1989)."""
+    # DeepSpeed's defaults keep up to 1e9 gathered elements live (4 GB a rank in fp32) and every unit reused
+    # within 1e9 elements gathered from forward to backward: the whole model, at these sizes. Its docs say
+    # to lower both when memory is short; the same values go to DeepSpeed and the engine.
+    zero: dict[str, Any] = {"stage": 3, "stage3_max_live_parameters": LIVE, "stage3_max_reuse_distance": LIVE}
     if nvme:
         zero.update(
             offload_optimizer={
@@ -73,7 +82,7 @@ def _ds_config(nvme: str | None) -> dict[str, Any]:
                 "pipeline_read": True,
                 "pipeline_write": True,
             },
-            offload_param={"device": "nvme", "nvme_path": nvme},
+            offload_param={"device": "nvme", "nvme_path": nvme, "buffer_size": max(largest_param, 100_000_000)},
             sub_group_size=SUB_GROUP,
         )
     return {
@@ -115,7 +124,7 @@ def _build(args: argparse.Namespace, cfg: GPTConfig) -> tuple[Callable[..., None
     if system.startswith("deepspeed"):
         import deepspeed
 
-        conf = _ds_config(nvme)
+        conf = _ds_config(nvme, cfg.vocab_size * cfg.d_model)
         if not nvme:
             conf["optimizer"]["params"]["torch_adam"] = True  # no offload: its CPU Adam is refused
             conf["zero_force_ds_cpu_optimizer"] = False
@@ -125,7 +134,7 @@ def _build(args: argparse.Namespace, cfg: GPTConfig) -> tuple[Callable[..., None
     else:
         import engine
 
-        conf = _ds_config(nvme)
+        conf = _ds_config(nvme, cfg.vocab_size * cfg.d_model)
         with engine.zero.Init(config_dict_or_path=conf):
             model = GPT(cfg)
         eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=conf)
