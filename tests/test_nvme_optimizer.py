@@ -10,7 +10,12 @@ while training and is gone after destroy; faults are named errors.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
+import signal
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +210,68 @@ def test_faults_are_named_on_every_rank(tmp_path: Path) -> None:
         assert str(tmp_path / "nowhere") in message, message
     truncated = run_distributed(_refused, 1, args=("truncate", str(tmp_path)))[0]
     assert "exp_avg" in truncated and "bytes" in truncated, truncated
+
+
+def _refused_then_retried(bad_path: str, good_path: str, file_size_limit: int) -> dict[str, str]:
+    """initialize with parameters and optimizer on NVMe at `bad_path` (a full or read-only file system),
+    then again at `good_path` in the same process, and a step there."""
+    if file_size_limit:  # no small file system to mount (not root): the kernel's file size limit refuses instead
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from the write, not the signal that kills
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
+    config = _config(3, False, "nvme", bad_path, True, params=True)
+    try:
+        engine.initialize(model=make_model(3), config=config)
+        refused = "no error"
+    except Exception as err:  # noqa: BLE001 (the test reads the message of whatever was raised)
+        refused = f"{type(err).__name__}: {err}"
+    if file_size_limit:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", good_path, True, params=True))
+    loss = _steps(eng, range(1), torch.float32)[0]
+    eng.destroy()
+    left = sorted(
+        os.path.relpath(os.path.join(d, n), bad_path) for d, dirs, files in os.walk(bad_path) for n in dirs + files
+    )
+    return {"refused": refused, "retried": f"loss {loss}", "left": " ".join(left)}
+
+
+@contextlib.contextmanager
+def _mounted_tmpfs(path: Path, options: str) -> Iterator[bool]:
+    """A tmpfs at `path` (root only; False where it cannot be mounted)."""
+    path.mkdir()
+    (path.parent / "good").mkdir(exist_ok=True)
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False).returncode == 0
+    )
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_disk_is_named_on_every_rank_and_the_run_can_start_again(tmp_path: Path) -> None:
+    with _mounted_tmpfs(tmp_path / "small", "size=8k") as mounted:  # 2 pages: the owner marker and one file
+        ranks = run_distributed(
+            _refused_then_retried, 2, args=(str(tmp_path / "small"), str(tmp_path / "good"), 0 if mounted else 500)
+        )
+    for rank in ranks:
+        assert rank["refused"].startswith("DiskFullError") and "bytes free" in rank["refused"], rank
+        assert str(tmp_path / "small") in rank["refused"] or "failed on rank" in rank["refused"], rank
+        # Nothing left behind but the (empty) root of all swap folders.
+        assert rank["retried"].startswith("loss") and rank["left"] == "zero_engine_swap", rank
+
+
+def test_a_read_only_path_is_named_on_every_rank_and_the_run_can_start_again(tmp_path: Path) -> None:
+    with _mounted_tmpfs(tmp_path / "ro", "ro,size=64k") as mounted:
+        if not mounted:
+            os.chmod(tmp_path / "ro", 0o555)  # not root: permissions refuse
+        ranks = run_distributed(_refused_then_retried, 2, args=(str(tmp_path / "ro"), str(tmp_path / "good"), 0))
+    for rank in ranks:
+        assert rank["refused"].startswith("SwapPathError"), rank
+        assert "offload_optimizer.nvme_path" in rank["refused"] and str(tmp_path / "ro") in rank["refused"], rank
+        assert rank["retried"].startswith("loss"), rank
 
 
 def test_nvme_offload_needs_the_fused_adam(tmp_path: Path) -> None:

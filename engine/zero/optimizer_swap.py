@@ -194,7 +194,11 @@ class OptimizerSwap:
                 self.by_master[id(t.master)] = _Swapped(t.master, t.master.shape, files, parts, state, grad_file)
             self._write_out(initial=True)
 
-        _agreed(build, "writing the optimizer state to the NVMe swap files")
+        try:
+            _agreed(build, "writing the optimizer state to the NVMe swap files")
+        except BaseException:
+            self.close()  # a failed start leaves no swap folder behind, so the next one starts clean
+            raise
         # Sized to the largest sub-group there is: sub_group_size is a bound (transformers' configs write 1e14).
         largest = max((p.grad.numel() for sw in self.by_master.values() for p in sw.parts), default=0)
         self._buffers = [

@@ -96,7 +96,12 @@ class Stage3:
             swap_dir = open_swap_dir(nvme)
             to_map = [t for u in self.units for t in u.trainable]
             sizes = [(t.layout.slice_numel, t.shard_grad.dtype) for t in to_map]
-            for t, grad in zip(to_map, map_gradients(swap_dir, sizes)):
+            try:
+                grads = map_gradients(swap_dir, sizes)
+            except BaseException:
+                swap_dir.close()  # a failed start leaves no folder behind, so the next one starts clean
+                raise
+            for t, grad in zip(to_map, grads):
                 t.shard_grad = grad
         for unit in self.units:
             handle = owners.UnitHandle(
