@@ -109,7 +109,7 @@ def _edit(manifest: dict[str, Any], how: str) -> str:
         ("checksum removed", "key checksums: has no entry for rank_1_optim_states.pt"),
         ("alias target", "key aliases.out.weight: names 'missing.weight', which is not in params"),
         ("shape", "key params.inp.weight.shape: [3, 3] holds 9 elements but the pieces listed for 'inp.weight' hold "),
-        ("bad json", "not readable JSON (Expecting "),
+        ("bad json", "not readable JSON (Expecting value: line 1 column "),
     ],
 )
 def test_hand_edited_manifests_are_refused_by_key(saved: Path, tmp_path: Path, how: str, said: str) -> None:

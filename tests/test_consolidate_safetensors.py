@@ -153,12 +153,12 @@ def test_a_truncated_rank_file_is_named(saved: Path, tmp_path: Path) -> None:
 
 def test_a_flipped_byte_is_found_while_copying(saved: Path, tmp_path: Path) -> None:
     # The CRC-32 is taken in the same read that copies the values (one pass over the head of each
-    # optimizer file, which holds its pickle and its masters: the manifest's "masters" entry).
+    # optimizer file, which holds its pickle and its masters: the manifest's masters_checksums).
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved / "stage3", ckpt)
     path = ckpt / "t" / "rank_0_optim_states.pt"
-    digest = json.loads((ckpt / "t" / "manifest.json").read_text())["checksums"][path.name]
-    masters = digest["masters"]
+    manifest = json.loads((ckpt / "t" / "manifest.json").read_text())
+    digest, masters = manifest["checksums"][path.name], manifest["masters_checksums"][path.name]
     assert 0 < masters["offset"] and masters["offset"] + masters["bytes"] < digest["bytes"] // 2  # moments after
     good = path.read_bytes()
 
@@ -191,7 +191,7 @@ def test_masters_must_lie_where_their_checksum_covers_them(saved: Path, tmp_path
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved / "stage1", ckpt)
     manifest = json.loads((ckpt / "t" / "manifest.json").read_text())
-    masters = manifest["checksums"]["rank_0_optim_states.pt"]["masters"]
+    masters = manifest["masters_checksums"]["rank_0_optim_states.pt"]
     masters["offset"], masters["bytes"] = masters["offset"] - 64, masters["bytes"] + 64
     (ckpt / "t" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="its masters are not at bytes") as err:
@@ -201,12 +201,11 @@ def test_masters_must_lie_where_their_checksum_covers_them(saved: Path, tmp_path
 
 
 def test_a_checkpoint_without_masters_checksums_is_checked_whole(saved: Path, tmp_path: Path) -> None:
-    # As saved before the manifest had "masters": the whole file is read and checked (a moment's byte too).
+    # As saved before masters_checksums: the whole file is read and checked (a moment's byte too).
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved / "stage1", ckpt)
     manifest = json.loads((ckpt / "t" / "manifest.json").read_text())
-    for digest in manifest["checksums"].values():
-        digest.pop("masters", None)
+    del manifest["masters_checksums"]
     (ckpt / "t" / "manifest.json").write_text(json.dumps(manifest))
     path = ckpt / "t" / "rank_1_optim_states.pt"
     data = bytearray(path.read_bytes())

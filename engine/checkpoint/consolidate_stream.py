@@ -18,8 +18,8 @@ Every output file is written under <name>.tmp.<pid>, fsynced, and renamed only w
 a failure removes them, so a failed run leaves no half output. The engine's rank files' CRC-32s are
 checked on the way: a worker reads each rank file once, front to back, taking its CRC-32 and writing
 the runs it holds from the same blocks (consolidate_copy.scan_file), so verifying costs no second
-read; a mismatch fails the run before anything is renamed. Of an optimizer file whose manifest entry
-has "masters" (files.py) only the head is read and checked, up to the end of its masters, which
+read; a mismatch fails the run before anything is renamed. Of an optimizer file that the manifest's
+masters_checksums lists (files.py) only the head is read and checked, up to the end of its masters, which
 hold every value copied from it: not its Adam moments, two thirds of it. DeepSpeed's files (no
 checksums), and verify=False, copy only the runs' bytes.
 """
@@ -343,7 +343,7 @@ def _pwrite_all(path: str, flat: torch.Tensor, offset: int) -> None:
 def _checksums(tag_dir: str, manifest: dict[str, Any]) -> dict[str, dict[str, int]]:
     """What to check of each of the engine's rank files, by real path (as /proc/self/maps names them):
     {"crc32", "bytes", "start"}, the CRC-32 of its first "bytes" bytes, and from which byte the values
-    copied from it may be taken. For an optimizer file with a "masters" entry (files.py) that is the
+    copied from it may be taken. For an optimizer file in masters_checksums (files.py) that is the
     head of the file up to the end of the masters; otherwise the whole file, from byte 0. A missing or
     resized file is named here, before anything is loaded. DeepSpeed keeps no checksums."""
     if is_deepspeed_tag_dir(tag_dir):
@@ -354,7 +354,7 @@ def _checksums(tag_dir: str, manifest: dict[str, Any]) -> dict[str, dict[str, in
         if not os.path.isfile(path):
             raise CheckpointError(f"{os.path.join(tag_dir, name)} is missing; the checkpoint is incomplete")
         check_checksum(path, {"crc32": expected["crc32"], "bytes": os.path.getsize(path)}, expected)
-        masters = expected.get("masters")
+        masters = manifest.get("masters_checksums", {}).get(name)
         if masters is None:
             out[path] = {"crc32": expected["crc32"], "bytes": expected["bytes"], "start": 0}
         else:

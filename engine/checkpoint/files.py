@@ -24,11 +24,12 @@ bytes are a CheckpointError naming the file, never silently wrong weights. A CRC
 (disk, copy, truncation), not tampering; weights_only is what keeps a file from running code.
 
 An optimizer file holds each optimizer state key's pieces as views of one flat tensor (store._pack):
-one storage of masters, written first, then one per moment. Its checksum entry then also has
-"masters": {"offset", "bytes", "crc32"}: where that storage's bytes lie and the CRC-32 of the file's
-first offset + bytes bytes (its pickle and the masters), so consolidate reads and checks only the
-bytes its output is made of (a third of the file with Adam); load_checkpoint checks the whole file.
-Checkpoints saved before (no "masters") are checked whole by both.
+one storage of masters, written first, then one per moment. The manifest's `masters_checksums` then
+has, for that file, {"offset", "bytes", "crc32"}: where that storage's bytes lie and the CRC-32 of the
+file's first offset + bytes bytes (its pickle and the masters), so consolidate reads and checks only
+the bytes its output is made of (a third of the file with Adam); load_checkpoint checks the whole
+file. A key of its own, not inside `checksums`, so an engine that predates it loads such checkpoints
+as before; checkpoints saved before it are checked whole by both.
 """
 
 from __future__ import annotations
@@ -177,18 +178,18 @@ _MANIFEST_SCHEMA = {
             "additionalProperties": {
                 "type": "object",
                 "required": ["crc32", "bytes"],
+                "properties": {"crc32": {"type": "integer", "minimum": 0}, "bytes": {"type": "integer", "minimum": 0}},
+            },
+        },
+        "masters_checksums": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["offset", "bytes", "crc32"],
                 "properties": {
-                    "crc32": {"type": "integer", "minimum": 0},
+                    "offset": {"type": "integer", "minimum": 0},
                     "bytes": {"type": "integer", "minimum": 0},
-                    "masters": {
-                        "type": "object",
-                        "required": ["offset", "bytes", "crc32"],
-                        "properties": {
-                            "offset": {"type": "integer", "minimum": 0},
-                            "bytes": {"type": "integer", "minimum": 0},
-                            "crc32": {"type": "integer", "minimum": 0},
-                        },
-                    },
+                    "crc32": {"type": "integer", "minimum": 0},
                 },
             },
         },
@@ -265,10 +266,11 @@ def _check_agreement(manifest: dict[str, Any], path: str) -> None:
         )
         if missing:
             _edited(path, "checksums", f"has no entry for {', '.join(missing)}")
-        for name, digest in manifest["checksums"].items():
-            masters = digest.get("masters")
-            if masters is not None and masters["offset"] + masters["bytes"] > digest["bytes"]:
-                _edited(path, f"checksums.{name}.masters", f"ends past the file's {digest['bytes']} bytes")
+    for name, masters in manifest.get("masters_checksums", {}).items():
+        whole = manifest.get("checksums", {}).get(name)
+        if whole is None or masters["offset"] + masters["bytes"] > whole["bytes"]:
+            what = "has no checksums entry" if whole is None else f"ends past the file's {whole['bytes']} bytes"
+            _edited(path, f"masters_checksums.{name}", what)
 
 
 def tp_section(manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -333,7 +335,7 @@ def unpickling_reason(err: Exception) -> str:
 
 def check_checksum(path: str, found: dict[str, int], expected: dict[str, int]) -> None:
     """A rank file's {"crc32", "bytes"} as read against the manifest's: a named error when they differ
-    (consolidate passes the CRC-32 of the file's first "bytes" bytes, as read, and the masters' entry)."""
+    (consolidate passes the CRC-32 of the file's first "bytes" bytes, as read, and masters_checksums')."""
     if (found["crc32"], found["bytes"]) != (expected["crc32"], expected["bytes"]):
         what = (
             f"{found['bytes']} bytes, the manifest says {expected['bytes']}"

@@ -299,7 +299,8 @@ def _manifest(
     tensor_parallel: dict[str, Any],
     exclude_frozen_parameters: bool,
 ) -> dict[str, Any]:
-    """manifest.json (engine/checkpoint/files.py), from every rank's pieces and file checksums. A
+    """manifest.json (engine/checkpoint/files.py), from every rank's pieces and file checksums (an
+    optimizer file's "masters" go to masters_checksums). A
     tensor-parallel parameter's shape is its whole one (its slices' are in tensor_parallel)."""
     sliced = tensor_parallel["params"]
     params = {
@@ -325,7 +326,10 @@ def _manifest(
         "tensor_parallel": tensor_parallel,
         "files": {"model": [model_file(r) for r in range(world)], "optim": [optim_file(r) for r in range(world)]},
         "pieces": [[list(entry) for entry in entries] for entries, _ in gathered],
-        "checksums": {name: digest for _, sums in gathered for name, digest in sums.items()},
+        "masters_checksums": {n: d["masters"] for _, sums in gathered for n, d in sums.items() if "masters" in d},
+        "checksums": {
+            n: {k: v for k, v in d.items() if k != "masters"} for _, sums in gathered for n, d in sums.items()
+        },
     }
 
 
