@@ -266,8 +266,8 @@ def _check_agreement(manifest: dict[str, Any], path: str) -> None:
         )
         if missing:
             _edited(path, "checksums", f"has no entry for {', '.join(missing)}")
-    for name, masters in manifest.get("masters_checksums", {}).items():
-        whole = manifest.get("checksums", {}).get(name)
+    for name, masters in manifest.get("masters_checksums", {}).items() if "checksums" in manifest else ():
+        whole = manifest["checksums"].get(name)
         if whole is None or masters["offset"] + masters["bytes"] > whole["bytes"]:
             what = "has no checksums entry" if whole is None else f"ends past the file's {whole['bytes']} bytes"
             _edited(path, f"masters_checksums.{name}", what)
