@@ -412,7 +412,7 @@ def _report(
             "bytes / s (DeepSpeed's also holds a model-states file with the fp32 weights, which neither tool "
             "needs); output GB/s = safetensors bytes / s. The engine checks CRC-32s (--no-verify skips them): "
             "of each model file whole, and of each optimizer file's head up to the end of its fp32 masters "
-            "(the manifest's 'masters' entry), not its Adam moments; a checkpoint saved before that entry "
+            "(the manifest's masters_checksums), not its Adam moments; a checkpoint saved before that entry "
             "existed ('saved before' rows: --before's commit saved it, same model) has every byte of its files "
             "checked, moments included; the row \"the earlier commit's code\" consolidates it with that commit's "
             "engine too (the state before). DeepSpeed's files have no checksums. Peak memory: the PSS of the process and its workers together (pages shared since the "
