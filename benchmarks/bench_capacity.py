@@ -441,12 +441,16 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
         (
             "- Disk bytes per step are measured (/proc/<pid>/io read_bytes and write_bytes of each rank, all its "
             "threads), not modelled: the step writes the fp32 master and both moments (12 B/param) and reads them "
-            "(12 B/param); each gather of a unit reads its master shard (4 B/param per gather)."
+            "(12 B/param); each gather of a unit reads its master shard (4 B/param per gather); the engine's "
+            "gradients (memory-mapped swap files) are written as they are reduced (4 B/param) and read back by "
+            "the step where the kernel has evicted them."
         ),
         (
             "- Peak RSS counts the two rank processes (started directly, no launcher process). The load average "
             "below says how "
-            "much other work shared the 2 cores: step times, and so step / bound, are noisier when it is over 2."
+            "much other work shared the 2 cores: step times, and so step / bound, are noisier when it is over 2. "
+            "The engine NVMe row's RSS includes its gradients' file pages while they are mapped in (page cache the "
+            "kernel reclaims when memory is short; the lowest MemAvailable column is the memory actually left)."
         ),
         "- Plot: capacity.png (every attempt per system, o trained, x failed; dashed: model states = this RAM).",
         (
@@ -454,6 +458,11 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
             f"{args.min_available_gib} GiB (reason memory) or after {args.attempt_timeout:.0f} s (reason time); "
             "NVMe attempts only with >= 10 GB left free after their swap files; when the disk stops the ladder, "
             "the largest shape that fits is tried."
+        ),
+        *(
+            f"- Rerun with --update at {r['date']} (load average before {r['load_before'][0]:.2f}): "
+            f"{', '.join(r['systems'])}; {r['why']}"
+            for r in data.get("reruns", [])
         ),
         "",
         "Machine:",
@@ -516,6 +525,13 @@ def main() -> None:
     parser.add_argument("--min-available-gib", type=float, default=3.0, help="kill an attempt under this")
     parser.add_argument("--name", default="capacity", help="results file names: benchmarks/results/NAME.{md,json,png}")
     parser.add_argument("--replot", action="store_true", help="redraw NAME.png from NAME.json, run nothing")
+    parser.add_argument(
+        "--update",
+        default="",
+        metavar="WHY",
+        help="rerun only --systems and replace their rows in NAME.json (the other rows and the machine's figures "
+        "stay from the run that wrote it); WHY goes in the report's notes",
+    )
     args = parser.parse_args()
     if args.replot:
         with open(os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json")) as f:
@@ -524,12 +540,20 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in systems if s not in SYSTEMS]:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
-    data: dict[str, Any] = {"load_before": os.getloadavg(), "max_params": args.max_params, "nvme_dir": args.nvme_dir}
-    data["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    data["ds_aio"] = deepspeed_aio_status()
-    data["mm_gflops"] = mm_gflops()
-    data["dd_write"], data["dd_read"] = dd_bandwidth(args.nvme_dir)
-    data["systems"] = {}
+    if args.update:
+        with open(os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json")) as f:
+            data: dict[str, Any] = json.load(f)
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        data.setdefault("reruns", []).append(
+            {"systems": systems, "date": when, "load_before": os.getloadavg(), "why": args.update}
+        )
+    else:
+        data = {"load_before": os.getloadavg(), "max_params": args.max_params, "nvme_dir": args.nvme_dir}
+        data["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        data["ds_aio"] = deepspeed_aio_status()
+        data["mm_gflops"] = mm_gflops()
+        data["dd_write"], data["dd_read"] = dd_bandwidth(args.nvme_dir)
+        data["systems"] = {}
     for system in systems:
         if system == "deepspeed-3-nvme" and data["ds_aio"] != "compatible":
             data["systems"][system] = {"attempts": [], "best": None, "stop": f"not run: {data['ds_aio']}"}

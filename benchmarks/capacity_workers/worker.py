@@ -125,6 +125,11 @@ def _build(args: argparse.Namespace, cfg: GPTConfig) -> tuple[Callable[..., None
         import deepspeed
 
         conf = _ds_config(nvme, cfg.vocab_size * cfg.d_model)
+        if nvme:
+            # Its pipelined swapper fails an assertion at 225M params with these buffers (pipelined_optimizer_
+            # swapper.py: `assert new_alloc_buffers is not None`, DeepSpeed's "not enough buffers"): its
+            # default, unpipelined, runs.
+            conf["zero_optimization"]["offload_optimizer"].update(pipeline_read=False, pipeline_write=False)
         if not nvme:
             conf["optimizer"]["params"]["torch_adam"] = True  # no offload: its CPU Adam is refused
             conf["zero_force_ds_cpu_optimizer"] = False
