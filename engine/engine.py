@@ -466,7 +466,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         if self._stage is None:
             return
         swap = swap_of(self._stage)
-        self._stage.destroy()  # stage 3 gathers every unit back into the module first (from the swap files)
+        self._stage.destroy()  # stage 3 gathers every unit back into the module first (not from NVMe: see there)
         if swap is not None:
             swap.close()  # the NVMe swap files and folder removed
         self._stage = None

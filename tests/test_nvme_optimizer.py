@@ -83,7 +83,9 @@ def _run(
     reads_ahead = eng._stage._gathers.reads_ahead if stage == 3 else 0
     state = eng.consolidated_state_dict()
     eng.destroy()
+    handed_back = sum(p.numel() for p in model.parameters())
     return {
+        "handed back": handed_back,
         "losses": losses,
         "state": {k: v.float() for k, v in state.items()},
         "folder": folder,
@@ -133,6 +135,8 @@ def test_nvme_equals_the_in_memory_offload_bitwise(
         assert got["masters in memory"] == 0
     # Parameters on NVMe: every gather's shard was read from disk, its all-gather launched at a later use.
     assert (got["reads ahead"] > 0) == params, got["reads ahead"]
+    # destroy hands the module back whole, except with parameters on NVMe (the model need not fit in RAM).
+    assert got["handed back"] == (0 if params else want["handed back"]) and want["handed back"] > 0, got
     # At stage 3 every shard gradient lives in a mapped swap file; stages 1-2 keep them in memory.
     grad_files = [f for f in got["files"] if f.startswith("grad.")]
     assert got["mapped grad files"] == grad_files, got
