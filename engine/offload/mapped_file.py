@@ -26,15 +26,13 @@ name rather than mapped sparse.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 from pathlib import Path
 
 import torch
 
-from engine.offload.swap_file import SUFFIX, check_name
-from engine.ops.aio import DiskFullError, free_bytes, transfer_error
+from engine.offload.swap_file import SUFFIX, check_name, check_space, reserve
 
 _MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -49,22 +47,10 @@ class MappedFile:
         self.path = Path(folder) / f"{name}{SUFFIX}"
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         path = str(self.path)
-        if free_bytes(str(folder)) >= 0 and self.nbytes > free_bytes(str(folder)):
-            raise DiskFullError("create", path, 0, self.nbytes, 0, errno.ENOSPC)
+        check_space(folder, path, self.nbytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, self.nbytes)
-            except OSError as error:
-                got = os.fstat(fd).st_size
-                if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise OSError(
-                        error.errno,
-                        f"{path}: this file system cannot reserve space (posix_fallocate: {os.strerror(error.errno)}); "
-                        "a memory-mapped swap file needs it (a full disk would otherwise kill the process): "
-                        "put nvme_path on ext4, xfs, btrfs or tmpfs",
-                    ) from error
-                raise transfer_error("create", path, 0, self.nbytes, got, error.errno or errno.EIO) from error
+            reserve(fd, path, self.nbytes, sparse_ok=False)
         except BaseException:
             os.close(fd)
             self.path.unlink(missing_ok=True)

@@ -122,19 +122,17 @@ class SwapFile:
         self._lock = threading.Lock()  # guards `written` and `_in_flight` (handles may be waited on any thread)
         self._in_flight: list[IOHandle] = []  # waited before the descriptors close
         path = str(self.path)
-        if free_bytes(str(folder)) >= 0 and self.nbytes > free_bytes(str(folder)):
-            raise DiskFullError("create", path, 0, self.nbytes, 0, errno.ENOSPC)
+        check_space(folder, path, self.nbytes)
         try:
             self._file = open_file(self.path, create=True)
         except FileExistsError as error:
             raise SwapFileError(f"swap file {path} already exists; each swap file name is used once") from error
         try:
-            _reserve(self._file.fd, self.nbytes)
-        except OSError as error:
-            got = os.fstat(self._file.fd).st_size
+            reserve(self._file.fd, path, self.nbytes, sparse_ok=True)
+        except OSError:
             self._file.close()
             self.path.unlink(missing_ok=True)
-            raise transfer_error("create", path, 0, self.nbytes, got, error.errno or errno.EIO) from error
+            raise
         self._inode = os.fstat(self._file.fd).st_ino
         self.check_size()
 
@@ -217,11 +215,31 @@ class SwapFile:
             raise first
 
 
-def _reserve(fd: int, nbytes: int) -> None:
-    """Allocates the file's blocks now, so a full disk fails here and not in the middle of a write."""
+def check_space(folder: Path, path: str, nbytes: int) -> None:
+    """A DiskFullError before anything is created when the file system of `folder` has less free space."""
+    free = free_bytes(str(folder))
+    if free >= 0 and nbytes > free:
+        raise DiskFullError("create", path, 0, nbytes, 0, errno.ENOSPC)
+
+
+def reserve(fd: int, path: str, nbytes: int, *, sparse_ok: bool) -> None:
+    """Allocates the file's blocks now, so a full disk fails here (DiskFullError, or the AioError of the
+    failure) and not in the middle of a write. On a file system without fallocate the file is only sized
+    (sparse_ok) or refused by name (a memory-mapped file must not be sparse: see mapped_file.py)."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
+        return
     except OSError as error:
         if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
+            raise transfer_error("create", path, 0, nbytes, os.fstat(fd).st_size, error.errno or errno.EIO) from error
+        if not sparse_ok:
+            raise OSError(
+                error.errno,
+                f"{path}: this file system cannot reserve space (posix_fallocate: {os.strerror(error.errno)}); "
+                "a memory-mapped swap file needs it (a full disk would otherwise kill the process): "
+                "put nvme_path on ext4, xfs, btrfs or tmpfs",
+            ) from error
+    try:
         os.ftruncate(fd, nbytes)  # no fallocate on this file system: sized, not reserved
+    except OSError as error:
+        raise transfer_error("create", path, 0, nbytes, os.fstat(fd).st_size, error.errno or errno.EIO) from error

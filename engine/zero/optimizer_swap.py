@@ -161,6 +161,7 @@ class OptimizerSwap:
         self.by_master: dict[int, _Swapped] = {}
         self._mapped_grads: dict[int, MappedFile] = {}
         """id(gradient) -> the mapped swap file that holds it (settings.grads)."""
+        mapped_at = {m.tensor.data_ptr(): m for m in self.dir.mapped_files.values()}
         size = settings.sub_group_size
 
         def build() -> None:
@@ -168,7 +169,7 @@ class OptimizerSwap:
                 # A copy of a low-precision parameter is swapped; the parameter's own fp32 storage only when
                 # parameters go to NVMe too (stage 3, whose gathers then read it from the file).
                 swap_master = t.lp is not None or settings.params
-                grad_file = self._mapped_grad(t.grad) if settings.grads else None
+                grad_file = self._mapped_grad(t.grad, mapped_at) if settings.grads else None
                 lp = [t.lp] if t.lp is not None else []
                 master, grad, *lp_lists = contiguous_pieces([t.master, t.grad, *lp])
                 lp_pieces = lp_lists[0] if lp_lists else None
@@ -206,12 +207,12 @@ class OptimizerSwap:
             for _ in range(settings.buffer_count)
         ]
 
-    def _mapped_grad(self, grad: torch.Tensor) -> MappedFile | None:
-        """The swap file `grad` (made by map_gradients) is mapped from; None for an empty gradient."""
+    def _mapped_grad(self, grad: torch.Tensor, mapped_at: dict[int, MappedFile]) -> MappedFile | None:
+        """The swap file `grad` (made by map_gradients) is mapped from (`mapped_at`: the folder's mapped
+        files by address); None for an empty gradient."""
         if grad.numel() == 0:
             return None
-        by_address = {m.tensor.data_ptr(): m for m in self.dir.mapped_files.values()}
-        mapped = by_address.get(grad.data_ptr())
+        mapped = mapped_at.get(grad.data_ptr())
         if mapped is None:
             raise RuntimeError("NVMe settings say the gradients are swapped, but this one is not in a swap file")
         self._mapped_grads[id(grad)] = mapped
