@@ -263,17 +263,20 @@ class _PythonPool:
     def submit(self, write: bool, file: OpenFile, address: int, nbytes: int, offset: int) -> Pending:
         block, run = self._config.block_size, self._config.block_size * self._config.claim_blocks
         view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B") if nbytes else memoryview(b"")
-        failed = threading.Event()  # an earlier run failed: the later ones are not started
+        # The lowest failed block's start: blocks past it are not started; blocks before it still are, so
+        # the bytes moved before a failure do not depend on which thread saw it first.
+        failed_from = [nbytes]
 
         def move(start: int) -> Outcome:
             total = direct_total = 0
             for lo in range(start, min(start + run, nbytes), block):
-                if failed.is_set():
+                if lo > failed_from[0]:
                     break
                 moved, direct, error = _move_block(write, file, view, address, lo, min(block, nbytes - lo), offset)
                 total, direct_total = total + moved, direct_total + direct
                 if error is not None:
-                    failed.set()
+                    # two failures racing here at worst let a few more blocks run
+                    failed_from[0] = min(failed_from[0], lo)
                     return Outcome(total, direct_total, error, offset + lo, min(block, nbytes - lo), moved)
             return Outcome(total, direct_total, 0, -1, 0, 0)
 
