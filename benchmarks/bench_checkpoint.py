@@ -234,6 +234,27 @@ _CHILD = {
         "from engine.checkpoint.consolidate import write_safetensors_dir\n"
         "run = lambda: write_safetensors_dir(CKPT, OUT, dtype=DTYPE, workers=WORKERS, verify=VERIFY)\n"
     ),
+    # The disk's floor for any tool: the bytes the output is made of (each optimizer file's masters)
+    # read by 2 processes in 1 MiB blocks and written into one file, then fsynced; no checks, no work.
+    "floor": (
+        "import json, multiprocessing, os\n"
+        "TAG = os.path.join(CKPT, 'global_step1')\n"
+        "heads = json.load(open(os.path.join(TAG, 'manifest.json')))['masters_checksums']\n"
+        "runs, at = [], 0\n"
+        "for name, m in sorted(heads.items()):\n"
+        "    runs.append((os.path.join(TAG, name), m['offset'], m['bytes'], at)); at += m['bytes']\n"
+        "def copy(run):\n"
+        "    src, offset, n, to = run\n"
+        "    fi, fo, buf = os.open(src, os.O_RDONLY), os.open(DST, os.O_WRONLY), bytearray(1 << 20)\n"
+        "    for pos in range(0, n, 1 << 20):\n"
+        "        got = os.preadv(fi, [memoryview(buf)[: min(1 << 20, n - pos)]], offset + pos)\n"
+        "        os.pwrite(fo, memoryview(buf)[:got], to + pos)\n"
+        "    os.close(fi); os.fsync(fo); os.close(fo)\n"
+        "def run():\n"
+        "    os.makedirs(OUT); global DST; DST = os.path.join(OUT, 'floor.safetensors')\n"
+        "    with open(DST, 'wb') as f: f.truncate(at)\n"
+        "    with multiprocessing.get_context('fork').Pool(WORKERS) as pool: pool.map(copy, runs)\n"
+    ),
 }
 _TIMED = (
     "import json, os, time, psutil, torch\n"
@@ -349,6 +370,7 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
             ("engine consolidate", "engine", ours_ckpt, "float32", 2, True),
             ("engine consolidate --no-verify", "engine", ours_ckpt, "float32", 2, False),
             ("engine consolidate --dtype bf16", "engine", ours_ckpt, "bfloat16", 2, True),
+            ("disk floor: the masters' bytes read and written, nothing else", "floor", ours_ckpt, "float32", 2, False),
         ]
         if before is not None:
             _BEFORE[:] = [before]
@@ -418,7 +440,10 @@ def _report(
             "engine too (the state before). DeepSpeed's files have no checksums. Peak memory: the PSS of the process and its workers together (pages shared since the "
             "fork count once) and the main process's RSS, sampled every 5 ms, the largest of the runs; "
             "interpreter: the main process's RSS before the call (Python, torch and the tool imported). The "
-            f"largest tensor is {largest / 2**20:.0f} MiB. Engine rows use 2 workers unless said."
+            f"largest tensor is {largest / 2**20:.0f} MiB. Engine rows use 2 workers unless said. The disk "
+            "floor row is no tool: 2 processes read each optimizer file's masters (the bytes the output is made "
+            "of) in 1 MiB blocks, write them into one file and fsync it; what this disk takes to move the "
+            "output's bytes in and out, with no check and no format, in the same rounds."
         ),
         "",
         (

@@ -70,6 +70,8 @@ def tasks(copies: list[Copy]) -> list[list[Copy]]:
             by_file.setdefault(c.dst, []).append(c)
         else:
             cast.append([c])
+    for runs in by_file.values():
+        runs.sort(key=lambda c: (c.src, c.src_offset))
     return sorted(by_file.values(), key=len, reverse=True) + cast
 
 
