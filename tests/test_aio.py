@@ -120,8 +120,10 @@ def test_a_failed_call_names_the_buffer_and_the_closed_file(backend: str, tmp_pa
 def test_deepspeed_aio_section() -> None:
     section = {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": False}
     config = aio.AioConfig.from_section({**section, "overlap_events": True, "use_gds": False})
-    assert (config.block_size, config.queue_depth, config.thread_count, config.claim_blocks) == (262144, 4, 2, 4)
-    assert aio.AioConfig.from_section({"thread_count": 3, "single_submit": True}).claim_blocks == 1
+    assert (config.block_size, config.queue_depth, config.thread_count) == (262144, 4, 2)
+    assert config.threads == 8  # DeepSpeed's requests in flight: 2 threads x queue depth 4
+    assert aio.AioConfig.from_section({"thread_count": 3, "single_submit": True}).threads == 24
+    assert aio.AioConfig.from_section({"queue_depth": 128}).threads == aio.MAX_THREADS
     assert aio.AioConfig.from_section({}) == aio.AioConfig()  # DeepSpeed's defaults
     with pytest.raises(ValueError, match="aio.queue_dpeth: not a key"):
         aio.AioConfig.from_section({"queue_dpeth": 4})

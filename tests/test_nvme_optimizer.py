@@ -47,7 +47,14 @@ def _config(
         "bf16": {"enabled": bf16},
         "zero_optimization": zero,
         "aio": {"block_size": 4096, "thread_count": 2, "queue_depth": 4},
-    } | ({"zero_optimization": {**zero, "offload_param": {"device": "nvme", "nvme_path": nvme_path}}} if params else {})
+    } | ({"zero_optimization": {**zero, **_param_offload(nvme_path, pipeline)}} if params else {})
+
+
+def _param_offload(nvme_path: str, read_ahead: bool) -> dict[str, Any]:
+    """Parameters on NVMe; read_ahead: no all-gather prefetch (bucket 0), so every shard read before its
+    gather is a read ahead along the recorded order (offload_param.buffer_count units)."""
+    keys: dict[str, Any] = {"offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}}
+    return keys | ({"stage3_prefetch_bucket_size": 0} if read_ahead else {})
 
 
 def _steps(eng: Any, steps: range, dtype: torch.dtype) -> list[float]:
@@ -81,6 +88,7 @@ def _run(
         mapped = {line.split()[-1] for line in maps if folder and folder in line and "/grad." in line}
     grads = [g.shard_grad for u in eng._stage.units for g in u.trainable] if stage == 3 else []
     reads_ahead = eng._stage._gathers.reads_ahead if stage == 3 else 0
+    shards_read_ahead = eng._stage._gathers.shards_read_ahead if stage == 3 else 0
     state = eng.consolidated_state_dict()
     eng.destroy()
     handed_back = sum(p.numel() for p in model.parameters())
@@ -95,6 +103,7 @@ def _run(
         "mapped grad files": sorted(os.path.basename(m) for m in mapped),
         "grad targets": len(grads),
         "reads ahead": reads_ahead,
+        "shards read ahead": shards_read_ahead,
     }
 
 
@@ -106,7 +115,8 @@ def _pair(stage: int, bf16: bool, nvme_path: str, pipeline: bool, params: bool) 
     }
 
 
-# (stage, world size, bf16, pipelined reads and writes, parameters on NVMe too)
+# (stage, world size, bf16, pipelined reads and writes, parameters on NVMe too; with pipelining, shards
+# read ahead of their gathers instead of all-gather prefetch)
 CASES = [
     (1, 2, False, True, False),
     (1, 1, True, False, False),
@@ -135,6 +145,8 @@ def test_nvme_equals_the_in_memory_offload_bitwise(
         assert got["masters in memory"] == 0
     # Parameters on NVMe: every gather's shard was read from disk, its all-gather launched at a later use.
     assert (got["reads ahead"] > 0) == params, got["reads ahead"]
+    # Without all-gather prefetch, shards were read ahead along the recorded order, and used.
+    assert (got["shards read ahead"] > 0) == (params and pipeline), got["shards read ahead"]
     # destroy hands the module back whole, except with parameters on NVMe (the model need not fit in RAM).
     assert got["handed back"] == (0 if params else want["handed back"]) and want["handed back"] > 0, got
     # At stage 3 every shard gradient lives in a mapped swap file; stages 1-2 keep them in memory.

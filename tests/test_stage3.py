@@ -365,7 +365,8 @@ def test_stage3_prefetch_within_max_live_parameters_and_order_changes() -> None:
     )[0]
     assert result["prefetched"] > 0, "later steps prefetch along the recorded order"
     assert result["order_changes"] == 0
-    assert result["memory"]["peak_gathered"] <= 4 * (max_live + block)  # + one on-demand gather
+    # + the prefetch that crosses the limit (DeepSpeed's rule) + one on-demand gather
+    assert result["memory"]["peak_gathered"] <= 4 * (max_live + 2 * block)
     # A step that skips a block changes the order: gathers fall back to on demand, then re-record.
     changed = run_distributed(_train_measured, 2, args=({"stage3_param_persistence_threshold": 0}, True))[0]
     assert changed["order_changes"] >= 1 and changed["prefetched"] > 0

@@ -61,31 +61,42 @@ def test_prefetch_takes_the_next_units_in_recorded_order() -> None:
 
 
 def test_prefetch_bucket_size_bounds_the_elements_started_at_once() -> None:
+    # DeepSpeed's rule: units are taken while those taken are under the bucket; the one that crosses it
+    # is taken too, then nothing after it.
+    plan = recorded(make_plan(prefetch=200))
+    plan.record(0, in_training=True)
+    assert plan.to_prefetch(live={0}) == [1, 2]  # 100 < 200 takes 2; 200 is not under 200
     plan = recorded(make_plan(prefetch=250))
     plan.record(0, in_training=True)
-    assert plan.to_prefetch(live={0}) == [1, 2]  # 100 + 100 <= 250 < 300
+    assert plan.to_prefetch(live={0}) == [1, 2, 3]  # 200 < 250: 3 crosses the bucket and is started
     plan = recorded(make_plan(prefetch=99))
     plan.record(0, in_training=True)
-    assert plan.to_prefetch(live={0}) == []  # the next unit alone is over the budget
+    assert plan.to_prefetch(live={0}) == [1]  # a unit larger than the whole bucket still goes alone
+    plan = recorded(make_plan(prefetch=0))
+    plan.record(0, in_training=True)
+    assert plan.to_prefetch(live={0}) == []  # 0 turns prefetching off
 
 
-def test_the_first_unit_that_does_not_fit_ends_the_prefetch() -> None:
-    # Unit 2 is too big for what is left of the budget; unit 3 would fit, but prefetching past a
-    # unit would start gathers out of the order they are used in.
+def test_the_unit_that_crosses_the_budget_ends_the_prefetch() -> None:
+    # Unit 2 crosses what is left of the budget and is the last one taken; unit 3 would fit in the
+    # bucket's size alone, but it comes after the crossing.
     plan = recorded(make_plan([10, 100, 500, 50], prefetch=300), [0, 1, 2, 3])
     plan.record(0, in_training=True)
-    assert plan.to_prefetch(live={0}) == [1]
+    assert plan.to_prefetch(live={0}) == [1, 2]
 
 
 def test_max_live_parameters_counts_gathered_units_too() -> None:
-    plan = recorded(make_plan(max_live=260))
+    plan = recorded(make_plan(max_live=250))
     plan.record(0, in_training=True)
-    assert plan.to_prefetch(live={0}) == [1, 2]  # 50 + 100 + 100 = 250 <= 260
-    assert plan.to_prefetch(live={0, 1}) == [2]  # the live 1 counts: 50 + 100 + 100 + 100 > 260 for 3
+    assert plan.to_prefetch(live={0}) == [1, 2]  # limit 250 - 50 = 200: 1, then 2 reaches it
+    assert plan.to_prefetch(live={0, 1}) == [2]  # the live 1 counts: limit 250 - 150 = 100
     assert plan.live_numel({0, 1}) == 150
     plan = recorded(make_plan(max_live=149))
     plan.record(0, in_training=True)
-    assert plan.to_prefetch(live={0}) == []  # 50 + 100 > 149
+    assert plan.to_prefetch(live={0}) == [1]  # limit 99: the next unit crosses it, and goes (live 150)
+    plan = recorded(make_plan(max_live=50))
+    plan.record(0, in_training=True)
+    assert plan.to_prefetch(live={0}) == []  # the live units already fill it
 
 
 def test_prefetch_looks_ahead_from_the_current_position() -> None:

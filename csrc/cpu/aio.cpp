@@ -7,8 +7,8 @@
 //
 // [Note: how a transfer is split]
 // A transfer of `nbytes` at file offset `offset` is cut into blocks of `block_size` bytes (the last may
-// be shorter). Threads take blocks off a FIFO of transfers in runs of `claim` blocks (DeepSpeed's
-// queue_depth; 1 under single_submit) and issue one pread/pwrite per block. A block whose buffer
+// be shorter). Threads take blocks off a FIFO of transfers in runs of `claim` blocks (engine/ops/aio.py
+// passes 1, with DeepSpeed's thread_count x queue_depth threads) and issue one pread/pwrite per block. A block whose buffer
 // address, file offset and size are multiples of kDirectAlign goes through the O_DIRECT descriptor
 // (when the caller opened one); any other block, and a block the file system refuses with EINVAL,
 // goes through the buffered one. Short counts are retried until the block is done; EOF on a read

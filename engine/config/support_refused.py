@@ -84,9 +84,10 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "ZeRO-Infinity's parameter offload at stage 3 with offload_optimizer.device nvme, CPU training: every "
         "trainable fp32 master shard (the only persistent copy of a parameter at stage 3) lives in its swap "
         "file, read by each gather of its unit and by the optimizer step, written by the step "
-        "(engine/zero/optimizer_swap.py); frozen parameters' shards stay in memory; buffer_count, "
-        "buffer_size and max_in_cpu accepted without effect (the gathered units are bounded by "
-        "stage3_max_live_parameters); another stage or optimizer offload is refused at initialize",
+        "(engine/zero/optimizer_swap.py); frozen parameters' shards stay in memory; buffer_count: the units "
+        "whose shards are read ahead of their gathers along the recorded order (default 4); buffer_size and "
+        "max_in_cpu accepted without effect (the gathered units are bounded by stage3_max_live_parameters); "
+        "another stage or optimizer offload is refused at initialize",
     ),
     Entry(
         "zero_optimization.zero_quantized_weights",
@@ -322,9 +323,10 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "aio",
         S.IMPLEMENTED,
         PRESENT,
-        "the NVMe swap files' I/O (engine/ops/aio.py): block_size (bytes per request), queue_depth (requests a "
-        "thread takes at a time), thread_count / intra_op_parallelism (threads), single_submit honoured; "
-        "overlap_events accepted (transfers always overlap the caller); use_gds must be false",
+        "the NVMe swap files' I/O (engine/ops/aio.py): block_size (bytes per request) honoured; thread_count "
+        "/ intra_op_parallelism x queue_depth = requests in flight, as in DeepSpeed (one blocking thread each, "
+        "at most 64); single_submit and overlap_events accepted (a thread submits one request at a time, "
+        "transfers always overlap the caller); use_gds must be false",
     ),
     Entry(
         "checkpoint",

@@ -30,11 +30,11 @@ swap and when).
 DeepSpeed's `aio` section becomes AioConfig (engine/ops/aio.py), the parameters of an AioContext:
 - block_size (1 MiB): each transfer is cut into requests of this many bytes (one pread/pwrite each);
   a multiple of 4096 keeps every request of an aligned transfer on O_DIRECT.
-- queue_depth (8): DeepSpeed's requests in flight per thread; a thread here has one blocking request in
-  flight, so it is the number of consecutive requests a thread takes from the queue at a time.
-- intra_op_parallelism, or its older name thread_count (1): threads moving requests, so the requests
-  in flight at once and the parallelism one transfer gets.
-- single_submit (false): a thread takes one request at a time whatever queue_depth is.
+- queue_depth (8) and intra_op_parallelism, or its older name thread_count (1): DeepSpeed keeps
+  queue_depth requests in flight in each of its thread_count threads; a thread here has one blocking
+  request in flight, so the pool runs thread_count x queue_depth threads (at most 64), each taking
+  one block at a time: the same requests in flight.
+- single_submit (false): accepted, no effect (a thread here submits one request at a time anyway).
 - overlap_events (true): accepted, no effect: a thread pool has no separate submit and reap phases;
   transfers always overlap with the caller.
 - use_gds must be false (GPUDirect Storage is CUDA-only).

@@ -50,9 +50,10 @@ def _blocks(sizes: Sequence[int]) -> int:
 def auto_capacity(units: Sequence[UnitBytes], max_live_bytes: int, reduces_in_flight: int) -> int:
     """The most stage 3 can hold at once, from the bounds it keeps (prefetch.py, grads.py):
 
-    - gathered: prefetches and units kept for reuse are admitted only while the live total stays
-      within stage3_max_live_parameters; on top of that come one unit gathered on demand and the
-      small persistent units. Never more than all units at once.
+    - gathered: prefetches and units kept for reuse are admitted only while the live total is
+      under stage3_max_live_parameters, the prefetch that crosses it included; on top of that come
+      that crossing unit, one unit gathered on demand and the small persistent units. Never more
+      than all units at once.
     - buckets: `reduces_in_flight` reduce-scatters in flight, the unit being filled, one spare for a
       unit whose gradients arrive out of order, and the root's (tied weights: filled first and last).
       Never more than all units' buckets at once.
@@ -63,7 +64,7 @@ def auto_capacity(units: Sequence[UnitBytes], max_live_bytes: int, reduces_in_fl
     gathered_all = _blocks([u.gathered for u in units])
     largest = max(u.gathered for u in units)
     persistent = _blocks([u.gathered for u in units if u.persistent])
-    gathered = min(gathered_all, max_live_bytes + _blocks([largest]) + persistent)
+    gathered = min(gathered_all, max_live_bytes + 2 * _blocks([largest]) + persistent)
     buckets_all = _blocks([u.buckets for u in units])
     blocks = [u.buckets for u in units if not u.root] or [0]
     root = _blocks([u.buckets for u in units if u.root])

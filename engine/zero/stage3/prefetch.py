@@ -7,8 +7,9 @@ whether to keep a unit gathered after its forward; it runs the all-gathers itsel
 # [Note: prefetch]
 # Every use of a unit in a micro-step (forward and backward) is recorded. From the next micro-step
 # on, each use that matches the recorded order starts the all-gathers of the following units
-# asynchronously, up to stage3_prefetch_bucket_size elements ahead and never beyond
-# stage3_max_live_parameters gathered (or gathering) at once, so communication overlaps compute.
+# asynchronously, up to stage3_prefetch_bucket_size elements ahead and within
+# stage3_max_live_parameters gathered (or gathering) at once, so communication overlaps compute; as
+# in DeepSpeed, the unit that crosses either limit is started too (see to_prefetch).
 # A unit whose next recorded use comes within stage3_max_reuse_distance elements of other units'
 # uses (the last block always: its backward comes next) stays gathered after its forward, as in
 # DeepSpeed; with DeepSpeed's default (1e9) a model under a billion parameters is gathered once per
@@ -91,23 +92,38 @@ class PrefetchPlan:
 
     def to_prefetch(self, live: Collection[int]) -> list[int]:
         """Units to start gathering now, in order: the next ones in the recorded order that are not
-        `live` (gathered or gathering), while they fit in stage3_prefetch_bucket_size and the live
-        total stays within stage3_max_live_parameters; the first one that does not fit ends the list."""
+        `live` (gathered or gathering), taken while the elements taken so far are under the limit,
+        min(stage3_prefetch_bucket_size, stage3_max_live_parameters - the live units' elements). The
+        unit that crosses the limit is taken too, then nothing after it: DeepSpeed's rule
+        (PartitionedParameterCoordinator.fetch_sub_module), so a unit larger than the bucket is still
+        prefetched alone rather than never (a GPT block of d_model 2048 is 50M elements, DeepSpeed's
+        default bucket), and the live total stays under the limit plus one unit."""
         if self.trace is None:
             return []
-        budget = self.prefetch_numel
-        live_numel = self.live_numel(live)
+        limit = min(self.prefetch_numel, self.max_live_numel - self.live_numel(live))
+        taken = 0
         chosen: list[int] = []
         for index in self.trace[self.pos :]:
+            if taken >= limit:
+                break
             if index in live or index in chosen:
                 continue
-            numel = self.numels[index]
-            if numel > budget or live_numel + numel > self.max_live_numel:
-                break
             chosen.append(index)
-            budget -= numel
-            live_numel += numel
+            taken += self.numels[index]
         return chosen
+
+    def upcoming(self, skip: Collection[int], count: int) -> list[int]:
+        """The next `count` distinct units in the recorded order after this position, leaving out `skip`
+        (the live ones); none when no order is followed."""
+        if not (self.trace and self.following):
+            return []
+        found: list[int] = []
+        for index in self.trace[self.pos :]:
+            if len(found) >= count:
+                break
+            if index not in skip and index not in found:
+                found.append(index)
+        return found
 
     def persistent(self, index: int) -> bool:
         """Small enough to keep gathered until its gradients are reduced (cheaper than gathering it again)."""
