@@ -16,6 +16,10 @@ fp32 rtol 1e-5 (at 1 and 4 ranks the gradient sums run in another order: measure
 state decides, is equal (1e-7 at 1 rank), and so is the loss-scaler state; after it, the engine's fp16
 step itself differs from DeepSpeed 0.19.8's by up to 0.8% over 14 steps trained from scratch on the
 same data (no checkpoint involved), which compounds to a measured 1.8% by the 10th resumed step.
+stage0_fp16 rtol 0.12: DeepSpeed's stage 0 in fp16 is its FP16_UnfusedOptimizer, whose step the engine's
+matches less closely: from scratch on the same data the two drift apart by up to 5.3% over 14 steps
+(the first three equal), and the resumed run by 9.5% at the 9th step, the same at 1, 2 and 4 ranks; the
+loaded state itself is checked exactly (masters and moments bitwise, the loss scaler, the first loss).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from engine.checkpoint.deepspeed_format.safe_load import load_deepspeed_file
 HERE = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
 FIXTURES = sorted(p.name for p in HERE.iterdir() if (p / "expected.json").is_file())
 RTOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2.5e-2}
+RTOL_FIXTURE = {"stage0_fp16": 0.12}
+"""Fixtures whose resumed losses follow DeepSpeed's less closely than RTOL says (see the docstring)."""
 
 
 def load_script(path: Path) -> ModuleType:
@@ -149,12 +155,15 @@ def _check_resumed(name: str, got: dict[str, Any]) -> None:
         }
         assert got["losses"][0] == pytest.approx(expected["resumed_losses"][0], rel=1e-6)
     torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(expected["resumed_losses"]), rtol=RTOL[expected["precision"]], atol=0
+        torch.tensor(got["losses"]),
+        torch.tensor(expected["resumed_losses"]),
+        rtol=RTOL_FIXTURE.get(name, RTOL[expected["precision"]]),
+        atol=0,
     )
 
 
 def test_every_fixture_resumes_at_2_ranks() -> None:
-    assert len(FIXTURES) == 8, FIXTURES
+    assert len(FIXTURES) == 10, FIXTURES
     results = run_distributed(_resume_all, world_size=2, args=(FIXTURES,), timeout=240)
     for name in FIXTURES:
         assert results[0][name]["losses"] == results[1][name]["losses"]
@@ -184,6 +193,25 @@ def test_a_truncated_file_is_named(tmp_path: Path) -> None:
     victim = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     victim.write_bytes(victim.read_bytes()[:3000])
     with pytest.raises(CheckpointError, match=f"{victim}.*truncated or corrupted"):
+        open_reader(str(tag), _tiny())
+
+
+def test_stage0_fused_fp16_optimizer_layout_is_refused_by_name(tmp_path: Path) -> None:
+    # DeepSpeed's fused FP16_Optimizer (FusedAdam, CUDA) saves one flat fp32 tensor per param group:
+    # the stage0_fp16 fixture's masters re-laid that way, as that optimizer writes them.
+    tag = _copy("stage0_fp16", tmp_path)
+    path = tag / "mp_rank_00_model_states.pt"
+    data = load_deepspeed_file(str(path))
+    unfused = data["optimizer"]
+    data["optimizer"] = {
+        "dynamic_loss_scale": True,
+        "cur_scale": unfused["cur_scale"],
+        "optimizer_state_dict": unfused["optimizer_state_dict"],
+        "fp32_groups_flat": [torch.cat([t.reshape(-1) for t in group]) for group in unfused["fp32_groups"]],
+    }
+    torch.save(data, tmp_path / "relaid.pt")  # not over `path`: its old bytes are mapped in `data`
+    os.replace(tmp_path / "relaid.pt", path)
+    with pytest.raises(CheckpointError, match=r"stage 0 in fp16/bf16 with its fused FP16_Optimizer .* zero_to_fp32"):
         open_reader(str(tag), _tiny())
 
 

@@ -327,18 +327,42 @@ def _stage3_frozen(rank_heads: list[dict[str, Any]], shapes: dict[str, list[int]
 def _convert_stage0(
     tag_dir: str, head: dict[str, Any], module: dict[str, Any], whole: dict[str, torch.Tensor], world: int
 ) -> Converted:
-    """Stage 0: the model file holds the module and the torch optimizer's own state dict, whose
-    parameters are numbered in the order the optimizer was given them: module.parameters()'s order."""
+    """Stage 0: the model file holds the module and the optimizer's state dict, whose parameters are
+    numbered in the order the optimizer was given them: module.parameters()'s order. In fp32 that is
+    the torch optimizer's own, and the masters are the module's parameters. In fp16 and bf16 it is
+    DeepSpeed's FP16_UnfusedOptimizer's (any torch optimizer): the fp32 masters in `fp32_groups` (a
+    list per param group, in the groups' order), the torch optimizer's state dict over them in
+    `optimizer_state_dict`, and the loss scale in plain keys (cur_scale, cur_iter, ...)."""
     names = [n for n in module if n not in whole]
     opt = head.get("optimizer")
-    if isinstance(opt, dict) and ("fp32_groups_flat" in opt or "optimizer_state_dict" in opt):
+    opt = opt if isinstance(opt, dict) else {}
+    if "fp32_groups_flat" in opt:
         raise CheckpointError(
-            f"{tag_dir} was saved by DeepSpeed at stage 0 with fp16 or bf16 (its FP16_Optimizer's "
-            "flat fp32 groups); this engine reads stage 0 checkpoints in fp32 only, and stages 1-3 "
-            "in every precision"
+            f"{tag_dir} was saved by DeepSpeed at stage 0 in fp16/bf16 with its fused FP16_Optimizer (DeepSpeed's "
+            "FusedAdam, one flat fp32 tensor per param group, no record of which parameters it holds); this "
+            "engine reads stage 0 checkpoints of the unfused optimizer (any torch optimizer) and stages 1-3 "
+            "in every precision: convert it with DeepSpeed's zero_to_fp32 first, or save at stage 1"
         )
-    state: dict[int, dict[str, Any]] = opt.get("state", {}) if isinstance(opt, dict) else {}
-    groups = opt.get("param_groups", []) if isinstance(opt, dict) else []
+    masters: list[torch.Tensor] | None = None
+    if "fp32_groups" in opt:
+        found = opt["fp32_groups"]
+        if not (isinstance(found, list) and all(isinstance(g, list) for g in found)):
+            raise CheckpointError(
+                f"{tag_dir}: DeepSpeed's fp32_groups is not a list per param group; the file is corrupted"
+            )
+        masters = [t for group in found for t in group]
+        if not all(torch.is_tensor(t) for t in masters):
+            raise CheckpointError(f"{tag_dir}: DeepSpeed's fp32_groups holds a non-tensor; the file is corrupted")
+        opt = opt.get("optimizer_state_dict", {})
+        if len(masters) != len(names):
+            raise CheckpointError(
+                f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {len(masters)} fp32 masters, the module "
+                f"{len(names)} parameters; the engine maps them by position, which needs the optimizer to have "
+                "been given every parameter of the module (deepspeed.initialize(model_parameters="
+                "model.parameters()))"
+            )
+    state: dict[int, dict[str, Any]] = opt.get("state", {})
+    groups = opt.get("param_groups", [])
     numbered = [i for g in groups for i in g.get("params", [])]
     if numbered and len(numbered) != len(names):
         raise CheckpointError(
@@ -351,7 +375,12 @@ def _convert_stage0(
     scalars: dict[int, dict[str, Any]] = {}
     index = {i: g for g, group in enumerate(groups) for i in group.get("params", [])}
     for i, name in enumerate(names):
-        flat = module[name].reshape(-1)
+        flat = module[name].reshape(-1) if masters is None else masters[i].reshape(-1)
+        if flat.numel() != module[name].numel():
+            raise CheckpointError(
+                f"{tag_dir}: DeepSpeed's fp32 master number {i} has {flat.numel()} elements, parameter {name!r} "
+                f"{module[name].numel()}; the optimizer was not given the module's parameters in their order"
+            )
         s = state.get(i, {})
         scalars.setdefault(index.get(i, 0), _scalar(s, flat.numel()))
         pieces[name] = [_piece(0, flat, _moments(s, flat.numel()), 0, flat.numel())]
@@ -366,9 +395,29 @@ def _convert_stage0(
         [{} for _ in range(world)],
         scalars,
         whole,
-        _head(head, groups, None),
+        _head(head, groups, _stage0_loss_scaler(head) if masters is not None else None),
         _aliases(head),
     )
+
+
+def _stage0_loss_scaler(head: dict[str, Any]) -> dict[str, Any] | None:
+    """FP16_UnfusedOptimizer's loss scale (plain keys beside its state) as the engine's LossScaler state:
+    fp16 only (bf16 has none). It saves no hysteresis count: DeepSpeed's load starts it afresh at the
+    config's fp16.hysteresis, and so does this."""
+    config = head.get("ds_config")
+    fp16 = config.get("fp16") if isinstance(config, dict) else None
+    opt = head.get("optimizer")
+    if not (isinstance(fp16, dict) and fp16.get("enabled") and isinstance(opt, dict)):
+        return None
+    dynamic = bool(opt.get("dynamic_loss_scale", False))
+    return {
+        "dynamic": dynamic,
+        "scale": float(opt.get("cur_scale", 1.0)),
+        "iterations": int(opt.get("cur_iter", 0)),
+        "skipped_steps": int(head.get("skipped_steps", 0)),
+        "last_overflow_iter": int(opt.get("last_overflow_iter", -1) if dynamic else -1),
+        "hysteresis_left": int(fp16.get("hysteresis", 2)) if dynamic else 1,
+    }
 
 
 # ------------------------------------------------------------------------------------------- head

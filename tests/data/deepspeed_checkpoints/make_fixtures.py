@@ -35,10 +35,13 @@ SAVE_AT = 4
 RESUME_STEPS = 10
 IN, HIDDEN, MID, OUT = 11, 23, 19, 5  # odd sizes: the flat partitions end in padding
 
-# name -> (zero stage, precision). Stage 0 keeps the optimizer in the model file; stages 1-3 write
-# zero_pp_rank_* files, bf16_-prefixed under bf16; stage 1 under bf16 is DeepSpeed's BF16_Optimizer.
+# name -> (zero stage, precision). Stage 0 keeps the optimizer in the model file (in fp16 and bf16
+# DeepSpeed's FP16_UnfusedOptimizer around the torch optimizer); stages 1-3 write zero_pp_rank_* files,
+# bf16_-prefixed under bf16; stage 1 under bf16 is DeepSpeed's BF16_Optimizer.
 CASES: dict[str, tuple[int, str]] = {
     "stage0_fp32": (0, "fp32"),
+    "stage0_bf16": (0, "bf16"),
+    "stage0_fp16": (0, "fp16"),
     "stage1_fp32": (1, "fp32"),
     "stage2_fp32": (2, "fp32"),
     "stage3_fp32": (3, "fp32"),
@@ -145,15 +148,22 @@ def _reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _stage0_reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """Stage 0 in fp32 has no fragment mapping: the masters are the module's parameters themselves."""
-    state = engine.basic_optimizer.state
+    """Stage 0 has no fragment mapping: in fp32 the masters are the module's parameters; in fp16 and
+    bf16 they are DeepSpeed's FP16_UnfusedOptimizer's fp32_groups, in the module's parameter order."""
+    named = [name for name, _ in engine.module.named_parameters()]
+    if hasattr(engine.optimizer, "fp32_groups"):
+        masters = [t for group in engine.optimizer.fp32_groups for t in group]
+        state = engine.optimizer.optimizer.state
+    else:
+        masters = [p for _, p in engine.module.named_parameters()]
+        state = engine.basic_optimizer.state
     return {
         name: {
-            "master": p.detach().clone(),
+            "master": p.detach().clone().float(),
             "exp_avg": state[p]["exp_avg"].clone(),
             "exp_avg_sq": state[p]["exp_avg_sq"].clone(),
         }
-        for name, p in engine.module.named_parameters()
+        for name, p in zip(named, masters, strict=True)
     }
 
 
