@@ -409,15 +409,7 @@ def _stage0_loss_scaler(head: dict[str, Any]) -> dict[str, Any] | None:
     opt = head.get("optimizer")
     if not (isinstance(fp16, dict) and fp16.get("enabled") and isinstance(opt, dict)):
         return None
-    dynamic = bool(opt.get("dynamic_loss_scale", False))
-    return {
-        "dynamic": dynamic,
-        "scale": float(opt.get("cur_scale", 1.0)),
-        "iterations": int(opt.get("cur_iter", 0)),
-        "skipped_steps": int(head.get("skipped_steps", 0)),
-        "last_overflow_iter": int(opt.get("last_overflow_iter", -1) if dynamic else -1),
-        "hysteresis_left": int(fp16.get("hysteresis", 2)) if dynamic else 1,
-    }
+    return _scaler_state(opt, head, bool(opt.get("dynamic_loss_scale", False)), int(fp16.get("hysteresis", 2)))
 
 
 # ------------------------------------------------------------------------------------------- head
@@ -445,14 +437,19 @@ def _loss_scaler(saved: Any, head: dict[str, Any]) -> dict[str, Any] | None:
     update rule: cur_iter, last_overflow_iter and cur_hysteresis mean what the engine's fields do)."""
     if not isinstance(saved, DeepSpeedObject):
         return None
-    dynamic = bool(saved.get("dynamic", False))
+    return _scaler_state(saved, head, bool(saved.get("dynamic", False)), int(saved.get("cur_hysteresis", 1)))
+
+
+def _scaler_state(saved: Any, head: dict[str, Any], dynamic: bool, hysteresis: int) -> dict[str, Any]:
+    """The engine's LossScaler state dict from DeepSpeed's cur_scale, cur_iter and last_overflow_iter
+    (in `saved`, a LossScaler stand-in or FP16_UnfusedOptimizer's state dict: the same names)."""
     return {
         "dynamic": dynamic,
         "scale": float(saved.get("cur_scale", 1.0)),
         "iterations": int(saved.get("cur_iter", 0)),
         "skipped_steps": int(head.get("skipped_steps", 0)),
         "last_overflow_iter": int(saved.get("last_overflow_iter", -1) if dynamic else -1),
-        "hysteresis_left": int(saved.get("cur_hysteresis", 1) if dynamic else 1),
+        "hysteresis_left": hysteresis if dynamic else 1,
     }
 
 
