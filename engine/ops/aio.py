@@ -97,10 +97,6 @@ class AioConfig:
         MAX_THREADS)."""
         return min(self.thread_count * self.queue_depth, MAX_THREADS)
 
-    claim_blocks = 1
-    """Blocks a thread takes from the queue at a time: one, so consecutive blocks of a transfer are in
-    flight together, as in one libaio queue."""
-
     @classmethod
     def from_section(cls, section: Mapping[str, Any], backend: str = "auto") -> AioConfig:
         """The config of DeepSpeed's `aio` dict (keys as DeepSpeed spells them; missing ones default).
@@ -241,7 +237,9 @@ class _CompiledPool:
 
     def __init__(self, lib: ctypes.CDLL, config: AioConfig) -> None:
         self._lib = lib
-        self._pool = lib.ze_aio_create(config.threads, config.block_size, config.claim_blocks)
+        # A thread takes one block at a time, so consecutive blocks of a transfer are in flight together,
+        # as in one libaio queue.
+        self._pool = lib.ze_aio_create(config.threads, config.block_size, 1)
         if not self._pool:
             raise RuntimeError(
                 f"aio: could not start {config.threads} I/O threads (aio.thread_count x aio.queue_depth)"
@@ -272,26 +270,24 @@ class _PythonPool:
         self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix="zero-engine-aio")
 
     def submit(self, write: bool, file: OpenFile, address: int, nbytes: int, offset: int) -> Pending:
-        block, run = self._config.block_size, self._config.block_size * self._config.claim_blocks
+        block = self._config.block_size
         view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B") if nbytes else memoryview(b"")
         # The lowest failed block's start: blocks past it are not started; blocks before it still are, so
         # the bytes moved before a failure do not depend on which thread saw it first.
         failed_from = [nbytes]
 
-        def move(start: int) -> Outcome:
-            total = direct_total = 0
-            for lo in range(start, min(start + run, nbytes), block):
-                if lo > failed_from[0]:
-                    break
-                moved, direct, error = _move_block(write, file, view, address, lo, min(block, nbytes - lo), offset)
-                total, direct_total = total + moved, direct_total + direct
-                if error is not None:
-                    # two failures racing here at worst let a few more blocks run
-                    failed_from[0] = min(failed_from[0], lo)
-                    return Outcome(total, direct_total, error, offset + lo, min(block, nbytes - lo), moved)
-            return Outcome(total, direct_total, 0, -1, 0, 0)
+        def move(lo: int) -> Outcome:
+            """One block (a thread takes one at a time, as the compiled pool's threads do)."""
+            if lo > failed_from[0]:
+                return Outcome(0, 0, 0, -1, 0, 0)
+            size = min(block, nbytes - lo)
+            moved, direct, error = _move_block(write, file, view, address, lo, size, offset)
+            if error is None:
+                return Outcome(moved, direct, 0, -1, 0, 0)
+            failed_from[0] = min(failed_from[0], lo)  # two failures racing here at worst let a few more blocks run
+            return Outcome(moved, direct, error, offset + lo, size, moved)
 
-        futures: list[Future[Outcome]] = [self._executor.submit(move, s) for s in range(0, nbytes, run)]
+        futures: list[Future[Outcome]] = [self._executor.submit(move, lo) for lo in range(0, nbytes, block)]
 
         def wait() -> Outcome:
             outcomes = [f.result() for f in futures]

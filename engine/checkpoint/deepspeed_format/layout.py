@@ -344,7 +344,9 @@ def _convert_stage0(
             "in every precision: convert it with DeepSpeed's zero_to_fp32 first, or save at stage 1"
         )
     masters: list[torch.Tensor] | None = None
+    scaler = None
     if "fp32_groups" in opt:
+        scaler = _stage0_loss_scaler(opt, head)
         found = opt["fp32_groups"]
         if not (isinstance(found, list) and all(isinstance(g, list) for g in found)):
             raise CheckpointError(
@@ -395,19 +397,18 @@ def _convert_stage0(
         [{} for _ in range(world)],
         scalars,
         whole,
-        _head(head, groups, _stage0_loss_scaler(head) if masters is not None else None),
+        _head(head, groups, scaler),
         _aliases(head),
     )
 
 
-def _stage0_loss_scaler(head: dict[str, Any]) -> dict[str, Any] | None:
-    """FP16_UnfusedOptimizer's loss scale (plain keys beside its state) as the engine's LossScaler state:
-    fp16 only (bf16 has none). It saves no hysteresis count: DeepSpeed's load starts it afresh at the
-    config's fp16.hysteresis, and so does this."""
+def _stage0_loss_scaler(opt: dict[str, Any], head: dict[str, Any]) -> dict[str, Any] | None:
+    """FP16_UnfusedOptimizer's loss scale (plain keys of its state dict `opt`) as the engine's LossScaler
+    state: fp16 only (bf16 has none). It saves no hysteresis count: DeepSpeed's load starts it afresh at
+    the config's fp16.hysteresis, and so does this."""
     config = head.get("ds_config")
     fp16 = config.get("fp16") if isinstance(config, dict) else None
-    opt = head.get("optimizer")
-    if not (isinstance(fp16, dict) and fp16.get("enabled") and isinstance(opt, dict)):
+    if not (isinstance(fp16, dict) and fp16.get("enabled")):
         return None
     return _scaler_state(opt, head, bool(opt.get("dynamic_loss_scale", False)), int(fp16.get("hysteresis", 2)))
 

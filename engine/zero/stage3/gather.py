@@ -97,9 +97,9 @@ class UnitGathers:
         self.read_ahead_units = 0
         """Parameters on NVMe: how many units' shards may be read ahead of their gather, along the
         recorded order (offload_param.buffer_count); 0 reads a shard only when its unit is started."""
-        self._read_ahead: dict[int, list[tuple[ShardedGroup, StoredRead]]] = {}
+        self._read_ahead: dict[int, GroupReads] = {}
         """Unit index -> the reads of a PARTITIONED unit's stored values, started ahead of its gather."""
-        self._reading: dict[int, list[tuple[ShardedGroup, StoredRead]]] = {}
+        self._reading: dict[int, GroupReads] = {}
         """Unit index -> the reads of its groups' stored values in flight (parameters on NVMe), for a
         GATHERING unit whose all-gathers are not launched yet; see [Note: reads ahead of the all-gather]."""
         self._in_flight: dict[int, list[comm.Handle]] = {}
@@ -140,12 +140,12 @@ class UnitGathers:
         else:
             reads = self._read(unit)
         self._reading[unit.index] = reads
-        if all(pending is None for _, (_, pending) in reads):
+        if not _on_disk(reads):
             self._launch(unit)
         else:
             self.reads_ahead += 1
 
-    def _read(self, unit: Unit) -> list[tuple[ShardedGroup, StoredRead]]:
+    def _read(self, unit: Unit) -> GroupReads:
         return [(g, self.read_stored(g.stored())) for g in unit.groups]
 
     def _start_reads_ahead(self) -> None:
@@ -160,16 +160,13 @@ class UnitGathers:
             if len(self._read_ahead) >= self.read_ahead_units:
                 break
             reads = self._read(self.units[index])
-            if all(pending is None for _, (_, pending) in reads):
-                continue  # nothing of it is on disk (frozen, or resident for a checkpoint)
-            self._read_ahead[index] = reads
+            if _on_disk(reads):  # else nothing of it is on disk (frozen, or resident for a checkpoint)
+                self._read_ahead[index] = reads
 
     def _drop_reads_ahead(self) -> None:
         """Wait for the reads ahead nobody used and drop their values: the step changes the masters."""
         for reads in self._read_ahead.values():
-            for _, (_, pending) in reads:
-                if pending is not None:
-                    pending.wait()
+            _wait(reads)
         self._read_ahead.clear()
 
     def _launch(self, unit: Unit) -> None:
@@ -249,9 +246,7 @@ class UnitGathers:
             if unit.state is not UnitState.GATHERING:
                 continue
             if unit.index in self._reading:  # read, never sent: wait for the reads and drop them
-                for _, (_, pending) in self._reading.pop(unit.index):
-                    if pending is not None:
-                        pending.wait()
+                _wait(self._reading.pop(unit.index))
                 self._in_flight[unit.index] = []
             for work in self._in_flight.pop(unit.index):
                 comm.wait(work, "a prefetched all-gather nobody used")
@@ -302,6 +297,20 @@ class PendingRead(Protocol):
 
 StoredRead = tuple[torch.Tensor, PendingRead | None]
 """A group's stored values as the all-gather sends them, and the read filling them (None: ready)."""
+
+GroupReads = list[tuple[ShardedGroup, StoredRead]]
+"""A unit's groups, each with its StoredRead."""
+
+
+def _on_disk(reads: GroupReads) -> bool:
+    """Whether any of these values is still being read from disk."""
+    return any(pending is not None for _, (_, pending) in reads)
+
+
+def _wait(reads: GroupReads) -> None:
+    for _, (_, pending) in reads:
+        if pending is not None:
+            pending.wait()
 
 
 def _full(g: ShardedGroup) -> torch.Tensor:

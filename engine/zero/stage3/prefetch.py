@@ -24,7 +24,8 @@ whether to keep a unit gathered after its forward; it runs the all-gathers itsel
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
+import itertools
+from collections.abc import Collection, Iterator, Sequence
 
 
 class TraceMatch(enum.Enum):
@@ -103,11 +104,9 @@ class PrefetchPlan:
         limit = min(self.prefetch_numel, self.max_live_numel - self.live_numel(live))
         taken = 0
         chosen: list[int] = []
-        for index in self.trace[self.pos :]:
+        for index in self._ahead(live):
             if taken >= limit:
                 break
-            if index in live or index in chosen:
-                continue
             chosen.append(index)
             taken += self.numels[index]
         return chosen
@@ -115,15 +114,15 @@ class PrefetchPlan:
     def upcoming(self, skip: Collection[int], count: int) -> list[int]:
         """The next `count` distinct units in the recorded order after this position, leaving out `skip`
         (the live ones); none when no order is followed."""
-        if not (self.trace and self.following):
-            return []
-        found: list[int] = []
-        for index in self.trace[self.pos :]:
-            if len(found) >= count:
-                break
-            if index not in skip and index not in found:
-                found.append(index)
-        return found
+        return list(itertools.islice(self._ahead(skip), count)) if self.following else []
+
+    def _ahead(self, skip: Collection[int]) -> Iterator[int]:
+        """The units of the recorded order after this position, each once, leaving out `skip`."""
+        seen = set(skip)
+        for index in self.trace[self.pos :] if self.trace else ():
+            if index not in seen:
+                seen.add(index)
+                yield index
 
     def persistent(self, index: int) -> bool:
         """Small enough to keep gathered until its gradients are reduced (cheaper than gathering it again)."""

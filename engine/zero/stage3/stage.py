@@ -172,7 +172,7 @@ class Stage3:
         swap = self.master_step.swap if self.master_step is not None else None
         if swap is not None and swap.settings.params:  # the masters are on NVMe: each gather reads its unit's
             self._gathers.read_stored = swap.start_read_master
-            self._gathers.read_ahead_units = max(0, int(config.zero.offload_param.buffer_count))
+            self._gathers.read_ahead_units = config.zero.offload_param.buffer_count  # the schema's count: >= 0
         self._handles = self._register_hooks(module)
         self._linear_installed = zero.memory_efficient_linear
         if self._linear_installed:
