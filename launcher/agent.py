@@ -7,6 +7,12 @@
   temporary log folder is removed, as when a user stops a job. The signal is tied to the *thread*
   that forked us, not the process; zrun starts the agent from the thread that then waits for it
   (launcher/run.py), so that thread can only end with zrun itself.
+- The agent acts on the first stop signal only. The kernel sends the parent-death signal again each
+  time the agent is handed from one of zrun's dying threads to the next, and a user or a scheduler
+  may signal twice; torch's handler raises on every one, and a repeat that lands inside torch's own
+  shutdown aborts it half-way (ranks not yet killed, log tailer threads left running, which then
+  hold the agent's exit forever). Repeats are ignored: the shutdown underway is bounded by
+  --shutdown-timeout, and zrun kills what outlives its own deadline.
 - A stop signal ends the agent with 128+N and no traceback (zrun prints the one summary line), and
   a failed rank is reported as one FAILURES_TAG line of JSON for zrun's report instead of torch's
   ChildFailedError traceback and summary block.
@@ -22,6 +28,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported only after PR_SET_PDEATHSIG is in place
@@ -46,6 +53,22 @@ def die_with_parent(parent: int | None) -> None:
         return
     if parent is not None and os.getppid() != parent:
         sys.exit(128 + signal.SIGTERM)  # zrun is already gone: start nothing
+
+
+def act_on_first_stop_signal_only() -> None:
+    """Wrap torch's stop-signal handler (the one PContext.start installs) so only the first signal raises."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    torch_handler = api._terminate_process_handler
+    received: list[int] = []
+
+    def first_only(signum: int, frame: FrameType | None) -> None:
+        if received:
+            return  # a repeat: the shutdown the first one started is under way
+        received.append(signum)
+        torch_handler(signum, frame)
+
+    api._terminate_process_handler = first_only  # looked up by name when PContext.start installs it
 
 
 def failures_line(err: ChildFailedError) -> str:
@@ -75,6 +98,8 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    act_on_first_stop_signal_only()
 
     try:
         run(parse_args(list(argv)))

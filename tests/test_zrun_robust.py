@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.agent import act_on_first_stop_signal_only
 from launcher.args import config_from_args
 from launcher.errors import LaunchError
 from launcher.ports import port_is_free
@@ -117,6 +118,26 @@ def test_kill_9_of_zrun_stops_the_agent_and_every_rank(tmp_path: Path) -> None:
         )
         assert port_is_free(port)
         assert list((tmp_path / "tmp").glob("zrun_logs_*")) == []  # zrun's temporary log folder went with it
+
+
+def test_the_agent_acts_on_its_first_stop_signal_only() -> None:
+    """The kernel sends the agent's parent-death signal again as the agent passes from one of zrun's
+    dying threads to the next; a repeat that landed inside torch's shutdown left its log tailer
+    threads running and the agent alive after kill -9 of zrun (1 run in 35 under load, seen in CI).
+    Only the first stop signal raises; the repeats, of any stop signal, are ignored."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    torch_handler = api._terminate_process_handler
+    try:
+        act_on_first_stop_signal_only()
+        handler = api._terminate_process_handler  # what PContext.start installs for each stop signal
+        with pytest.raises(api.SignalException) as first:
+            handler(signal.SIGTERM, None)
+        assert first.value.sigval == signal.SIGTERM
+        handler(signal.SIGTERM, None)
+        handler(signal.SIGINT, None)
+    finally:
+        api._terminate_process_handler = torch_handler
 
 
 # ---------------------------------------------------------------- item: script arguments verbatim
