@@ -4,6 +4,9 @@ the engine at the same TP size and at TP 1, at world sizes 1 and 2: the next 10 
 DeepSpeed's own resumed run's within fp32 noise. DeepSpeed split q/k/v/gate/up and lm_head along
 dim 0 and o/down along dim 1; its affine_map says so, and the engine re-cuts the slices for its own
 layout (engine/checkpoint/deepspeed_format/tensor_parallel.py, engine/checkpoint/tp_recut.py).
+The same for a model with fused qkv_proj and gate_up_proj (stage1_fp32_tp2_fused), which DeepSpeed cut
+into sub-parameters under its partition_config: each rank holds its share of every part (the engine's
+partition_stride), and the engine's AutoTP reads the same partition_config at TP 2.
 
 Tolerance: DeepSpeed's and the engine's row-parallel sums and Adam run the same math in other
 orders; LOSS_RTOL is far below what a mis-cut slice or a lost moment gives (checked by the last test).
@@ -23,6 +26,8 @@ from tests.distributed import run_distributed
 
 HERE = Path(__file__).parent / "data" / "deepspeed_tp_checkpoint"
 CASE = HERE / "stage1_fp32_tp2"
+FUSED = HERE / "stage1_fp32_tp2_fused"
+"""A model with fused qkv_proj and gate_up_proj, which DeepSpeed cut into equal sub-parameters."""
 LOSS_RTOL = 1e-5
 
 
@@ -32,12 +37,12 @@ def _fixture() -> ModuleType:
     return load_script(HERE / "make_fixture.py")
 
 
-def _resume(tp: int, drop_moments: bool = False) -> dict[str, Any]:
+def _resume(tp: int, drop_moments: bool = False, case: str = CASE.name) -> dict[str, Any]:
     import engine
     from engine.checkpoint import tp_recut
 
     fixture = _fixture()
-    config = fixture.ds_config()
+    config = fixture.ds_config(case)
     world = torch.distributed.get_world_size()
     if tp == 1:
         del config["tensor_parallel"]
@@ -51,9 +56,9 @@ def _resume(tp: int, drop_moments: bool = False) -> dict[str, Any]:
                 out.zero_()
 
         tp_recut.RecutReader.read = lossy  # type: ignore[method-assign]
-    model = fixture.make_model(seed=99)
+    model = fixture.make_model(seed=99, case=case)
     eng, *_ = engine.initialize(model=model, config=config)
-    path, client = eng.load_checkpoint(str(CASE / "ckpt"))
+    path, client = eng.load_checkpoint(str(HERE / case / "ckpt"))
     losses = []
     rank, dp = eng.parallel.dp_rank, eng.parallel.dp_size
     for k in range(fixture.RESUME_STEPS):
@@ -70,14 +75,15 @@ def _resume(tp: int, drop_moments: bool = False) -> dict[str, Any]:
     return out
 
 
-def _expected() -> dict[str, Any]:
-    return json.loads((CASE / "expected.json").read_text())
+def _expected(case: str = CASE.name) -> dict[str, Any]:
+    return json.loads((HERE / case / "expected.json").read_text())
 
 
 @pytest.mark.parametrize(("world", "tp"), [(2, 2), (2, 1), (1, 1)])
-def test_a_deepspeed_autotp_checkpoint_resumes_at_any_tp_size(world: int, tp: int) -> None:
-    got = run_distributed(_resume, world_size=world, args=(tp,), timeout=240)[0]
-    expected = _expected()
+@pytest.mark.parametrize("case", [CASE.name, FUSED.name])
+def test_a_deepspeed_autotp_checkpoint_resumes_at_any_tp_size(case: str, world: int, tp: int) -> None:
+    got = run_distributed(_resume, world_size=world, args=(tp, False, case), timeout=240)[0]
+    expected = _expected(case)
     assert got["epoch"] == 3 and got["steps"] == expected["global_steps"]
     assert got["losses"] == pytest.approx(expected["resumed_losses"], rel=LOSS_RTOL), (got["losses"], expected)
 
@@ -100,9 +106,11 @@ def test_a_missing_tensor_parallel_rank_file_is_named(tmp_path: Path) -> None:
         open_reader(str(tag), _fixture().make_model(seed=0))
 
 
-def test_consolidate_joins_deepspeeds_tensor_parallel_slices(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("case", "splits"), [(CASE.name, 15), (FUSED.name, 12)])
+def test_consolidate_joins_deepspeeds_tensor_parallel_slices(tmp_path: Path, case: str, splits: int) -> None:
     """python -m engine.checkpoint.consolidate on the AutoTP checkpoint: the dense model's state dict,
-    each split tensor the concatenation of DeepSpeed's own per-rank module weights."""
+    each split tensor DeepSpeed's own per-rank module weights joined: concatenated, or for a fused layer
+    (qkv_proj: 3 parts, gate_up_proj: 2) each part's pieces concatenated, then the parts."""
     import subprocess
     import sys
 
@@ -111,15 +119,48 @@ def test_consolidate_joins_deepspeeds_tensor_parallel_slices(tmp_path: Path) -> 
     from engine.checkpoint.deepspeed_format.safe_load import load_deepspeed_file
 
     out = tmp_path / "model.safetensors"
-    subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", str(CASE / "ckpt"), str(out)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "engine.checkpoint.consolidate", str(HERE / case / "ckpt"), str(out)], check=True
+    )
     whole = load_file(str(out))
-    tag = CASE / "ckpt" / "global_step4"
+    tag = HERE / case / "ckpt" / "global_step4"
     modules = [load_deepspeed_file(str(tag / f"mp_rank_0{m}_model_states.pt"))["module"] for m in range(2)]
     split = 0
     for name, value in whole.items():
         first, second = modules[0][name], modules[1][name]
         if first.shape != value.shape:
             dim = next(d for d in range(value.dim()) if first.shape[d] != value.shape[d])
-            first, split = torch.cat([first, second], dim), split + 1
+            parts = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
+            pieces = zip(first.chunk(parts, dim), second.chunk(parts, dim))
+            first, split = torch.cat([torch.cat(pair, dim) for pair in pieces], dim), split + 1
         assert torch.equal(first.float(), value.float()), name
-    assert split == 15  # q, k, v, o, gate, up and down of 2 layers, and lm_head
+    assert split == splits
+
+
+def test_unequal_sub_parameters_are_refused_by_name() -> None:
+    """A fused [q; k; v] with fewer key/value heads (q 16 rows, k and v 8 each) at TP 2: DeepSpeed gives
+    each rank 8 + 4 + 4 rows, which no equal split describes; refused, naming the parameter."""
+    from engine.checkpoint import CheckpointError
+    from engine.checkpoint.deepspeed_format.tensor_parallel import _split_of
+
+    def rank(r: int) -> dict[str, Any]:
+        pieces, dest = [], 0
+        for start, rows in ((0, 16), (16, 8), (24, 8)):
+            half = rows // 2
+            pieces.append({"shape": [half, 4], "source": [(start + r * half) * 4, [4, 1]], "dest": [dest * 4, [4, 1]]})
+            dest += half
+        return {"shard_shape": [16, 4], "pieces": pieces}
+
+    entry = {"logical_shape": [32, 4], "ranks": {"0": rank(0), "1": rank(1)}}
+    with pytest.raises(CheckpointError, match=r"'layers.0.qkv_proj.weight' .*not equal parts of dimension 0"):
+        _split_of("layers.0.qkv_proj.weight", entry, 2, "ckpt/global_step4")
+    # The same rows cut into equal parts are read, as the engine's partition_stride 3.
+    equal = {"logical_shape": [24, 4], "ranks": {}}
+    for r in range(2):
+        equal["ranks"][str(r)] = {
+            "shard_shape": [12, 4],
+            "pieces": [
+                {"shape": [4, 4], "source": [(j * 8 + r * 4) * 4, [4, 1]], "dest": [j * 16, [4, 1]]} for j in range(3)
+            ],
+        }
+    assert _split_of("layers.0.qkv_proj.weight", equal, 2, "ckpt/global_step4") == ([24, 4], 0, 3)

@@ -76,6 +76,7 @@ def load_config(
     problems += auto.problems
     tensor_parallel, tp_problems = _tensor_parallel(config, world_size, world_size_source, model_parallel_size)
     problems += tp_problems
+    problems += _autotp_spec_problems(config)
     sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, world_size, world_size_source, tensor_parallel)
     problems += batch_problems
     refusals, warnings_ = check_support(config, aliases.origins)
@@ -109,6 +110,19 @@ def load_config(
         raw = {**raw, **{name: kept[name] for name in overridden}}  # engine.config shows the user's whole config
     dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
     return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
+
+
+def _autotp_spec_problems(config: dict[str, Any]) -> list[str]:
+    """What the engine cannot do of tensor_parallel.partition_config / preset_model, found at load
+    (AutoTP reads them again when it shards the model)."""
+    from engine.parallel.autotp_specs import read_specs
+
+    section = config.get("tensor_parallel")
+    try:
+        read_specs(section if isinstance(section, dict) else None)
+    except ConfigError as e:
+        return e.problems
+    return []
 
 
 def _tensor_parallel(

@@ -158,6 +158,40 @@ READ_ENTRIES: tuple[Entry, ...] = (
         "shards the model's attention and MLP Linears by name (engine/parallel/autotp.py)",
     ),
     Entry(
+        "tensor_parallel.partition_config",
+        S.IMPLEMENTED,
+        PRESENT,
+        "DeepSpeed's layer specs decide which Linears AutoTP splits: row, column (shape [N, -1]: N equal "
+        "parts, each split), skip; model_types, use_default_specs and strict_mode as DeepSpeed reads them "
+        "(engine/parallel/autotp_specs.py); unequal parts, gather_output, grad_allreduce and other shapes are "
+        "refused by key path",
+    ),
+    Entry(
+        "tensor_parallel.preset_model",
+        S.IMPLEMENTED,
+        PRESENT,
+        "DeepSpeed's presets (llama, qwen2, bloom, chatglm, phi3, mixtral, deepseek_v2) as the same layer specs",
+    ),
+    Entry(
+        "tensor_parallel.vocab_parallel_ce_backend",
+        S.ACCEPTED,
+        PRESENT,
+        "only read with vocab_parallel_lm_head, which is refused",
+    ),
+    Entry(
+        "tensor_parallel.dtype",
+        S.ACCEPTED,
+        PRESENT,
+        "DeepSpeed's AutoTP training takes the precision from the bf16/fp16 sections, as the engine does",
+    ),
+    Entry(
+        "tensor_parallel.keep_module_on_host",
+        S.ACCEPTED,
+        PRESENT,
+        "where DeepSpeed keeps weights while it loads a checkpoint into sharded layers for inference; the "
+        "engine shards the model in place",
+    ),
+    Entry(
         "seed",
         S.IMPLEMENTED,
         PRESENT,

@@ -272,6 +272,42 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "set tensor_parallel.tp.tp_size to the autotp_size value, or remove it",
     ),
     Entry(
+        "tensor_parallel.vocab_parallel_lm_head",
+        S.REFUSED,
+        TRUE,
+        "a vocabulary-parallel output head and loss are not implemented (AutoTP keeps the head whole on every rank)",
+        "set tensor_parallel.vocab_parallel_lm_head to false or remove it",
+    ),
+    Entry(
+        "tensor_parallel.injection_policy_tuple",
+        S.REFUSED,
+        When("not null", lambda v: v is not None),
+        "an injection policy names layers for DeepSpeed's inference module replacement; AutoTP training "
+        "chooses layers by name rules or tensor_parallel.partition_config",
+        "write the layers as tensor_parallel.partition_config.layer_specs, or remove it",
+    ),
+    Entry(
+        "tensor_parallel.replace_with_kernel_inject",
+        S.REFUSED,
+        TRUE,
+        "DeepSpeed's inference kernels are not part of this training engine",
+        "set it to false or remove it",
+    ),
+    Entry(
+        "tensor_parallel.kernel_inject",
+        S.REFUSED,
+        TRUE,
+        "DeepSpeed's inference kernels are not part of this training engine",
+        "set it to false or remove it",
+    ),
+    Entry(
+        "tensor_parallel.tp_overlap_comm",
+        S.WARNED,
+        TRUE,
+        "the row layers' all-reduce is not overlapped with compute; the numbers are the same",
+        "remove it to silence this",
+    ),
+    Entry(
         "sequence_parallel_size",
         S.REFUSED,
         above(1),

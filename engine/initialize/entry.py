@@ -164,7 +164,7 @@ def initialize(
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
-        parallel = parallel_setup.resolve_groups(known_groups, cfg.autotp_size, model)
+        parallel = parallel_setup.resolve_groups(known_groups, cfg.autotp_size, model, cfg)
         checkpointing.configure_from_engine(cfg, parallel)
         if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
             logger.info(

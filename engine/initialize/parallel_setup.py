@@ -37,10 +37,13 @@ def groups_before_config(mpu: Any) -> ParallelGroups | None:
     return None
 
 
-def resolve_groups(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Module) -> ParallelGroups:
+def resolve_groups(
+    known: ParallelGroups | None, autotp_size: int, model: torch.nn.Module, config: Any = None
+) -> ParallelGroups:
     """The groups to train over (every rank calls it at the same point: it may make process groups),
-    with AutoTP applied to `model` when the config asks for it."""
-    groups = _resolve(known, autotp_size, model)
+    with AutoTP applied to `model` when the config asks for it (by its layer specs when `config`, the
+    EngineConfig, has tensor_parallel.partition_config or preset_model)."""
+    groups = _resolve(known, autotp_size, model, config)
     if groups.tp_size > 1:
         built_partitioned = next((n for n, p in model.named_parameters() if partitioned_init.is_partitioned(p)), None)
         if built_partitioned is not None:
@@ -53,7 +56,7 @@ def resolve_groups(known: ParallelGroups | None, autotp_size: int, model: torch.
     return groups
 
 
-def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Module) -> ParallelGroups:
+def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Module, config: Any) -> ParallelGroups:
     if known is not None:
         if autotp_size > 1 and autotp_size != known.tp_size:
             raise ConfigError(
@@ -69,11 +72,11 @@ def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Mod
                     "(after engine.parallel.initialize_model_parallel), or shard the model yourself and "
                     "drop tensor_parallel.autotp_size"
                 )
-            _apply_autotp(model, autotp_size)
+            _apply_autotp(model, autotp_size, config)
         return known
     if autotp_size > 1:
         groups = initialize_model_parallel(autotp_size)
-        _apply_autotp(model, autotp_size)
+        _apply_autotp(model, autotp_size, config)
         return groups
     marked = next((n for n, p in model.named_parameters() if is_tensor_parallel(p)), None)
     if marked is not None and not model_parallel_is_initialized():
@@ -85,9 +88,9 @@ def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Mod
     return ParallelGroups.data_parallel_only()
 
 
-def _apply_autotp(model: torch.nn.Module, tp_size: int) -> None:
+def _apply_autotp(model: torch.nn.Module, tp_size: int, config: Any) -> None:
     if getattr(model, "ds_autotp_parsed", False):
         return
     from engine.parallel.autotp import tp_model_init  # AutoTP's rule tables load only when asked for
 
-    tp_model_init(model, tp_size)
+    tp_model_init(model, tp_size, config=config)

@@ -38,6 +38,7 @@ from engine import comm
 from engine.config.errors import ConfigError
 from engine.config.source import read_source
 from engine.config.types import EngineConfig
+from engine.parallel.autotp_specs import AutoTPSpecs, read_specs
 from engine.parallel.groups import groups, initialize_model_parallel, model_parallel_is_initialized
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -83,31 +84,55 @@ tp_size, or some rank's shard would hold part of a head."""
 
 
 # ------------------------------------------------------------------ the plan (pure)
-def plan_autotp(model: nn.Module, tp_size: int, rules: Mapping[str, str] | None = None) -> list[tuple[str, Kind]]:
+def plan_autotp(
+    model: nn.Module, tp_size: int, rules: Mapping[str, str] | None = None, *, specs: AutoTPSpecs | None = None
+) -> list[tuple[str, Kind]]:
     """(qualified module name, kind) for every module that holds parameters itself, in model order.
-    Refuses, with one ConfigError listing every problem: an unknown kind or a bad regex in `rules`, a
-    user rule that matches nothing, a sharded dimension or a head count not divisible by tp_size, a
-    module of a type it cannot shard matching a sharding rule, a sharded weight tied to another
-    module, and (tp_size > 1) a plan with nothing sharded or with column layers but no row layer."""
+    The user's `rules` decide first; then DeepSpeed's layer specs from the config (`specs`:
+    tensor_parallel.partition_config / preset_model, engine/parallel/autotp_specs.py) when given, else
+    RULES. Refuses, with one ConfigError listing every problem: an unknown kind or a bad regex in
+    `rules`, a user rule that matches nothing, a sharded dimension or a head count not divisible by
+    tp_size, a module of a type it cannot shard matching a sharding rule, a sharded weight tied to
+    another module, a Linear no spec matches under strict_mode, and (tp_size > 1) a plan with nothing
+    sharded or with column layers but no row layer."""
+    return _plan(model, tp_size, rules, specs)[0]
+
+
+def _plan(
+    model: nn.Module, tp_size: int, rules: Mapping[str, str] | None, specs: AutoTPSpecs | None
+) -> tuple[list[tuple[str, Kind]], dict[str, int]]:
+    """plan_autotp's plan, and the parts of every column layer holding several stacked along
+    out_features (3 for column_fused_qkv; a layer spec's `shape: [N, -1]`)."""
     _check_tp_size(tp_size)
     user = _compiled_rules(rules)
-    table = [*user, *((re.compile(p), k) for p, k in RULES)]
+    table = [*user, *((re.compile(p), k) for p, k in RULES)] if specs is None else user
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     owners = _param_owners(model)
     plan: list[tuple[str, Kind]] = []
+    parts: dict[str, int] = {}
     problems: list[str] = []
     foreign: dict[type, list[str]] = {}  # type -> "name (kind)" of modules it cannot shard that match a rule
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
-        kind: Kind = "replicate"
-        for pattern, rule_kind in table:
-            if pattern.search(name):
-                kind = rule_kind
-                break
+        kind: Kind | None = next((k for pattern, k in table if pattern.search(name)), None)
+        count = 3 if kind == "column_fused_qkv" else 1
+        if kind is None and specs is not None:
+            spec = specs.first(name, model_type)
+            if spec is not None:
+                kind, count = spec.kind, spec.parts
+            elif specs.strict and isinstance(module, nn.Linear):
+                problems.append(
+                    f"{name}: no layer spec matches {name}.weight and tensor_parallel.partition_config.strict_mode "
+                    "is true; add a layer spec for it (partition_type skip keeps it whole)"
+                )
+        kind = kind or "replicate"
         if kind in SHARDED and type(module) is nn.Linear:
-            problem = _check_linear(name, module, kind, tp_size, owners)
+            problem = _check_linear(name, module, kind, count, tp_size, owners)
             if problem:
                 problems.append(problem)
+            elif count > 1:
+                parts[name] = count
         elif kind in SHARDED:
             if any(p.dim() == 2 for p in module.parameters(recurse=False)):  # a Linear in another form
                 foreign.setdefault(type(module), []).append(f"{name} ({kind})")
@@ -126,7 +151,7 @@ def plan_autotp(model: nn.Module, tp_size: int, rules: Mapping[str, str] | None 
         problems += _check_pairs(plan, tp_size)
     if problems:
         raise ConfigError(problems)
-    return plan
+    return plan, parts
 
 
 def _check_tp_size(tp_size: int) -> None:
@@ -169,7 +194,9 @@ def _cannot_shard(cls: type, names: list[str]) -> str:
     )
 
 
-def _check_linear(name: str, module: nn.Linear, kind: Kind, tp_size: int, owners: dict[int, set[int]]) -> str:
+def _check_linear(
+    name: str, module: nn.Linear, kind: Kind, parts: int, tp_size: int, owners: dict[int, set[int]]
+) -> str:
     """'' when `module` can be sharded as `kind`, else the problem in words."""
     tied = [p for p in module.parameters(recurse=False) if owners[id(p)] != {id(module)}]
     if tied:
@@ -181,9 +208,15 @@ def _check_linear(name: str, module: nn.Linear, kind: Kind, tp_size: int, owners
     if kind == "row":
         if module.in_features % tp_size:
             return f"{name}: in_features {module.in_features} is not divisible by tp_size {tp_size} (row); {fix}"
-    elif kind == "column":
+    elif kind == "column" and parts == 1:
         if module.out_features % tp_size:
             return f"{name}: out_features {module.out_features} is not divisible by tp_size {tp_size} (column); {fix}"
+    elif kind == "column":
+        if module.out_features % parts or (module.out_features // parts) % tp_size:
+            return (
+                f"{name}: out_features {module.out_features} is not {parts} equal parts each divisible by tp_size "
+                f"{tp_size} (its layer spec's shape [{parts}, -1]); {fix}"
+            )
     elif module.out_features % 3 or (module.out_features // 3) % tp_size:
         return (
             f"{name}: out_features {module.out_features} is not 3 parts (q, k, v) each divisible by tp_size "
@@ -272,8 +305,9 @@ def tp_model_init(
     *,
     rules: Mapping[str, str] | None = None,
 ) -> nn.Module:
-    """Shard `model` in place for tensor parallelism of `tp_size` by plan_autotp(model, tp_size, rules),
-    and return it marked `ds_autotp_parsed` (DeepSpeed's name; `ds_autotp_size` records the size).
+    """Shard `model` in place for tensor parallelism of `tp_size` by plan_autotp(model, tp_size, rules,
+    specs=the config's layer specs), and return it marked `ds_autotp_parsed` (DeepSpeed's name;
+    `ds_autotp_size` records the size).
 
     Every rank calls it with the same model (built from the same seed): each keeps its own slice.
     Makes the tensor-parallel groups (engine.parallel.initialize_model_parallel(tp_size)) unless they
@@ -289,16 +323,16 @@ def tp_model_init(
                 f"resharded for tp_size {tp_size}: build the model again, or pass tp_size {done}"
             )
         return model
-    _check_config(config, tp_size, dtype)
+    specs = _check_config(config, tp_size, dtype)
     if model_parallel_is_initialized() and groups().tp_size != tp_size:
         raise ConfigError(
             f"tp_model_init(tp_size={tp_size}) but the tensor-parallel groups already have size "
             f"{groups().tp_size} (engine.parallel.initialize_model_parallel); pass tp_size "
             f"{groups().tp_size}, or call engine.parallel.destroy_model_parallel() first"
         )
-    plan = plan_autotp(model, tp_size, rules) if tp_size > 1 else []
+    plan, parts = _plan(model, tp_size, rules, specs) if tp_size > 1 else ([], {})
     made = initialize_model_parallel(tp_size)
-    _shard(model, plan, made.tp_group)
+    _shard(model, plan, parts, made.tp_group)
     if dtype is not None:
         model.to(dtype)
     # Plain attributes (nn.Module.__setattr__ is typed for tensors and modules only).
@@ -310,7 +344,7 @@ def tp_model_init(
     return model
 
 
-def _shard(model: nn.Module, plan: list[tuple[str, Kind]], group: Any) -> None:
+def _shard(model: nn.Module, plan: list[tuple[str, Kind]], parts: Mapping[str, int], group: Any) -> None:
     """Replace every sharded module by its parallel layer, in every parent holding it (a module can be
     shared); the dense module is dropped, so its full weight is freed once nothing else holds it."""
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -326,28 +360,27 @@ def _shard(model: nn.Module, plan: list[tuple[str, Kind]], group: Any) -> None:
         if kind == "row":
             layer = RowParallelLinear.from_dense(dense, input_is_parallel=True, group=group)
         else:
-            layer = ColumnParallelLinear.from_dense(
-                dense, gather_output=False, group=group, parts=3 if kind == "column_fused_qkv" else 1
-            )
+            layer = ColumnParallelLinear.from_dense(dense, gather_output=False, group=group, parts=parts.get(name, 1))
         for parent, attr in parents[id(dense)]:
             setattr(parent, attr, layer)
 
 
-def _check_config(config: Any, tp_size: int, dtype: torch.dtype | None) -> None:
-    """The config's tensor_parallel sizes and precision must agree with the arguments (DeepSpeed
-    refuses the same conflicts)."""
+def _check_config(config: Any, tp_size: int, dtype: torch.dtype | None) -> AutoTPSpecs | None:
+    """The config's layer specs (None: none, the engine's RULES apply); its tensor_parallel sizes and
+    precision must agree with the arguments (DeepSpeed refuses the same conflicts)."""
     if config is None:
-        return
+        return None
     sizes: dict[str, Any]
     if isinstance(config, EngineConfig):
         sizes = {"tensor_parallel.autotp_size": config.autotp_size}
+        section = config.raw.get("tensor_parallel")
         wants = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
     elif isinstance(config, (Mapping, str, os.PathLike)):
         raw, _ = read_source(dict(config) if isinstance(config, Mapping) else config)
-        section = raw.get("tensor_parallel") or {}
+        section = raw.get("tensor_parallel")
         sizes = {
-            "tensor_parallel.autotp_size": section.get("autotp_size"),
-            "tensor_parallel.tp.tp_size": (section.get("tp") or {}).get("tp_size"),
+            "tensor_parallel.autotp_size": (section or {}).get("autotp_size"),
+            "tensor_parallel.tp.tp_size": ((section or {}).get("tp") or {}).get("tp_size"),
         }
         bf16 = (raw.get("bf16") or raw.get("bfloat16") or {}).get("enabled") is True
         wants = torch.bfloat16 if bf16 else torch.float16 if (raw.get("fp16") or {}).get("enabled") is True else None
@@ -368,3 +401,4 @@ def _check_config(config: Any, tp_size: int, dtype: torch.dtype | None) -> None:
             f"tp_model_init(dtype={dtype}) but the config trains in {wants}; pass dtype={wants} or "
             "change the config's bf16/fp16 section"
         )
+    return read_specs(section if isinstance(section, Mapping) else None)

@@ -2,7 +2,10 @@
 rank (`mp_rank_XX`), read as the engine's own tensor-parallel checkpoint.
 
 DeepSpeed 0.19 records in every model-states file (`universal_checkpoint_info.affine_map`) each
-parameter's logical (whole) shape and every tensor-parallel rank's shard shape; `original_vocab_size`
+parameter's logical (whole) shape and every tensor-parallel rank's shard, as pieces (boxes of the
+logical tensor and where each sits in the shard). A split tensor is read when each rank holds one
+piece, or (a fused layer DeepSpeed cut into equal sub-parameters: [q; k; v], [gate; up]) an equal
+share of each part, which is the engine's partition_stride; `original_vocab_size`
 with `vocabulary_parameter_patterns` says which rows of a vocabulary-parallel tensor are padding.
 `merge_tensor_parallel` turns the per-rank conversions (layout.convert) into one: a split
 parameter's pieces go under the engine's slice names (engine/checkpoint/tensor_parallel.py's
@@ -39,8 +42,50 @@ def _affine_map(head: dict[str, Any], tag_dir: str) -> tuple[dict[str, Any], dic
     return info, amap["params"]
 
 
-def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -> tuple[list[int], int | None]:
-    """(logical shape, partition dim or None when replicated) of one parameter."""
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def _is_strided_split(shards: list[dict[str, Any]], logical: list[int], dim: int, stride: int) -> bool:
+    """Each rank's `stride` pieces are Megatron's strided split along `dim` (engine/zero/tp_state.py):
+    the dimension cut into stride x tensor-parallel-size equal chunks, rank r holding chunks r, r + mp,
+    r + 2 mp, ... in order. A fused layer of equal parts (DeepSpeed's sub-parameters: [q; k; v],
+    [gate; up]) is cut this way: each rank keeps its share of every part."""
+    mp = len(shards)
+    if logical[dim] % (stride * mp):
+        return False
+    chunk = logical[dim] // (stride * mp)
+    piece_shape = [chunk if d == dim else n for d, n in enumerate(logical)]
+    shard_shape = [chunk * stride if d == dim else n for d, n in enumerate(logical)]
+    source_strides, dest_strides = _contiguous_strides(logical), _contiguous_strides(shard_shape)
+    for r, shard in enumerate(shards):
+        want = [
+            {
+                "shape": piece_shape,
+                "source": [(j * mp + r) * chunk * source_strides[dim], source_strides],
+                "dest": [j * chunk * dest_strides[dim], dest_strides],
+            }
+            for j in range(stride)
+        ]
+        got = [
+            {
+                "shape": [int(x) for x in p["shape"]],
+                "source": [int(p["source"][0]), [int(x) for x in p["source"][1]]],
+                "dest": [int(p["dest"][0]), [int(x) for x in p["dest"][1]]],
+            }
+            for p in shard.get("pieces", [])
+        ]
+        if got != want:
+            return False
+    return True
+
+
+def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -> tuple[list[int], int | None, int]:
+    """(logical shape, partition dim or None when replicated, partition stride) of one parameter."""
     logical = [int(s) for s in pattern_entry["logical_shape"]]
     ranks = pattern_entry.get("ranks", {})
     shards = [ranks.get(r, ranks.get(str(r))) for r in range(mp)]
@@ -48,19 +93,22 @@ def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -
         raise CheckpointError(f"{tag_dir}: affine_map entry of {name!r} lacks some of the {mp} tensor-parallel ranks")
     shapes = [[int(x) for x in s["shard_shape"]] for s in shards]
     if all(shape == logical for shape in shapes):
-        return logical, None
-    if any(len(s.get("pieces", [])) != 1 for s in shards):
-        raise CheckpointError(
-            f"{tag_dir}: DeepSpeed split {name!r} into sub-parameters (a fused layer: several pieces per rank); "
-            "this engine reads DeepSpeed tensor-parallel checkpoints whose split tensors are one piece per rank"
-        )
+        return logical, None, 1
     dims = [d for d in range(len(logical)) if shapes[0][d] != logical[d]]
     if len(dims) != 1 or any(shape != shapes[0] for shape in shapes) or shapes[0][dims[0]] * mp != logical[dims[0]]:
         raise CheckpointError(
             f"{tag_dir}: {name!r} has shard shapes {shapes} of the logical shape {logical} over {mp} "
             "tensor-parallel ranks; only equal splits along one dimension are read"
         )
-    return logical, dims[0]
+    stride = len(shards[0].get("pieces", []))
+    if stride < 1 or not _is_strided_split(shards, logical, dims[0], stride):
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed split {name!r} (logical shape {logical}) into pieces that are not equal "
+            f"parts of dimension {dims[0]} (a fused layer of unequal sub-parameters, e.g. a [q; k; v] with "
+            "fewer key/value heads than query heads); this engine reads a split tensor whose ranks each hold "
+            "one piece, or an equal share of each of its equal parts"
+        )
+    return logical, dims[0], stride
 
 
 def merge_tensor_parallel(parts: list[Converted], head: dict[str, Any], tag_dir: str) -> tuple[Converted, dict]:
@@ -77,7 +125,7 @@ def merge_tensor_parallel(parts: list[Converted], head: dict[str, Any], tag_dir:
         entry = next((e for p, e in amap.items() if re.fullmatch(p, name)), None)
         if entry is None:
             raise CheckpointError(f"{tag_dir}: parameter {name!r} is missing from universal_checkpoint_info.affine_map")
-        logical, dim = _split_of(name, entry, mp, tag_dir)
+        logical, dim, stride = _split_of(name, entry, mp, tag_dir)
         if dim is None:
             continue
         split[name] = dim
@@ -85,7 +133,7 @@ def merge_tensor_parallel(parts: list[Converted], head: dict[str, Any], tag_dir:
         padded = logical[dim] if any(p.fullmatch(name) for p in vocab_patterns) and dim == 0 else None
         tp_params[name] = {
             "partition_dim": dim,
-            "partition_stride": 1,
+            "partition_stride": stride,
             "shape": logical,
             "slice_shapes": [list(shape)] * mp,
             "saved_as": [_slice_name(name, m) for m in range(mp)],

@@ -9,7 +9,10 @@ Two gloo ranks train a tiny Hugging Face Llama with DeepSpeed's AutoTP at tensor
 (mp_rank_00/01 model and optimizer files: q/k/v/gate/up and lm_head split along dim 0, o/down along
 dim 1, embeddings and norms replicated). Two fresh ranks (another seed) load it with DeepSpeed's
 load_checkpoint and train RESUME_STEPS more steps; their losses go into stage1_fp32_tp2/expected.json.
-The model and data are defined here without DeepSpeed, so tests/test_deepspeed_tp_checkpoint.py
+The second case, stage1_fp32_tp2_fused, does the same with FusedLM under DeepSpeed's
+tensor_parallel.partition_config: its qkv_proj ([q; k; v]) and gate_up_proj ([gate; up]) are cut into
+sub-parameters, several pieces per rank. `make_fixture.py CASE` writes one case; no argument, both.
+The models and data are defined here without DeepSpeed, so tests/test_deepspeed_tp_checkpoint.py
 imports them and trains the engine on the same batches.
 """
 
@@ -20,21 +23,73 @@ import os
 import shutil
 import socket
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASE = "stage1_fp32_tp2"
+FUSED_CASE = "stage1_fp32_tp2_fused"
+"""FusedLM: DeepSpeed cuts its fused qkv_proj and gate_up_proj into sub-parameters, several pieces per rank."""
+CASES = (CASE, FUSED_CASE)
 WORLD, TP = 2, 2
 MICRO, SEQ, VOCAB = 4, 8, 64
 SAVE_AT, RESUME_STEPS = 4, 10
 
 
-def make_model(seed: int) -> Any:
+class FusedBlock(torch.nn.Module):
+    """A pre-norm transformer block whose attention input and MLP input are each one fused Linear, as
+    in Phi-3: qkv_proj holds [q; k; v] and gate_up_proj [gate; up] stacked along out_features. Under
+    tensor parallelism each rank's slice of the fused output is its share of every part, so the
+    chunks and the head_dim reshape work on any slice."""
+
+    def __init__(self, d: int, head_dim: int, ffn: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.input_norm = torch.nn.LayerNorm(d)
+        self.qkv_proj = torch.nn.Linear(d, 3 * d)
+        self.o_proj = torch.nn.Linear(d, d)
+        self.post_norm = torch.nn.LayerNorm(d)
+        self.gate_up_proj = torch.nn.Linear(d, 2 * ffn)
+        self.down_proj = torch.nn.Linear(ffn, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(self.input_norm(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class FusedLM(torch.nn.Module):
+    """A tiny causal LM of FusedBlocks, called as a Hugging Face model is (input_ids, labels -> .loss)."""
+
+    def __init__(self, vocab: int, d: int, heads: int, ffn: int, layers: int) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(FusedBlock(d, d // heads, ffn) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def make_model(seed: int, case: str = CASE) -> Any:
+    """The case's tiny model: a Hugging Face Llama (q/k/v and gate/up apart) or FusedLM."""
+    torch.manual_seed(seed)
+    if case == FUSED_CASE:
+        return FusedLM(VOCAB, d=16, heads=2, ffn=32, layers=2)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -52,7 +107,28 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(2000 + step))
 
 
-def ds_config() -> dict[str, Any]:
+def ds_config(case: str = CASE) -> dict[str, Any]:
+    tensor_parallel: dict[str, Any] = {"autotp_size": TP}
+    if case == FUSED_CASE:
+        # DeepSpeed's documented spec for a custom model: each fused Linear's parts given by `shape`.
+        tensor_parallel["partition_config"] = {
+            "use_default_specs": False,
+            "layer_specs": [
+                {"patterns": [r".*\.o_proj\.weight$", r".*\.down_proj\.weight$"], "partition_type": "row"},
+                {
+                    "patterns": [r".*\.qkv_proj\.weight$"],
+                    "partition_type": "column",
+                    "shape": [3, -1],
+                    "partition_dim": 0,
+                },
+                {
+                    "patterns": [r".*\.gate_up_proj\.weight$"],
+                    "partition_type": "column",
+                    "shape": [2, -1],
+                    "partition_dim": 0,
+                },
+            ],
+        }
     return {
         "train_batch_size": MICRO * WORLD // TP * TP,  # DeepSpeed counts every rank under AutoTP
         "train_micro_batch_size_per_gpu": MICRO,
@@ -64,7 +140,7 @@ def ds_config() -> dict[str, Any]:
             "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
         },
         "zero_optimization": {"stage": 1},
-        "tensor_parallel": {"autotp_size": TP},
+        "tensor_parallel": tensor_parallel,
     }
 
 
@@ -75,7 +151,7 @@ def _step(engine: Any, step: int) -> float:
     return float(loss.detach())
 
 
-def _rank_main(rank: int, port: int) -> None:
+def _rank_main(rank: int, port: int, case: str) -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "deepspeed_checkpoints"))
     from make_fixtures import init_rank  # the golden checkpoints' script: one way to start a rank
 
@@ -83,14 +159,14 @@ def _rank_main(rank: int, port: int) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    folder = os.path.join(HERE, CASE)
+    folder = os.path.join(HERE, case)
     ckpt = os.path.join(folder, "ckpt")
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     dist.barrier()
-    model = make_model(seed=0)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+    model = make_model(seed=0, case=case)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(case))
     before = [_step(engine, s) for s in range(SAVE_AT)]
     engine.save_checkpoint(ckpt, client_state={"epoch": 3})
     dist.barrier()
@@ -99,8 +175,8 @@ def _rank_main(rank: int, port: int) -> None:
             if os.path.exists(os.path.join(ckpt, script)):
                 os.remove(os.path.join(ckpt, script))
     engine.destroy()
-    fresh = make_model(seed=99)
-    resumed, _, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=ds_config())
+    fresh = make_model(seed=99, case=case)
+    resumed, _, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=ds_config(case))
     resumed.load_checkpoint(ckpt)
     after = [_step(resumed, SAVE_AT + k) for k in range(RESUME_STEPS)]
     if rank == 0:
@@ -114,7 +190,7 @@ def _rank_main(rank: int, port: int) -> None:
                     "torch": torch.__version__,
                     "world_size": WORLD,
                     "tp_size": TP,
-                    "config": ds_config(),
+                    "config": ds_config(case),
                     "global_steps": resumed.global_steps,
                     "losses_before_save": before,
                     "resumed_losses": after,
@@ -125,12 +201,15 @@ def _rank_main(rank: int, port: int) -> None:
     resumed.destroy()
 
 
-def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_rank_main, args=(port,), nprocs=WORLD)
+def main(cases: list[str]) -> None:
+    for case in cases or CASES:
+        if case not in CASES:
+            raise SystemExit(f"unknown case {case!r}; the cases: {', '.join(CASES)}")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.multiprocessing.spawn(_rank_main, args=(port, case), nprocs=WORLD)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
