@@ -190,3 +190,34 @@ def test_a_shipped_style_partition_config_loads() -> None:
     assert config.autotp_size == 2
     specs = read_specs(config.raw["tensor_parallel"])  # what AutoTP reads at initialize: the frozen raw config
     assert specs is not None and [s.parts for s in specs.specs] == [1, 3, 2]
+
+
+def _shard_then_initialize(with_config: bool) -> str:
+    import engine
+
+    model, section = _fused()
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "tensor_parallel": section}
+    engine.tp_model_init(model, 2, config=config if with_config else None)
+    try:
+        eng, *_ = engine.initialize(model=model, config=config)
+    except ConfigError as e:
+        return str(e)
+    eng.destroy()
+    return "initialized"
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_a_model_sharded_before_initialize_must_match_the_configs_specs(with_config: bool) -> None:
+    """engine.tp_model_init(model, 2) without the config plans by the engine's name rules; an
+    initialize whose config has a partition_config must not train that split as if it were the one
+    asked for."""
+    from tests.distributed import run_distributed
+
+    got = run_distributed(_shard_then_initialize, world_size=2, args=(with_config,), timeout=120)[0]
+    if with_config:
+        assert got == "initialized"
+    else:
+        assert got.startswith(
+            "the model was already sharded by engine.tp_model_init with the engine's name rules, but the config "
+            "asks for its tensor_parallel.partition_config / preset_model layer specs"
+        ), got

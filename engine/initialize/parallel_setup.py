@@ -64,8 +64,9 @@ def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Mod
                 f"engine.parallel.initialize_model_parallel) have tensor-parallel size {known.tp_size}; "
                 "make them equal or drop tensor_parallel.autotp_size"
             )
-        if autotp_size > 1 and not getattr(model, "ds_autotp_parsed", False):
-            if not (model_parallel_is_initialized() and current_groups() == known):
+        if autotp_size > 1:
+            parsed = getattr(model, "ds_autotp_parsed", False)
+            if not parsed and not (model_parallel_is_initialized() and current_groups() == known):
                 raise ConfigError(
                     "tensor_parallel.autotp_size with a user's mpu= object: AutoTP shards the model over "
                     "engine.parallel's own tensor-parallel groups, not the mpu's; pass mpu=engine.parallel "
@@ -89,8 +90,7 @@ def _resolve(known: ParallelGroups | None, autotp_size: int, model: torch.nn.Mod
 
 
 def _apply_autotp(model: torch.nn.Module, tp_size: int, config: Any) -> None:
-    if getattr(model, "ds_autotp_parsed", False):
-        return
+    """Shard the model, or (sharded by engine.tp_model_init already) check it was sharded as `config` says."""
     from engine.parallel.autotp import tp_model_init  # AutoTP's rule tables load only when asked for
 
     tp_model_init(model, tp_size, config=config)

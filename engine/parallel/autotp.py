@@ -322,6 +322,8 @@ def tp_model_init(
                 f"tp_model_init: the model is already sharded for tp_size {done}; it cannot be "
                 f"resharded for tp_size {tp_size}: build the model again, or pass tp_size {done}"
             )
+        if config is not None and tp_size > 1:
+            _check_same_specs(getattr(model, "ds_autotp_specs", None), _check_config(config, tp_size, dtype))
         return model
     specs = _check_config(config, tp_size, dtype)
     if model_parallel_is_initialized() and groups().tp_size != tp_size:
@@ -338,10 +340,30 @@ def tp_model_init(
     # Plain attributes (nn.Module.__setattr__ is typed for tensors and modules only).
     object.__setattr__(model, "ds_autotp_parsed", True)
     object.__setattr__(model, "ds_autotp_size", tp_size)
+    object.__setattr__(model, "ds_autotp_specs", specs)
     if plan and comm.get_rank() == 0:
         counts = {k: sum(1 for _, kind in plan if kind == k) for k in KINDS}
         logger.info("AutoTP tp_size %d: %s", tp_size, ", ".join(f"{n} {k}" for k, n in counts.items()))
     return model
+
+
+def _check_same_specs(sharded_by: AutoTPSpecs | None, config_says: AutoTPSpecs | None) -> None:
+    """A model sharded earlier (engine.tp_model_init without the config) must have been planned by the
+    layer specs the config now gives (engine.initialize calls again with it): else the split the
+    config asks for is silently not the one trained."""
+    if sharded_by == config_says:
+        return
+    how = "the engine's name rules" if sharded_by is None else "other layer specs"
+    wants = (
+        "the engine's name rules (no tensor_parallel.partition_config or preset_model)"
+        if config_says is None
+        else "its tensor_parallel.partition_config / preset_model layer specs"
+    )
+    raise ConfigError(
+        f"the model was already sharded by engine.tp_model_init with {how}, but the config asks for {wants}; "
+        "pass the same config to engine.tp_model_init(model, tp_size, config=...), or let engine.initialize "
+        "shard the model"
+    )
 
 
 def _shard(model: nn.Module, plan: list[tuple[str, Kind]], parts: Mapping[str, int], group: Any) -> None:
