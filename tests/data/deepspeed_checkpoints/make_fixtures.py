@@ -246,6 +246,74 @@ def _run_case(name: str, stage: int, precision: str) -> None:
     resumed.destroy()
 
 
+def _fix_stage0_fp16_bugs() -> None:
+    """Correct, in this process only, the two bugs of DeepSpeed 0.19.8's stage 0 in fp16 (its
+    FP16_UnfusedOptimizer around a torch optimizer), for a reference run of what it means to do:
+
+    1. engine.backward() scales the loss only for ZeRO optimizers (runtime/engine.py: `if
+       isinstance(self.optimizer, ZeROOptimizer): loss = self.optimizer.scale_if_loss(loss)`), so at
+       stage 0 the loss is never scaled, yet step() still divides the gradients by the loss scale:
+       every gradient is the true one over the scale, which doubles every loss_scale_window steps.
+    2. step() updates the scale (_update_scale) before unscale_and_clip_grads, so at each step where
+       the scale grows the gradients are divided by the new scale, not the one they were made with.
+
+    The corrected step multiplies the gradients by the scale (as if the loss had been scaled; their
+    fp16 rounding is that of unscaled gradients), unscales and clips with the scale they were made
+    with, then updates the scale."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    shipped_step, shipped_unscale = FP16_UnfusedOptimizer.step, FP16_UnfusedOptimizer.unscale_and_clip_grads
+
+    def step(self: Any, closure: Any = None) -> Any:
+        update, deferred = self._update_scale, []
+
+        def unscale_then_update(total_norm: float, apply_scale: bool = True) -> Any:
+            scale = self.loss_scale_config.cur_scale
+            for group in self.fp32_groups:
+                for p in group:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            combined = shipped_unscale(self, total_norm * scale, apply_scale)
+            for skip in deferred:
+                update(skip)
+            deferred.clear()
+            return combined
+
+        self._update_scale = lambda skip: update(skip) if skip else deferred.append(skip)
+        self.unscale_and_clip_grads = unscale_then_update
+        try:
+            return shipped_step(self, closure)
+        finally:
+            del self._update_scale, self.unscale_and_clip_grads
+
+    FP16_UnfusedOptimizer.step = step
+
+
+def _resume_bugs_fixed(name: str) -> None:
+    """DeepSpeed's resumed run of the saved stage-0 fp16 checkpoint with _fix_stage0_fp16_bugs applied;
+    its losses go into expected.json as resumed_losses_bugs_fixed (the checkpoint is not touched)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    stage, precision = CASES[name]
+    folder = os.path.join(HERE, name)
+    _fix_stage0_fp16_bugs()
+    fresh = make_model(seed=99)
+    resumed, _, _, _ = deepspeed.initialize(
+        model=fresh, model_parameters=fresh.parameters(), config=ds_config(stage, precision)
+    )
+    resumed.load_checkpoint(os.path.join(folder, "ckpt"))
+    after = [_train_step(resumed, SAVE_AT + k, precision) for k in range(RESUME_STEPS)]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "expected.json")) as f:
+            expected = json.load(f)
+        expected["resumed_losses_bugs_fixed"] = after
+        with open(os.path.join(folder, "expected.json"), "w") as f:
+            json.dump(expected, f, indent=1)
+    resumed.destroy()
+
+
 def init_rank(rank: int, port: int, world: int = WORLD) -> None:
     """This process as rank `rank` of `world` gloo ranks on this host, DeepSpeed's distributed set up
     (make_tp_fixture in ../deepspeed_tp_checkpoint uses it too)."""
@@ -271,9 +339,21 @@ def _rank_main(rank: int, port: int, names: list[str]) -> None:
     for name in names:
         stage, precision = CASES[name]
         _run_case(name, stage, precision)
+    if "stage0_fp16" in names:  # last: the correction patches DeepSpeed for the rest of the process
+        _resume_bugs_fixed("stage0_fp16")
+
+
+def _rank_bugs_fixed(rank: int, port: int) -> None:
+    init_rank(rank, port)
+    _resume_bugs_fixed("stage0_fp16")
 
 
 def main(argv: list[str]) -> None:
+    """make_fixtures.py [CASE ...]: write those cases (all without an argument); make_fixtures.py
+    --bugs-fixed: only add stage0_fp16's resumed_losses_bugs_fixed, from its saved checkpoint."""
+    if argv == ["--bugs-fixed"]:
+        torch.multiprocessing.spawn(_rank_bugs_fixed, args=(_free_port(),), nprocs=WORLD)
+        return
     names = argv or list(CASES)
     torch.multiprocessing.spawn(_rank_main, args=(_free_port(), names), nprocs=WORLD)
 
