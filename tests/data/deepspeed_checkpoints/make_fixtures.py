@@ -289,15 +289,43 @@ def _fix_stage0_fp16_bugs() -> None:
     FP16_UnfusedOptimizer.step = step
 
 
+def _fix_zero_fp16_scale_order() -> None:
+    """Correct, in this process only, the scale-order bug of DeepSpeed 0.19.8's ZeRO stages 1 and 2 in
+    fp16 (DeepSpeedZeroOptimizer.step): it calls _update_scale before unscale_and_clip_grads, which
+    reads the updated scale, so at each step where the scale grows the gradients are divided by the new
+    scale, half the one they were made with (its own _global_grad_norm divides by prev_scale). The
+    corrected step updates the scale after it: at once on an overflow (the skipped step unscales
+    nothing), after the optimizer step otherwise."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    shipped_step = DeepSpeedZeroOptimizer.step
+
+    def step(self: Any, closure: Any = None) -> Any:
+        update, deferred = self._update_scale, []
+        self._update_scale = lambda has_overflow=False: update(has_overflow) if has_overflow else deferred.append(False)
+        try:
+            return shipped_step(self, closure)
+        finally:
+            del self._update_scale
+            for overflow in deferred:
+                update(overflow)
+
+    DeepSpeedZeroOptimizer.step = step
+
+
+BUG_FIXES = {"stage0_fp16": _fix_stage0_fp16_bugs, "stage2_fp16": _fix_zero_fp16_scale_order}
+"""The fp16 fixtures, and the correction of DeepSpeed's loss-scale bugs their reference run applies."""
+
+
 def _resume_bugs_fixed(name: str) -> None:
-    """DeepSpeed's resumed run of the saved stage-0 fp16 checkpoint with _fix_stage0_fp16_bugs applied;
-    its losses go into expected.json as resumed_losses_bugs_fixed (the checkpoint is not touched)."""
+    """DeepSpeed's resumed run of the saved fp16 checkpoint with its BUG_FIXES correction applied; the
+    losses go into expected.json as resumed_losses_bugs_fixed (the checkpoint is not touched)."""
     import deepspeed
     import torch.distributed as dist
 
     stage, precision = CASES[name]
     folder = os.path.join(HERE, name)
-    _fix_stage0_fp16_bugs()
+    BUG_FIXES[name]()
     fresh = make_model(seed=99)
     resumed, _, _, _ = deepspeed.initialize(
         model=fresh, model_parameters=fresh.parameters(), config=ds_config(stage, precision)
@@ -339,18 +367,20 @@ def _rank_main(rank: int, port: int, names: list[str]) -> None:
     for name in names:
         stage, precision = CASES[name]
         _run_case(name, stage, precision)
-    if "stage0_fp16" in names:  # last: the correction patches DeepSpeed for the rest of the process
-        _resume_bugs_fixed("stage0_fp16")
+    for name in BUG_FIXES:  # last: the corrections patch DeepSpeed for the rest of the process
+        if name in names:
+            _resume_bugs_fixed(name)
 
 
 def _rank_bugs_fixed(rank: int, port: int) -> None:
     init_rank(rank, port)
-    _resume_bugs_fixed("stage0_fp16")
+    for name in BUG_FIXES:
+        _resume_bugs_fixed(name)
 
 
 def main(argv: list[str]) -> None:
     """make_fixtures.py [CASE ...]: write those cases (all without an argument); make_fixtures.py
-    --bugs-fixed: only add stage0_fp16's resumed_losses_bugs_fixed, from its saved checkpoint."""
+    --bugs-fixed: only add the fp16 fixtures' resumed_losses_bugs_fixed, from their saved checkpoints."""
     if argv == ["--bugs-fixed"]:
         torch.multiprocessing.spawn(_rank_bugs_fixed, args=(_free_port(),), nprocs=WORLD)
         return
