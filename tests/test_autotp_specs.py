@@ -1,5 +1,5 @@
 """DeepSpeed's configurable AutoTP (tensor_parallel.partition_config, preset_model) read into the
-engine's AutoTP plan (engine/parallel/autotp_specs.py): the plans it makes, and every refusal by key
+engine's AutoTP plan (engine/config/autotp_specs.py): the plans it makes, and every refusal by key
 path at config load. That a plan with fused parts trains to DeepSpeed's own numbers is checked by
 tests/test_deepspeed_tp_checkpoint.py (the fused fixture resumed at TP 2)."""
 
@@ -13,9 +13,9 @@ import torch
 
 import engine.parallel as mpu
 from engine.config import load_config
+from engine.config.autotp_specs import read_specs
 from engine.config.errors import ConfigError
 from engine.parallel import autotp
-from engine.parallel.autotp_specs import read_specs
 from tests.test_deepspeed_checkpoints import load_script
 
 FIXTURE = Path(__file__).parent / "data" / "deepspeed_tp_checkpoint" / "make_fixture.py"

@@ -14,6 +14,7 @@ from typing import Any
 from engine.config import paths
 from engine.config.aliases import normalize
 from engine.config.auto import resolve_auto
+from engine.config.autotp_specs import read_specs
 from engine.config.batch import GAS, MICRO, TRAIN, BatchSizes, TensorParallel, resolve_batch_sizes
 from engine.config.build import build_engine_config
 from engine.config.errors import ConfigError
@@ -115,8 +116,6 @@ def load_config(
 def _autotp_spec_problems(config: dict[str, Any]) -> list[str]:
     """What the engine cannot do of tensor_parallel.partition_config / preset_model, found at load
     (AutoTP reads them again when it shards the model)."""
-    from engine.parallel.autotp_specs import read_specs
-
     section = config.get("tensor_parallel")
     try:
         read_specs(section if isinstance(section, dict) else None)

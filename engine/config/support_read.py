@@ -163,7 +163,7 @@ READ_ENTRIES: tuple[Entry, ...] = (
         PRESENT,
         "DeepSpeed's layer specs decide which Linears AutoTP splits: row, column (shape [N, -1]: N equal "
         "parts, each split), skip; model_types, use_default_specs and strict_mode as DeepSpeed reads them "
-        "(engine/parallel/autotp_specs.py); unequal parts, gather_output, grad_allreduce and other shapes are "
+        "(engine/config/autotp_specs.py); unequal parts, gather_output, grad_allreduce and other shapes are "
         "refused by key path",
     ),
     Entry(

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from engine import comm
+from engine.config.autotp_specs import AutoTPSpecs, read_specs
 from engine.config.errors import ConfigError
 from engine.config.source import read_source
 from engine.config.types import EngineConfig
-from engine.parallel.autotp_specs import AutoTPSpecs, read_specs
 from engine.parallel.groups import groups, initialize_model_parallel, model_parallel_is_initialized
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -89,7 +89,7 @@ def plan_autotp(
 ) -> list[tuple[str, Kind]]:
     """(qualified module name, kind) for every module that holds parameters itself, in model order.
     The user's `rules` decide first; then DeepSpeed's layer specs from the config (`specs`:
-    tensor_parallel.partition_config / preset_model, engine/parallel/autotp_specs.py) when given, else
+    tensor_parallel.partition_config / preset_model, engine/config/autotp_specs.py) when given, else
     RULES. Refuses, with one ConfigError listing every problem: an unknown kind or a bad regex in
     `rules`, a user rule that matches nothing, a sharded dimension or a head count not divisible by
     tp_size, a module of a type it cannot shard matching a sharding rule, a sharded weight tied to
