@@ -6,7 +6,9 @@ dim 0 and o/down along dim 1; its affine_map says so, and the engine re-cuts the
 layout (engine/checkpoint/deepspeed_format/tensor_parallel.py, engine/checkpoint/tp_recut.py).
 The same for a model with fused qkv_proj and gate_up_proj (stage1_fp32_tp2_fused), which DeepSpeed cut
 into sub-parameters under its partition_config: each rank holds its share of every part (the engine's
-partition_stride), and the engine's AutoTP reads the same partition_config at TP 2.
+partition_stride), and the engine's AutoTP reads the same partition_config at TP 2. And for the Llama
+written by DeepSpeed 0.17.6 (stage1_fp32_tp2_ds0176), which records no affine_map: the split is read
+from the shard shapes against the model's.
 
 Tolerance: DeepSpeed's and the engine's row-parallel sums and Adam run the same math in other
 orders; LOSS_RTOL is far below what a mis-cut slice or a lost moment gives (checked by the last test).
@@ -27,6 +29,8 @@ from tests.distributed import run_distributed
 HERE = Path(__file__).parent / "data" / "deepspeed_tp_checkpoint"
 CASE = HERE / "stage1_fp32_tp2"
 FUSED = HERE / "stage1_fp32_tp2_fused"
+OLD = HERE / "stage1_fp32_tp2_ds0176"
+"""The Llama case written by DeepSpeed 0.17.6: no universal_checkpoint_info, the split read from the shapes."""
 """A model with fused qkv_proj and gate_up_proj, which DeepSpeed cut into equal sub-parameters."""
 LOSS_RTOL = 1e-5
 
@@ -80,7 +84,7 @@ def _expected(case: str = CASE.name) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("world", "tp"), [(2, 2), (2, 1), (1, 1)])
-@pytest.mark.parametrize("case", [CASE.name, FUSED.name])
+@pytest.mark.parametrize("case", [CASE.name, FUSED.name, OLD.name])
 def test_a_deepspeed_autotp_checkpoint_resumes_at_any_tp_size(case: str, world: int, tp: int) -> None:
     got = run_distributed(_resume, world_size=world, args=(tp, False, case), timeout=240)[0]
     expected = _expected(case)
@@ -164,3 +168,29 @@ def test_unequal_sub_parameters_are_refused_by_name() -> None:
             ],
         }
     assert _split_of("layers.0.qkv_proj.weight", equal, 2, "ckpt/global_step4") == ([24, 4], 0, 3)
+
+
+def test_a_checkpoint_without_an_affine_map_is_read_from_the_models_shapes_only() -> None:
+    """DeepSpeed 0.17.6 wrote no universal_checkpoint_info: how a parameter was split is read from its
+    shard shapes against the model's. Without the model (consolidation) that is refused by name, and so
+    is a fused qkv, whose layout DeepSpeed < 0.18 chose by model type and did not record."""
+    import subprocess
+    import sys
+
+    from engine.checkpoint import CheckpointError
+    from engine.checkpoint.deepspeed_format.tensor_parallel import _split_from_shapes
+
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.checkpoint.consolidate", str(OLD / "ckpt"), "/nonexistent/out.safetensors"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0 and "has no universal_checkpoint_info.affine_map" in done.stderr, done.stderr
+    assert "load it with engine.load_checkpoint into the model" in done.stderr
+    tag = "ckpt/global_step4"
+    assert _split_from_shapes("o_proj.weight", [[16, 8], [16, 8]], [16, 16], tag) == ([16, 16], 1, 1)
+    assert _split_from_shapes("norm.weight", [[16], [16]], [16], tag) == ([16], None, 1)
+    with pytest.raises(CheckpointError, match=r"'layers.0.self_attn.qkv_proj.weight' as a fused qkv, in a layout"):
+        _split_from_shapes("layers.0.self_attn.qkv_proj.weight", [[24, 16], [24, 16]], [48, 16], tag)
+    with pytest.raises(CheckpointError, match=r"'up.weight' has shard shapes \[\[16, 16\], \[16, 16\]\] .* \[48, 16\]"):
+        _split_from_shapes("up.weight", [[16, 16], [16, 16]], [48, 16], tag)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,13 +32,19 @@ class DeepSpeedReader(PieceReader):
     """Reads a DeepSpeed tag directory's values by parameter name and offset, as PieceReader does the
     engine's. All files are read when it is built (memory-mapped: pieces are views into them)."""
 
-    def __init__(self, tag_dir: str) -> None:
+    def __init__(self, tag_dir: str, model_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        """`model_shapes`: the model's whole parameter shapes, by name; they say how a tensor-parallel
+        checkpoint without an affine_map (DeepSpeed < 0.18) was split."""
         stage3 = os.path.isfile(os.path.join(tag_dir, model_states_name(0)))
         head = load_deepspeed_file(os.path.join(tag_dir, model_states_name(0 if stage3 else None)))
         mp = _declared_mp(head, tag_dir, stage3)
         tp: dict[str, Any] | None = None
         if mp > 1:  # one conversion per tensor-parallel rank, merged under the engine's slice names
-            self.converted, tp = merge_tensor_parallel([convert(tag_dir, m) for m in range(mp)], head, tag_dir)
+            parts = [convert(tag_dir, m) for m in range(mp)]
+            saved_shapes = None
+            if model_shapes is not None:  # under the checkpoint's names (a tied parameter's alias)
+                saved_shapes = {parts[0].aliases.get(n, n): s for n, s in model_shapes.items()}
+            self.converted, tp = merge_tensor_parallel(parts, head, tag_dir, saved_shapes)
         else:
             self.converted = convert(tag_dir)
         super().__init__(tag_dir, _manifest(self.converted, tp))
@@ -86,7 +92,11 @@ def open_reader(
     """The reader for a tag directory: DeepSpeed's layout through DeepSpeedReader, the engine's own
     through its manifest. `whole_shapes`: as DeepSpeedReader.check_model takes them."""
     if is_deepspeed_tag_dir(tag_dir):
-        reader = DeepSpeedReader(tag_dir)
+        shapes = {
+            name: list(whole_shapes[name]) if whole_shapes is not None and name in whole_shapes else list(full_shape(p))
+            for name, p in module.named_parameters()
+        }
+        reader = DeepSpeedReader(tag_dir, shapes)
         reader.check_model(module, whole_shapes)
         return reader
     return PieceReader(tag_dir, read_manifest(tag_dir))

@@ -17,6 +17,7 @@ is taken from rank 0's files. The engine's load then re-cuts the slices for any 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.checkpoint.deepspeed_format.layout import Converted, Pieces
@@ -29,17 +30,41 @@ def _slice_name(name: str, tp_rank: int) -> str:
     return slice_name(name, tp_rank)
 
 
-def _affine_map(head: dict[str, Any], tag_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _affine_map(head: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(universal_checkpoint_info or {}, its affine_map's params, or None when DeepSpeed wrote none)."""
     info = head.get("universal_checkpoint_info")
-    amap = info.get("affine_map") if isinstance(info, dict) else None
-    if not isinstance(amap, dict) or not isinstance(amap.get("params"), dict):
+    info = info if isinstance(info, dict) else {}
+    amap = info.get("affine_map")
+    return info, amap["params"] if isinstance(amap, dict) and isinstance(amap.get("params"), dict) else None
+
+
+# Module names DeepSpeed < 0.18's AutoTP cut as a fused qkv (module_inject/fusedqkv_utils.py's
+# require_tp_fused_qkvw), in a layout that depends on the model type and that its files do not record.
+_OLD_FUSED_QKV = ("qkv_proj", "query_key_value", "attn.Wqkv", "self_attn.W_pack", "c_attn")
+
+
+def _split_from_shapes(
+    name: str, shards: list[list[int]], whole: list[int] | None, tag_dir: str
+) -> tuple[list[int], int | None, int]:
+    """(logical shape, partition dim or None when replicated, partition stride 1) of one parameter of a
+    checkpoint without an affine_map, from its shard shapes and the model's whole shape."""
+    mp = len(shards)
+    if whole is None or all(shape == whole for shape in shards):
+        return list(shards[0]), None, 1
+    dims = [d for d in range(len(whole)) if shards[0][d] != whole[d]] if len(shards[0]) == len(whole) else []
+    if len(dims) != 1 or any(shape != shards[0] for shape in shards) or shards[0][dims[0]] * mp != whole[dims[0]]:
         raise CheckpointError(
-            f"{tag_dir} was saved by DeepSpeed with tensor parallelism but its model-states file has no "
-            "universal_checkpoint_info.affine_map (written by DeepSpeed >= 0.18's AutoTP), which says how "
-            "each parameter was split; this engine reads tensor-parallel DeepSpeed checkpoints that have it"
+            f"{tag_dir}: {name!r} has shard shapes {shards} over {mp} tensor-parallel ranks, which no equal split "
+            f"of the model's shape {whole} along one dimension gives (this checkpoint has no affine_map to say "
+            "how DeepSpeed split it)"
         )
-    assert isinstance(info, dict)
-    return info, amap["params"]
+    if any(fused in name for fused in _OLD_FUSED_QKV):
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed split {name!r} as a fused qkv, in a layout that depends on the model type and "
+            "that a checkpoint without universal_checkpoint_info.affine_map (DeepSpeed < 0.18) does not record; "
+            "save it with DeepSpeed >= 0.18, or at tensor-parallel size 1"
+        )
+    return list(whole), dims[0], 1
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:
@@ -111,21 +136,40 @@ def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -
     return logical, dims[0], stride
 
 
-def merge_tensor_parallel(parts: list[Converted], head: dict[str, Any], tag_dir: str) -> tuple[Converted, dict]:
+def merge_tensor_parallel(
+    parts: list[Converted], head: dict[str, Any], tag_dir: str, model_shapes: Mapping[str, Sequence[int]] | None = None
+) -> tuple[Converted, dict]:
     """One Converted for all tensor-parallel ranks (engine rank m * dp + d holds rank (m, d)'s pieces),
-    and the manifest's tensor_parallel section. `head`: tensor-parallel rank 0's (first) model-states file."""
+    and the manifest's tensor_parallel section. `head`: tensor-parallel rank 0's (first) model-states file.
+    How each parameter was split comes from the affine_map; a checkpoint without one (DeepSpeed < 0.18)
+    is read from the shard shapes against `model_shapes`, the model's whole parameter shapes (under the
+    checkpoint's names)."""
     mp, dp = len(parts), parts[0].world_size
-    info, amap = _affine_map(head, tag_dir)
+    info, amap = _affine_map(head)
+    if amap is None and model_shapes is None:
+        raise CheckpointError(
+            f"{tag_dir} was saved by DeepSpeed with tensor parallelism but its model-states file has no "
+            "universal_checkpoint_info.affine_map (DeepSpeed >= 0.18 writes it), which says how each parameter "
+            "was split; load it with engine.load_checkpoint into the model, whose shapes say it"
+        )
     vocab_patterns = [re.compile(p) for p in info.get("vocabulary_parameter_patterns", [])]
     vocab = info.get("original_vocab_size")
     split: dict[str, int] = {}
     whole_shapes = dict(parts[0].params)
     tp_params: dict[str, Any] = {}
     for name, shape in parts[0].params.items():
-        entry = next((e for p, e in amap.items() if re.fullmatch(p, name)), None)
-        if entry is None:
-            raise CheckpointError(f"{tag_dir}: parameter {name!r} is missing from universal_checkpoint_info.affine_map")
-        logical, dim, stride = _split_of(name, entry, mp, tag_dir)
+        if amap is None:
+            assert model_shapes is not None
+            whole = model_shapes.get(name)
+            shards = [list(part.params[name]) for part in parts]
+            logical, dim, stride = _split_from_shapes(name, shards, None if whole is None else list(whole), tag_dir)
+        else:
+            entry = next((e for p, e in amap.items() if re.fullmatch(p, name)), None)
+            if entry is None:
+                raise CheckpointError(
+                    f"{tag_dir}: parameter {name!r} is missing from universal_checkpoint_info.affine_map"
+                )
+            logical, dim, stride = _split_of(name, entry, mp, tag_dir)
         if dim is None:
             continue
         split[name] = dim

@@ -11,7 +11,9 @@ dim 1, embeddings and norms replicated). Two fresh ranks (another seed) load it 
 load_checkpoint and train RESUME_STEPS more steps; their losses go into stage1_fp32_tp2/expected.json.
 The second case, stage1_fp32_tp2_fused, does the same with FusedLM under DeepSpeed's
 tensor_parallel.partition_config: its qkv_proj ([q; k; v]) and gate_up_proj ([gate; up]) are cut into
-sub-parameters, several pieces per rank. `make_fixture.py CASE` writes one case; no argument, both.
+sub-parameters, several pieces per rank. stage1_fp32_tp2_ds0176 is the Llama case written by DeepSpeed
+0.17.6 (its own venv), whose checkpoints record no universal_checkpoint_info. `make_fixture.py CASE`
+writes one case; no argument, those of the DeepSpeed version running it.
 The models and data are defined here without DeepSpeed, so tests/test_deepspeed_tp_checkpoint.py
 imports them and trains the engine on the same batches.
 """
@@ -32,7 +34,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASE = "stage1_fp32_tp2"
 FUSED_CASE = "stage1_fp32_tp2_fused"
 """FusedLM: DeepSpeed cuts its fused qkv_proj and gate_up_proj into sub-parameters, several pieces per rank."""
-CASES = (CASE, FUSED_CASE)
+OLD_CASE = "stage1_fp32_tp2_ds0176"
+"""The Llama case written by DeepSpeed 0.17.6, whose AutoTP records no universal_checkpoint_info."""
+CASES = (CASE, FUSED_CASE, OLD_CASE)
+WRITTEN_BY = {CASE: "0.19.8", FUSED_CASE: "0.19.8", OLD_CASE: "0.17.6"}
+"""The DeepSpeed version each case must be written with (its own venv)."""
 WORLD, TP = 2, 2
 MICRO, SEQ, VOCAB = 4, 8, 64
 SAVE_AT, RESUME_STEPS = 4, 10
@@ -151,11 +157,32 @@ def _step(engine: Any, step: int) -> float:
     return float(loss.detach())
 
 
+def _cpu_device_for_object_broadcasts() -> None:
+    """DeepSpeed 0.17.6's CPU accelerator gives current_device() as LOCAL_RANK (a string such as "0"),
+    which its AutoTP input check passes to torch as a device and torch 2.13 refuses ("Invalid device
+    string"); the device it means is the CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().current_device = lambda: "cpu"
+
+
+def _sharded(model: Any, case: str) -> Any:
+    """DeepSpeed 0.17's AutoTP training shards the model in deepspeed.tp_model_init, called before
+    initialize (its documented use); from 0.18 initialize does it from tensor_parallel.autotp_size."""
+    if WRITTEN_BY[case] != "0.17.6":
+        return model
+    import deepspeed
+
+    return deepspeed.tp_model_init(model, tp_size=TP, dtype=torch.float32)
+
+
 def _rank_main(rank: int, port: int, case: str) -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "deepspeed_checkpoints"))
     from make_fixtures import init_rank  # the golden checkpoints' script: one way to start a rank
 
     init_rank(rank, port, WORLD)
+    if WRITTEN_BY[case] == "0.17.6":
+        _cpu_device_for_object_broadcasts()
     import deepspeed
     import torch.distributed as dist
 
@@ -165,7 +192,7 @@ def _rank_main(rank: int, port: int, case: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     dist.barrier()
-    model = make_model(seed=0, case=case)
+    model = _sharded(make_model(seed=0, case=case), case)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(case))
     before = [_step(engine, s) for s in range(SAVE_AT)]
     engine.save_checkpoint(ckpt, client_state={"epoch": 3})
@@ -175,7 +202,7 @@ def _rank_main(rank: int, port: int, case: str) -> None:
             if os.path.exists(os.path.join(ckpt, script)):
                 os.remove(os.path.join(ckpt, script))
     engine.destroy()
-    fresh = make_model(seed=99, case=case)
+    fresh = _sharded(make_model(seed=99, case=case), case)
     resumed, _, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=ds_config(case))
     resumed.load_checkpoint(ckpt)
     after = [_step(resumed, SAVE_AT + k) for k in range(RESUME_STEPS)]
@@ -202,9 +229,13 @@ def _rank_main(rank: int, port: int, case: str) -> None:
 
 
 def main(cases: list[str]) -> None:
-    for case in cases or CASES:
+    import deepspeed
+
+    for case in cases or [c for c in CASES if WRITTEN_BY[c] == deepspeed.__version__]:
         if case not in CASES:
             raise SystemExit(f"unknown case {case!r}; the cases: {', '.join(CASES)}")
+        if deepspeed.__version__ != WRITTEN_BY[case]:
+            raise SystemExit(f"{case} is written by DeepSpeed {WRITTEN_BY[case]}; this is {deepspeed.__version__}")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
