@@ -162,7 +162,7 @@ def _check_resumed(name: str, got: dict[str, Any]) -> None:
 
 
 def test_every_fixture_resumes_at_2_ranks() -> None:
-    assert len(FIXTURES) == 10, FIXTURES
+    assert len(FIXTURES) == 12, FIXTURES
     results = run_distributed(_resume_all, world_size=2, args=(FIXTURES,), timeout=240)
     for name in FIXTURES:
         assert results[0][name]["losses"] == results[1][name]["losses"]

@@ -48,7 +48,9 @@ CASES: dict[str, tuple[int, str]] = {
     "stage1_bf16": (1, "bf16"),
     "stage2_bf16": (2, "bf16"),
     "stage3_bf16": (3, "bf16"),
+    "stage1_fp16": (1, "fp16"),
     "stage2_fp16": (2, "fp16"),
+    "stage3_fp16": (3, "fp16"),
 }
 
 
@@ -290,30 +292,40 @@ def _fix_stage0_fp16_bugs() -> None:
 
 
 def _fix_zero_fp16_scale_order() -> None:
-    """Correct, in this process only, the scale-order bug of DeepSpeed 0.19.8's ZeRO stages 1 and 2 in
-    fp16 (DeepSpeedZeroOptimizer.step): it calls _update_scale before unscale_and_clip_grads, which
-    reads the updated scale, so at each step where the scale grows the gradients are divided by the new
-    scale, half the one they were made with (its own _global_grad_norm divides by prev_scale). The
-    corrected step updates the scale after it: at once on an overflow (the skipped step unscales
-    nothing), after the optimizer step otherwise."""
+    """Correct, in this process only, the scale-order bug of DeepSpeed 0.19.8's ZeRO stages 1-3 in fp16
+    (DeepSpeedZeroOptimizer.step, DeepSpeedZeroOptimizer_Stage3.step): they call _update_scale before
+    unscale_and_clip_grads, which reads the updated scale, so at each step where the scale grows the
+    gradients are divided by the new scale, half the one they were made with (stages 1-2 divide their
+    _global_grad_norm by prev_scale). The corrected step updates the scale after it: at once on an
+    overflow (the skipped step unscales nothing), after the optimizer step otherwise."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    shipped_step = DeepSpeedZeroOptimizer.step
+    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        if getattr(cls.step, "scale_order_fixed", False):
+            continue
+        shipped_step = cls.step
 
-    def step(self: Any, closure: Any = None) -> Any:
-        update, deferred = self._update_scale, []
-        self._update_scale = lambda has_overflow=False: update(has_overflow) if has_overflow else deferred.append(False)
-        try:
-            return shipped_step(self, closure)
-        finally:
-            del self._update_scale
-            for overflow in deferred:
-                update(overflow)
+        def step(self: Any, closure: Any = None, _shipped: Any = shipped_step) -> Any:
+            update, deferred = self._update_scale, []
+            self._update_scale = lambda has_overflow=False: update(has_overflow) if has_overflow else deferred.append(False)
+            try:
+                return _shipped(self, closure)
+            finally:
+                del self._update_scale
+                for overflow in deferred:
+                    update(overflow)
 
-    DeepSpeedZeroOptimizer.step = step
+        step.scale_order_fixed = True  # type: ignore[attr-defined]
+        cls.step = step
 
 
-BUG_FIXES = {"stage0_fp16": _fix_stage0_fp16_bugs, "stage2_fp16": _fix_zero_fp16_scale_order}
+BUG_FIXES = {
+    "stage0_fp16": _fix_stage0_fp16_bugs,
+    "stage1_fp16": _fix_zero_fp16_scale_order,
+    "stage2_fp16": _fix_zero_fp16_scale_order,
+    "stage3_fp16": _fix_zero_fp16_scale_order,
+}
 """The fp16 fixtures, and the correction of DeepSpeed's loss-scale bugs their reference run applies."""
 
 
