@@ -308,7 +308,9 @@ def _fix_zero_fp16_scale_order() -> None:
 
         def step(self: Any, closure: Any = None, _shipped: Any = shipped_step) -> Any:
             update, deferred = self._update_scale, []
-            self._update_scale = lambda has_overflow=False: update(has_overflow) if has_overflow else deferred.append(False)
+            self._update_scale = lambda has_overflow=False: (
+                update(has_overflow) if has_overflow else deferred.append(False)
+            )
             try:
                 return _shipped(self, closure)
             finally:
