@@ -14,12 +14,12 @@ fp32 rtol 1e-5 (at 1 and 4 ranks the gradient sums run in another order: measure
 2e-3 (at 1 and 4 ranks the bf16 gradients are reduced over another number of ranks, each rounding
 2^-8 relative: measured <= 5.2e-4). fp16 rtol 2e-3, against DeepSpeed's resumed run with its fp16
 loss-scale bugs corrected (make_fixtures.py's BUG_FIXES; expected.json's resumed_losses_bugs_fixed):
-- stages 1 and 2 (DeepSpeedZeroOptimizer.step) and stage 0 (FP16_UnfusedOptimizer.step) grow the loss
-  scale before they unscale, so at each growth the gradients are divided by the new scale, half the one
+- stages 1-3 (DeepSpeedZeroOptimizer.step, DeepSpeedZeroOptimizer_Stage3.step) and stage 0
+  (FP16_UnfusedOptimizer.step) grow the loss scale before they unscale, so at each growth the gradients are divided by the new scale, half the one
   they were made with;
 - at stage 0 engine.backward() scales the loss only for ZeRO optimizers, so under FP16_UnfusedOptimizer
   the loss is never scaled while step() still divides the gradients by the scale.
-DeepSpeed's shipped runs drift from the engine by 1.8% (stage2_fp16) and 9.5% (stage0_fp16) by the 10th
+DeepSpeed's shipped runs drift from the engine by 1.8% (stages 1-3) and 9.5% (stage 0) by the 10th
 resumed step; with the bugs corrected the engine's losses equal DeepSpeed's bitwise at 2 ranks and within
 8.7e-5 at 1 and 4 ranks (measured on an AMD EPYC; the rtol leaves room for CPUs whose fp16 kernels round
 otherwise). The first resumed loss, which only the loaded state decides, equals the shipped run's too.
