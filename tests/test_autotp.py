@@ -59,10 +59,11 @@ def test_plan_of_the_main_jobs_gpt() -> None:
     assert mpu.plan_autotp(_gpt(), 2) == expected
 
 
-def test_plan_of_a_transformers_llama() -> None:
+def tiny_llama() -> nn.Module:
+    """A transformers Llama of 2 layers, 4 heads and 2 key/value heads, built from a config."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(
+    return LlamaForCausalLM(
         LlamaConfig(
             vocab_size=64,
             hidden_size=32,
@@ -73,6 +74,10 @@ def test_plan_of_a_transformers_llama() -> None:
             max_position_embeddings=16,
         )
     )
+
+
+def test_plan_of_a_transformers_llama() -> None:
+    model = tiny_llama()
     layer = [
         ("self_attn.q_proj", "column"),
         ("self_attn.k_proj", "column"),

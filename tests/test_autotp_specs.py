@@ -16,6 +16,7 @@ from engine.config import load_config
 from engine.config.autotp_specs import read_specs
 from engine.config.errors import ConfigError
 from engine.parallel import autotp
+from tests.test_autotp import tiny_llama
 from tests.test_deepspeed_checkpoints import load_script
 
 FIXTURE = Path(__file__).parent / "data" / "deepspeed_tp_checkpoint" / "make_fixture.py"
@@ -25,21 +26,6 @@ def _fused() -> tuple[torch.nn.Module, dict[str, Any]]:
     """The fused fixture's model and its DeepSpeed tensor_parallel section (real DeepSpeed trained it)."""
     fixture = load_script(FIXTURE)
     return fixture.make_model(seed=0, case=fixture.FUSED_CASE), fixture.ds_config(fixture.FUSED_CASE)["tensor_parallel"]
-
-
-def _llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(config)
 
 
 def test_a_partition_config_with_fused_parts_plans_each_part_split() -> None:
@@ -67,12 +53,12 @@ def test_a_partition_config_with_fused_parts_plans_each_part_split() -> None:
 
 
 def test_the_llama_preset_plans_what_the_engine_rules_plan() -> None:
-    model = _llama()
+    model = tiny_llama()
     assert mpu.plan_autotp(model, 2, specs=read_specs({"preset_model": "llama"})) == mpu.plan_autotp(model, 2)
 
 
 def test_specs_are_tried_before_the_preset_unless_use_default_specs_is_false() -> None:
-    model = _llama()
+    model = tiny_llama()
     skip_first_mlp = {"patterns": [r".*layers\.0\.mlp\.(gate|up|down)_proj\.weight$"], "partition_type": "skip"}
     merged = {"preset_model": "llama", "partition_config": {"layer_specs": [skip_first_mlp]}}
     plan = dict(mpu.plan_autotp(model, 2, specs=read_specs(merged)))
@@ -90,7 +76,7 @@ def test_model_types_limit_a_spec_to_those_models() -> None:
         },
         "preset_model": "llama",
     }
-    plan = dict(mpu.plan_autotp(_llama(), 2, specs=read_specs(only_gpt2)))
+    plan = dict(mpu.plan_autotp(tiny_llama(), 2, specs=read_specs(only_gpt2)))
     assert plan["model.layers.0.self_attn.o_proj"] == "row"  # from the preset: the gpt2 spec does not apply
 
 
