@@ -1,5 +1,6 @@
 """engine.load_checkpoint on checkpoints written by real DeepSpeed 0.19.8 (tests/data/deepspeed_checkpoints,
-made by make_fixtures.py there: 2 ranks, stages 0-3, fp32 / bf16 / fp16, saved after 4 steps).
+made by make_fixtures.py there: 2 ranks, stages 0-3, fp32 / bf16 / fp16, torch's AdamW and DeepSpeed's
+FusedAdam, saved after 4 steps).
 
 - Every fixture resumes at 2 ranks: the fp32 masters and Adam moments each rank holds equal, bitwise,
   DeepSpeed's own full values at the save (its safe_get_full_fp32_param / safe_get_full_optimizer_state,
@@ -162,7 +163,7 @@ def _check_resumed(name: str, got: dict[str, Any]) -> None:
 
 
 def test_every_fixture_resumes_at_2_ranks() -> None:
-    assert len(FIXTURES) == 12, FIXTURES
+    assert len(FIXTURES) == 14, FIXTURES
     results = run_distributed(_resume_all, world_size=2, args=(FIXTURES,), timeout=240)
     for name in FIXTURES:
         assert results[0][name]["losses"] == results[1][name]["losses"]
@@ -195,22 +196,20 @@ def test_a_truncated_file_is_named(tmp_path: Path) -> None:
         open_reader(str(tag), _tiny())
 
 
-def test_stage0_fused_fp16_optimizer_layout_is_refused_by_name(tmp_path: Path) -> None:
-    # DeepSpeed's fused FP16_Optimizer (FusedAdam, CUDA) saves one flat fp32 tensor per param group:
-    # the stage0_fp16 fixture's masters re-laid that way, as that optimizer writes them.
-    tag = _copy("stage0_fp16", tmp_path)
+def test_stage0_fused_groups_that_are_not_the_modules_parameters_in_order_are_refused(tmp_path: Path) -> None:
+    """DeepSpeed's fused FP16_Optimizer (stage0_fp16_fusedadam) keeps one flat fp32 master per param
+    group with no record of its parameters; the engine reads the groups as the module's parameters in
+    order. Flats cut elsewhere (here: the one group split 5 elements into the second parameter) are
+    refused naming the parameter, not read shifted."""
+    tag = _copy("stage0_fp16_fusedadam", tmp_path)
     path = tag / "mp_rank_00_model_states.pt"
     data = load_deepspeed_file(str(path))
-    unfused = data["optimizer"]
-    data["optimizer"] = {
-        "dynamic_loss_scale": True,
-        "cur_scale": unfused["cur_scale"],
-        "optimizer_state_dict": unfused["optimizer_state_dict"],
-        "fp32_groups_flat": [torch.cat([t.reshape(-1) for t in group]) for group in unfused["fp32_groups"]],
-    }
+    (flat,) = data["optimizer"]["fp32_groups_flat"]
+    first = _tiny().inp.weight.numel()
+    data["optimizer"]["fp32_groups_flat"] = [flat[: first + 5].clone(), flat[first + 5 :].clone()]
     torch.save(data, tmp_path / "relaid.pt")  # not over `path`: its old bytes are mapped in `data`
     os.replace(tmp_path / "relaid.pt", path)
-    with pytest.raises(CheckpointError, match=r"stage 0 in fp16/bf16 with its fused FP16_Optimizer .* zero_to_fp32"):
+    with pytest.raises(CheckpointError, match=r"parameter 'inp.bias' crosses the end of DeepSpeed's flat fp32 group 0"):
         open_reader(str(tag), _tiny())
 
 

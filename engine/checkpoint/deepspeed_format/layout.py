@@ -217,7 +217,13 @@ def _moments(state: dict[str, Any], numel: int) -> dict[str, torch.Tensor]:
 
 
 def _scalar(state: dict[str, Any], numel: int) -> dict[str, Any]:
-    return {k: v for k, v in state.items() if not _like_partition(v, numel)}
+    """The state not shaped like the partition. Adam's step becomes torch's layout (a float32 scalar
+    tensor, as torch.optim.Optimizer.load_state_dict makes it): DeepSpeed's FusedAdam saves a Python int,
+    which torch's AdamW step refuses ("state_steps ... singleton tensors")."""
+    found = {k: v for k, v in state.items() if not _like_partition(v, numel)}
+    if isinstance(found.get("step"), (int, float)) and not isinstance(found["step"], bool):
+        found["step"] = torch.tensor(float(found["step"]), dtype=torch.float32)
+    return found
 
 
 def _like_partition(value: Any, numel: int) -> bool:
@@ -228,6 +234,68 @@ def _piece(offset: int, flat: torch.Tensor, moments: dict[str, torch.Tensor], lo
     entry = {"offset": offset, "master": flat[lo : lo + n].float()}
     entry.update({k: v[lo : lo + n].float() for k, v in moments.items()})
     return entry
+
+
+def _convert_stage0_fused(
+    tag_dir: str,
+    head: dict[str, Any],
+    opt: dict[str, Any],
+    module: dict[str, Any],
+    names: list[str],
+    whole: dict[str, torch.Tensor],
+    world: int,
+) -> Converted:
+    """Stage 0 in fp16/bf16 with DeepSpeed's FusedAdam: its fused FP16_Optimizer keeps one flat fp32
+    master per param group (`fp32_groups_flat`: the group's parameters flattened in order, no padding),
+    FusedAdam's state over each flat under the group's number, and the loss scale in the same plain keys
+    as FP16_UnfusedOptimizer. The file does not say which parameters a group holds: as for the unfused
+    optimizer, the groups are read as the module's parameters in order, which must end exactly where
+    each flat does."""
+    flats = opt["fp32_groups_flat"]
+    if not (isinstance(flats, list) and all(torch.is_tensor(f) for f in flats)):
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed's fp32_groups_flat is not a list of tensors; the file is corrupted"
+        )
+    osd = opt.get("optimizer_state_dict", {})
+    state: dict[int, dict[str, Any]] = osd.get("state", {})
+    groups = osd.get("param_groups", [])
+    sizes = [module[n].numel() for n in names]
+    if sum(sizes) != sum(f.numel() for f in flats):
+        raise CheckpointError(
+            f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {sum(f.numel() for f in flats)} fp32 master elements "
+            f"in {len(flats)} flat groups, the module's parameters {sum(sizes)}; the engine maps them by position, "
+            "which needs the optimizer to have been given every parameter of the module "
+            "(deepspeed.initialize(model_parameters=model.parameters()))"
+        )
+    pieces: Pieces = {}
+    scalars: dict[int, dict[str, Any]] = {}
+    params = iter(zip(names, sizes))
+    for g, flat in enumerate(flats):
+        flat = flat.reshape(-1)
+        moments, offset = _moments(state.get(g, {}), flat.numel()), 0
+        scalars[g] = _scalar(state.get(g, {}), flat.numel())
+        while offset < flat.numel():
+            name, n = next(params)
+            if offset + n > flat.numel():
+                raise CheckpointError(
+                    f"{tag_dir}: parameter {name!r} crosses the end of DeepSpeed's flat fp32 group {g}; the "
+                    "optimizer's param groups were not the module's parameters in order"
+                )
+            pieces[name] = [_piece(0, flat, moments, offset, n)]
+            offset += n
+    scaler = _stage0_loss_scaler(opt, head)
+    return Converted(
+        world,
+        0,
+        {n: list(module[n].shape) for n in names},
+        set(names),
+        [pieces, *[{} for _ in range(world - 1)]],
+        [{} for _ in range(world)],
+        scalars,
+        whole,
+        _head(head, groups, scaler),
+        _aliases(head),
+    )
 
 
 # ------------------------------------------------------------------------------------- stages 1-2
@@ -332,17 +400,13 @@ def _convert_stage0(
     the torch optimizer's own, and the masters are the module's parameters. In fp16 and bf16 it is
     DeepSpeed's FP16_UnfusedOptimizer's (any torch optimizer): the fp32 masters in `fp32_groups` (a
     list per param group, in the groups' order), the torch optimizer's state dict over them in
-    `optimizer_state_dict`, and the loss scale in plain keys (cur_scale, cur_iter, ...)."""
+    `optimizer_state_dict`, and the loss scale in plain keys (cur_scale, cur_iter, ...); or, with
+    DeepSpeed's FusedAdam, its fused FP16_Optimizer's (_convert_stage0_fused)."""
     names = [n for n in module if n not in whole]
     opt = head.get("optimizer")
     opt = opt if isinstance(opt, dict) else {}
     if "fp32_groups_flat" in opt:
-        raise CheckpointError(
-            f"{tag_dir} was saved by DeepSpeed at stage 0 in fp16/bf16 with its fused FP16_Optimizer (DeepSpeed's "
-            "FusedAdam, one flat fp32 tensor per param group, no record of which parameters it holds); this "
-            "engine reads stage 0 checkpoints of the unfused optimizer (any torch optimizer) and stages 1-3 "
-            "in every precision: convert it with DeepSpeed's zero_to_fp32 first, or save at stage 1"
-        )
+        return _convert_stage0_fused(tag_dir, head, opt, module, names, whole, world)
     masters: list[torch.Tensor] | None = None
     scaler = None
     if "fp32_groups" in opt:

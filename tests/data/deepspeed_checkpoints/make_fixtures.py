@@ -51,7 +51,18 @@ CASES: dict[str, tuple[int, str]] = {
     "stage1_fp16": (1, "fp16"),
     "stage2_fp16": (2, "fp16"),
     "stage3_fp16": (3, "fp16"),
+    "stage2_fp32_fusedadam": (2, "fp32"),
+    "stage0_fp16_fusedadam": (0, "fp16"),
 }
+FUSED_ADAM = {"stage2_fp32_fusedadam", "stage0_fp16_fusedadam"}
+"""Cases trained with DeepSpeed's FusedAdam (its default AdamW) instead of torch's: its state keeps Adam's
+step as a Python int, and at stage 0 in fp16 DeepSpeed wraps it in its fused FP16_Optimizer (one flat fp32
+master per param group)."""
+
+
+def case_config(name: str) -> dict[str, Any]:
+    stage, precision = CASES[name]
+    return ds_config(stage, precision, fused_adam=name in FUSED_ADAM)
 
 
 class TinyNet(torch.nn.Module):
@@ -87,8 +98,9 @@ def rank_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Te
     return x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
 
 
-def ds_config(stage: int, precision: str) -> dict[str, Any]:
-    """DeepSpeed's config for a case. torch_adam: torch.optim.AdamW (DeepSpeed's FusedAdam needs a build)."""
+def ds_config(stage: int, precision: str, fused_adam: bool = False) -> dict[str, Any]:
+    """DeepSpeed's config for a case. torch_adam: torch.optim.AdamW; without it (`fused_adam`, what
+    DeepSpeed's AdamW means by default) DeepSpeed's own FusedAdam, built for the CPU by its JIT."""
     config: dict[str, Any] = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": MICRO,
@@ -105,6 +117,8 @@ def ds_config(stage: int, precision: str) -> dict[str, Any]:
         },
         "zero_optimization": {"stage": stage},
     }
+    if fused_adam:
+        del config["optimizer"]["params"]["torch_adam"]
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -151,8 +165,25 @@ def _reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
 
 def _stage0_reference(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Stage 0 has no fragment mapping: in fp32 the masters are the module's parameters; in fp16 and
-    bf16 they are DeepSpeed's FP16_UnfusedOptimizer's fp32_groups, in the module's parameter order."""
+    bf16 they are DeepSpeed's FP16_UnfusedOptimizer's fp32_groups, in the module's parameter order, or
+    (with FusedAdam) slices of FP16_Optimizer's flat fp32 group, in the same order."""
     named = [name for name, _ in engine.module.named_parameters()]
+    if hasattr(engine.optimizer, "fp32_groups_flat"):  # the fused FP16_Optimizer: one flat master per group
+        flats = engine.optimizer.fp32_groups_flat
+        state = engine.optimizer.optimizer.state
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        params = iter(named)
+        for flat, group in zip(flats, engine.optimizer.fp16_groups, strict=True):
+            offset = 0
+            for p in group:
+                n = p.numel()
+                found[next(params)] = {
+                    "master": flat[offset : offset + n].detach().clone().float(),
+                    "exp_avg": state[flat]["exp_avg"][offset : offset + n].clone(),
+                    "exp_avg_sq": state[flat]["exp_avg_sq"][offset : offset + n].clone(),
+                }
+                offset += n
+        return found
     if hasattr(engine.optimizer, "fp32_groups"):
         masters = [t for group in engine.optimizer.fp32_groups for t in group]
         state = engine.optimizer.optimizer.state
@@ -205,9 +236,7 @@ def _run_case(name: str, stage: int, precision: str) -> None:
     dist.barrier()
 
     model = make_model(seed=0)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(stage, precision)
-    )
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=case_config(name))
     before = [_train_step(engine, step, precision) for step in range(SAVE_AT)]
     reference = _stage0_reference(engine) if stage == 0 else _reference(engine)
     engine.save_checkpoint(ckpt, client_state={"epoch": 3, "note": name, "best": torch.tensor([0.25])})
@@ -224,9 +253,7 @@ def _run_case(name: str, stage: int, precision: str) -> None:
     engine.destroy()
 
     fresh = make_model(seed=99)
-    resumed, _, _, _ = deepspeed.initialize(
-        model=fresh, model_parameters=fresh.parameters(), config=ds_config(stage, precision)
-    )
+    resumed, _, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=case_config(name))
     _, client = resumed.load_checkpoint(ckpt)
     after = [_train_step(resumed, SAVE_AT + k, precision) for k in range(RESUME_STEPS)]
     if rank == 0:
@@ -237,7 +264,7 @@ def _run_case(name: str, stage: int, precision: str) -> None:
             "stage": stage,
             "precision": precision,
             "world_size": WORLD,
-            "config": ds_config(stage, precision),
+            "config": case_config(name),
             "global_steps": resumed.global_steps,
             "losses_before_save": before,
             "resumed_losses": after,
@@ -291,6 +318,38 @@ def _fix_stage0_fp16_bugs() -> None:
     FP16_UnfusedOptimizer.step = step
 
 
+def _fix_fused_stage0_fp16_bugs() -> None:
+    """_fix_stage0_fp16_bugs for the fused FP16_Optimizer (stage 0 in fp16 with FusedAdam), which has
+    both bugs too (it is no ZeRO optimizer, so engine.backward() does not scale the loss; its step()
+    grows the scale before unscale_and_clip_grads): its flat gradients are multiplied by the scale and
+    unscaled with the scale they were made with, then the scale is updated."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+    shipped_step, shipped_unscale = FP16_Optimizer.step, FP16_Optimizer.unscale_and_clip_grads
+
+    def step(self: Any, closure: Any = None) -> Any:
+        update, deferred = self._update_scale, []
+
+        def unscale_then_update(grads: list[torch.Tensor], total_norm: float, apply_scale: bool = True) -> Any:
+            scale = self.loss_scale_config.cur_scale
+            for grad in grads:
+                grad.mul_(scale)
+            combined = shipped_unscale(self, grads, total_norm * scale, apply_scale)
+            for skip in deferred:
+                update(skip)
+            deferred.clear()
+            return combined
+
+        self._update_scale = lambda skip: update(skip) if skip else deferred.append(skip)
+        self.unscale_and_clip_grads = unscale_then_update
+        try:
+            return shipped_step(self, closure)
+        finally:
+            del self._update_scale, self.unscale_and_clip_grads
+
+    FP16_Optimizer.step = step
+
+
 def _fix_zero_fp16_scale_order() -> None:
     """Correct, in this process only, the scale-order bug of DeepSpeed 0.19.8's ZeRO stages 1-3 in fp16
     (DeepSpeedZeroOptimizer.step, DeepSpeedZeroOptimizer_Stage3.step): they call _update_scale before
@@ -327,6 +386,7 @@ BUG_FIXES = {
     "stage1_fp16": _fix_zero_fp16_scale_order,
     "stage2_fp16": _fix_zero_fp16_scale_order,
     "stage3_fp16": _fix_zero_fp16_scale_order,
+    "stage0_fp16_fusedadam": _fix_fused_stage0_fp16_bugs,
 }
 """The fp16 fixtures, and the correction of DeepSpeed's loss-scale bugs their reference run applies."""
 
@@ -341,9 +401,7 @@ def _resume_bugs_fixed(name: str) -> None:
     folder = os.path.join(HERE, name)
     BUG_FIXES[name]()
     fresh = make_model(seed=99)
-    resumed, _, _, _ = deepspeed.initialize(
-        model=fresh, model_parameters=fresh.parameters(), config=ds_config(stage, precision)
-    )
+    resumed, _, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=case_config(name))
     resumed.load_checkpoint(os.path.join(folder, "ckpt"))
     after = [_train_step(resumed, SAVE_AT + k, precision) for k in range(RESUME_STEPS)]
     dist.barrier()
