@@ -8,7 +8,9 @@ The same for a model with fused qkv_proj and gate_up_proj (stage1_fp32_tp2_fused
 into sub-parameters under its partition_config: each rank holds its share of every part (the engine's
 partition_stride), and the engine's AutoTP reads the same partition_config at TP 2. And for the Llama
 written by DeepSpeed 0.17.6 (stage1_fp32_tp2_ds0176), which records no affine_map: the split is read
-from the shard shapes against the model's.
+from the shard shapes against the model's. And for a fused qkv of unequal parts (4 query heads, 2
+key/value heads: stage1_fp32_tp2_gqa), joined part by part, at TP 1 (the engine's AutoTP splits equal
+parts only).
 
 Tolerance: DeepSpeed's and the engine's row-parallel sums and Adam run the same math in other
 orders; LOSS_RTOL is far below what a mis-cut slice or a lost moment gives (checked by the last test).
@@ -30,6 +32,9 @@ HERE = Path(__file__).parent / "data" / "deepspeed_tp_checkpoint"
 CASE = HERE / "stage1_fp32_tp2"
 FUSED = HERE / "stage1_fp32_tp2_fused"
 OLD = HERE / "stage1_fp32_tp2_ds0176"
+"""The Llama case written by DeepSpeed 0.17.6: no universal_checkpoint_info, the split read from the shapes."""
+GQA = HERE / "stage1_fp32_tp2_gqa"
+"""FusedLM with 2 key/value heads for 4 query heads: qkv_proj cut into unequal parts [16; 8; 8]."""
 """The Llama case written by DeepSpeed 0.17.6: no universal_checkpoint_info, the split read from the shapes."""
 """A model with fused qkv_proj and gate_up_proj, which DeepSpeed cut into equal sub-parameters."""
 LOSS_RTOL = 1e-5
@@ -83,8 +88,13 @@ def _expected(case: str = CASE.name) -> dict[str, Any]:
     return json.loads((HERE / case / "expected.json").read_text())
 
 
-@pytest.mark.parametrize(("world", "tp"), [(2, 2), (2, 1), (1, 1)])
-@pytest.mark.parametrize("case", [CASE.name, FUSED.name, OLD.name])
+RESUMES = [(case.name, world, tp) for case in (CASE, FUSED, OLD) for world, tp in ((2, 2), (2, 1), (1, 1))] + [
+    (GQA.name, 2, 1),
+    (GQA.name, 1, 1),
+]  # the engine splits no layer of unequal parts: TP 1 only
+
+
+@pytest.mark.parametrize(("case", "world", "tp"), RESUMES)
 def test_a_deepspeed_autotp_checkpoint_resumes_at_any_tp_size(case: str, world: int, tp: int) -> None:
     got = run_distributed(_resume, world_size=world, args=(tp, False, case), timeout=240)[0]
     expected = _expected(case)
@@ -110,11 +120,12 @@ def test_a_missing_tensor_parallel_rank_file_is_named(tmp_path: Path) -> None:
         open_reader(str(tag), _fixture().make_model(seed=0))
 
 
-@pytest.mark.parametrize(("case", "splits"), [(CASE.name, 15), (FUSED.name, 12)])
+@pytest.mark.parametrize(("case", "splits"), [(CASE.name, 15), (FUSED.name, 12), (GQA.name, 12)])
 def test_consolidate_joins_deepspeeds_tensor_parallel_slices(tmp_path: Path, case: str, splits: int) -> None:
     """python -m engine.checkpoint.consolidate on the AutoTP checkpoint: the dense model's state dict,
     each split tensor DeepSpeed's own per-rank module weights joined: concatenated, or for a fused layer
-    (qkv_proj: 3 parts, gate_up_proj: 2) each part's pieces concatenated, then the parts."""
+    (qkv_proj: 3 parts, unequal in the GQA case; gate_up_proj: 2) each part's pieces concatenated, then
+    the parts."""
     import subprocess
     import sys
 
@@ -134,40 +145,46 @@ def test_consolidate_joins_deepspeeds_tensor_parallel_slices(tmp_path: Path, cas
         first, second = modules[0][name], modules[1][name]
         if first.shape != value.shape:
             dim = next(d for d in range(value.dim()) if first.shape[d] != value.shape[d])
-            parts = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
-            pieces = zip(first.chunk(parts, dim), second.chunk(parts, dim))
+            rows = first.shape[dim]
+            sizes = [rows]  # each rank's share of each part, in order
+            if "qkv_proj" in name:
+                sizes = [rows // 2, rows // 4, rows // 4] if case == GQA.name else [rows // 3] * 3
+            elif "gate_up_proj" in name:
+                sizes = [rows // 2] * 2
+            pieces = zip(first.split(sizes, dim), second.split(sizes, dim))
             first, split = torch.cat([torch.cat(pair, dim) for pair in pieces], dim), split + 1
         assert torch.equal(first.float(), value.float()), name
     assert split == splits
 
 
-def test_unequal_sub_parameters_are_refused_by_name() -> None:
+def test_sub_parameter_layouts_are_read_as_parts_or_refused_by_name() -> None:
     """A fused [q; k; v] with fewer key/value heads (q 16 rows, k and v 8 each) at TP 2: DeepSpeed gives
-    each rank 8 + 4 + 4 rows, which no equal split describes; refused, naming the parameter."""
+    each rank 8 + 4 + 4 rows, read as the parts' sizes; equal parts are the engine's stride; pieces in
+    any other order are refused, naming the parameter."""
     from engine.checkpoint import CheckpointError
     from engine.checkpoint.deepspeed_format.tensor_parallel import _split_of
 
-    def rank(r: int) -> dict[str, Any]:
+    def rank(r: int, parts: list[tuple[int, int]], swap: bool = False) -> dict[str, Any]:
         pieces, dest = [], 0
-        for start, rows in ((0, 16), (16, 8), (24, 8)):
+        for start, rows in parts:
             half = rows // 2
             pieces.append({"shape": [half, 4], "source": [(start + r * half) * 4, [4, 1]], "dest": [dest * 4, [4, 1]]})
             dest += half
-        return {"shard_shape": [16, 4], "pieces": pieces}
+        if swap:
+            pieces[1]["source"], pieces[2]["source"] = pieces[2]["source"], pieces[1]["source"]
+        return {"shard_shape": [dest, 4], "pieces": pieces}
 
-    entry = {"logical_shape": [32, 4], "ranks": {"0": rank(0), "1": rank(1)}}
-    with pytest.raises(CheckpointError, match=r"'layers.0.qkv_proj.weight' .*not equal parts of dimension 0"):
-        _split_of("layers.0.qkv_proj.weight", entry, 2, "ckpt/global_step4")
-    # The same rows cut into equal parts are read, as the engine's partition_stride 3.
-    equal = {"logical_shape": [24, 4], "ranks": {}}
-    for r in range(2):
-        equal["ranks"][str(r)] = {
-            "shard_shape": [12, 4],
-            "pieces": [
-                {"shape": [4, 4], "source": [(j * 8 + r * 4) * 4, [4, 1]], "dest": [j * 16, [4, 1]]} for j in range(3)
-            ],
-        }
-    assert _split_of("layers.0.qkv_proj.weight", equal, 2, "ckpt/global_step4") == ([24, 4], 0, 3)
+    gqa, equal = [(0, 16), (16, 8), (24, 8)], [(0, 8), (8, 8), (16, 8)]
+    tag, name = "ckpt/global_step4", "layers.0.qkv_proj.weight"
+    entry = {"logical_shape": [32, 4], "ranks": {"0": rank(0, gqa), "1": rank(1, gqa)}}
+    assert _split_of(name, entry, 2, tag) == ([32, 4], 0, 1, [16, 8, 8])
+    entry = {"logical_shape": [24, 4], "ranks": {"0": rank(0, equal), "1": rank(1, equal)}}
+    assert _split_of(name, entry, 2, tag) == ([24, 4], 0, 3, None)
+    entry = {"logical_shape": [32, 4], "ranks": {"0": rank(0, gqa), "1": rank(1, gqa, swap=True)}}
+    with pytest.raises(
+        CheckpointError, match=r"'layers.0.qkv_proj.weight' .*not each rank's share of consecutive parts"
+    ):
+        _split_of(name, entry, 2, tag)
 
 
 def test_a_checkpoint_without_an_affine_map_is_read_from_the_models_shapes_only() -> None:

@@ -50,6 +50,8 @@ class Entry:
     dim: int = 0
     stride: int = 1
     """partition_dim and partition_stride, to join the parts."""
+    sections: tuple[int, ...] | None = None
+    """partition_sections: the whole sizes of unequal parts (join_slices' `sections`)."""
 
     @property
     def numel(self) -> int:
@@ -87,7 +89,7 @@ def open_checkpoint(tag_dir: str, verified: bool = False) -> tuple[PieceReader, 
 def assemble(reader: PieceReader, entry: Entry) -> torch.Tensor:
     """One output tensor's values, flat, in its saved dtype (fp32 for masters): its slices joined."""
     parts = [_read_whole(reader, saved, entry.kind, math.prod(shape)).view(shape) for saved, shape in entry.parts]
-    joined = parts[0] if len(parts) == 1 else join_slices(parts, entry.dim, entry.stride)
+    joined = parts[0] if len(parts) == 1 else join_slices(parts, entry.dim, entry.stride, entry.sections)
     return joined.reshape(-1)
 
 
@@ -119,6 +121,7 @@ def plan(reader: PieceReader, manifest: dict[str, Any], dtype: torch.dtype) -> l
                     parts,
                     entry["partition_dim"],
                     entry["partition_stride"],
+                    tuple(entry["partition_sections"]) if entry.get("partition_sections") else None,
                 )
             continue
         kinds = reader.where[name]

@@ -195,7 +195,7 @@ def _same_layout(reader: PieceReader, names: CheckpointNames, module: torch.nn.M
         here = [spec.dim, spec.stride, list(spec.shape)]
         if here != [entry["partition_dim"], entry["partition_stride"], entry["slice_shapes"][names.tp_rank]]:
             return False
-        if entry.get("rows_kept") is not None:
+        if entry.get("rows_kept") is not None or entry.get("partition_sections") is not None:
             return False
     live = set(module.state_dict(keep_vars=True))
     return not any(name in live and name not in names.sliced for name in saved["params"])

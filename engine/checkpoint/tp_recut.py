@@ -43,6 +43,8 @@ class Recut:
     whole_shape: tuple[int, ...]
     rows_kept: int | None
     """Keep only the first rows of the joined tensor (the rest: a vocabulary's padding, DeepSpeed's)."""
+    saved_sections: tuple[int, ...] | None
+    """The whole sizes of unequal parts the slices hold their shares of (join_slices' `sections`)."""
     cut: tuple[int, int, int, int] | None
     """(tp_rank, tp_size, partition_dim, partition_stride) of this rank's slice; None: the whole tensor."""
 
@@ -102,7 +104,11 @@ class RecutReader(PieceReader):
                 flat = torch.empty(_numel(shape), dtype=dtype)
                 self._base.read(part, kind, key, 0, flat.numel(), flat)
                 parts.append(flat.view(shape))
-            whole = parts[0] if len(parts) == 1 else join_slices(parts, recut.saved_dim, recut.saved_stride)
+            whole = (
+                parts[0]
+                if len(parts) == 1
+                else join_slices(parts, recut.saved_dim, recut.saved_stride, recut.saved_sections)
+            )
             if recut.rows_kept is not None:
                 whole = whole.narrow(0, 0, recut.rows_kept)
             if recut.cut is not None:
@@ -145,13 +151,14 @@ def plan_recuts(
             shapes = [tuple(s) for s in entry["slice_shapes"]]
             dim, stride, whole = int(entry["partition_dim"]), int(entry["partition_stride"]), tuple(entry["shape"])
             rows_kept = entry.get("rows_kept")
+            sections = tuple(entry["partition_sections"]) if entry.get("partition_sections") else None
             if rows_kept is not None:
                 whole = (int(rows_kept), *whole[1:])
         else:
             if not (reader.has(source, "model") or reader.has(source, "optim")):
                 continue  # not in the checkpoint: load_module_strict decides
             whole = tuple(reader.manifest["params"][source]["shape"])
-            parts, shapes, rows_kept = [source], [whole], None
+            parts, shapes, rows_kept, sections = [source], [whole], None, None
             dim, stride = (here[0], here[1]) if here is not None else (0, 1)
         if whole != tuple(whole_shapes[name]):
             raise CheckpointError(
@@ -165,5 +172,5 @@ def plan_recuts(
                 f"{name!r}: dimension {here[0]} of its whole shape {list(whole)} does not divide into "
                 f"{tp_size} tensor-parallel slices of {here[1]} chunks; choose a tensor-parallel size that divides it"
             )
-        recuts[saved_name(name)] = Recut(source, parts, shapes, dim, stride, whole, rows_kept, cut)
+        recuts[saved_name(name)] = Recut(source, parts, shapes, dim, stride, whole, rows_kept, sections, cut)
     return recuts

@@ -19,8 +19,16 @@ from engine.parallel.layers import is_tensor_parallel
 from engine.zero.clone import clone_tensors_for_torch_save
 
 
-def join_slices(slices: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """The whole tensor from every tensor-parallel rank's slice, in rank order."""
+def join_slices(
+    slices: Sequence[torch.Tensor], dim: int, stride: int = 1, sections: Sequence[int] | None = None
+) -> torch.Tensor:
+    """The whole tensor from every tensor-parallel rank's slice, in rank order. `sections`: the whole
+    sizes of unequal parts along `dim` (a fused [q; k; v] with fewer key/value heads, as DeepSpeed cuts
+    it), each rank's slice holding its share of each in order; the parts are joined one by one."""
+    if sections is not None:
+        widths = [w // len(slices) for w in sections]
+        pieces = [s.split(widths, dim=dim) for s in slices]
+        return torch.cat([part[j] for j in range(len(widths)) for part in pieces], dim=dim)
     if stride == 1:
         return torch.cat(list(slices), dim=dim)
     chunks = [s.chunk(stride, dim=dim) for s in slices]

@@ -4,8 +4,9 @@ rank (`mp_rank_XX`), read as the engine's own tensor-parallel checkpoint.
 DeepSpeed 0.19 records in every model-states file (`universal_checkpoint_info.affine_map`) each
 parameter's logical (whole) shape and every tensor-parallel rank's shard, as pieces (boxes of the
 logical tensor and where each sits in the shard). A split tensor is read when each rank holds one
-piece, or (a fused layer DeepSpeed cut into equal sub-parameters: [q; k; v], [gate; up]) an equal
-share of each part, which is the engine's partition_stride; `original_vocab_size`
+piece, or (a fused layer DeepSpeed cut into sub-parameters: [q; k; v], [gate; up]) its share of each
+part: equal parts are the engine's partition_stride, unequal ones (fewer key/value heads than query
+heads) are recorded as the parts' sizes (partition_sections) and joined by them; `original_vocab_size`
 with `vocabulary_parameter_patterns` says which rows of a vocabulary-parallel tensor are padding.
 `merge_tensor_parallel` turns the per-rank conversions (layout.convert) into one: a split
 parameter's pieces go under the engine's slice names (engine/checkpoint/tensor_parallel.py's
@@ -75,26 +76,32 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
     return strides[::-1]
 
 
-def _is_strided_split(shards: list[dict[str, Any]], logical: list[int], dim: int, stride: int) -> bool:
-    """Each rank's `stride` pieces are Megatron's strided split along `dim` (engine/zero/tp_state.py):
-    the dimension cut into stride x tensor-parallel-size equal chunks, rank r holding chunks r, r + mp,
-    r + 2 mp, ... in order. A fused layer of equal parts (DeepSpeed's sub-parameters: [q; k; v],
-    [gate; up]) is cut this way: each rank keeps its share of every part."""
+def _sections(shards: list[dict[str, Any]], logical: list[int], dim: int) -> list[int] | None:
+    """The whole sizes of the parts a split along `dim` cut each rank's shard from, when every rank's
+    pieces are, in order, its share of each part: part j (whole size W_j, starting at the sum of the
+    earlier parts) gives rank r its W_j / mp rows from r x W_j / mp on. One part is a plain split; N
+    equal parts are Megatron's strided split (engine/zero/tp_state.py; DeepSpeed's sub-parameters of a
+    fused [q; k; v] or [gate; up]); unequal parts a fused [q; k; v] with fewer key/value heads. None
+    when the pieces are laid out any other way."""
     mp = len(shards)
-    if logical[dim] % (stride * mp):
-        return False
-    chunk = logical[dim] // (stride * mp)
-    piece_shape = [chunk if d == dim else n for d, n in enumerate(logical)]
-    shard_shape = [chunk * stride if d == dim else n for d, n in enumerate(logical)]
+    first = shards[0].get("pieces", [])
+    if not first or any(len(p.get("shape", [])) != len(logical) for p in first):
+        return None
+    widths = [int(p["shape"][dim]) for p in first]
+    sections = [w * mp for w in widths]
+    if sum(sections) != logical[dim]:
+        return None
+    shard_shape = [sum(widths) if d == dim else n for d, n in enumerate(logical)]
     source_strides, dest_strides = _contiguous_strides(logical), _contiguous_strides(shard_shape)
+    starts = [sum(sections[:j]) for j in range(len(sections))]
     for r, shard in enumerate(shards):
         want = [
             {
-                "shape": piece_shape,
-                "source": [(j * mp + r) * chunk * source_strides[dim], source_strides],
-                "dest": [j * chunk * dest_strides[dim], dest_strides],
+                "shape": [w if d == dim else n for d, n in enumerate(logical)],
+                "source": [(starts[j] + r * w) * source_strides[dim], source_strides],
+                "dest": [sum(widths[:j]) * dest_strides[dim], dest_strides],
             }
-            for j in range(stride)
+            for j, w in enumerate(widths)
         ]
         got = [
             {
@@ -105,12 +112,15 @@ def _is_strided_split(shards: list[dict[str, Any]], logical: list[int], dim: int
             for p in shard.get("pieces", [])
         ]
         if got != want:
-            return False
-    return True
+            return None
+    return sections
 
 
-def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -> tuple[list[int], int | None, int]:
-    """(logical shape, partition dim or None when replicated, partition stride) of one parameter."""
+def _split_of(
+    name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str
+) -> tuple[list[int], int | None, int, list[int] | None]:
+    """(logical shape, partition dim or None when replicated, partition stride, the whole sizes of
+    unequal parts or None) of one parameter."""
     logical = [int(s) for s in pattern_entry["logical_shape"]]
     ranks = pattern_entry.get("ranks", {})
     shards = [ranks.get(r, ranks.get(str(r))) for r in range(mp)]
@@ -118,22 +128,23 @@ def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -
         raise CheckpointError(f"{tag_dir}: affine_map entry of {name!r} lacks some of the {mp} tensor-parallel ranks")
     shapes = [[int(x) for x in s["shard_shape"]] for s in shards]
     if all(shape == logical for shape in shapes):
-        return logical, None, 1
+        return logical, None, 1, None
     dims = [d for d in range(len(logical)) if shapes[0][d] != logical[d]]
     if len(dims) != 1 or any(shape != shapes[0] for shape in shapes) or shapes[0][dims[0]] * mp != logical[dims[0]]:
         raise CheckpointError(
             f"{tag_dir}: {name!r} has shard shapes {shapes} of the logical shape {logical} over {mp} "
             "tensor-parallel ranks; only equal splits along one dimension are read"
         )
-    stride = len(shards[0].get("pieces", []))
-    if stride < 1 or not _is_strided_split(shards, logical, dims[0], stride):
+    sections = _sections(shards, logical, dims[0])
+    if sections is None:
         raise CheckpointError(
-            f"{tag_dir}: DeepSpeed split {name!r} (logical shape {logical}) into pieces that are not equal "
-            f"parts of dimension {dims[0]} (a fused layer of unequal sub-parameters, e.g. a [q; k; v] with "
-            "fewer key/value heads than query heads); this engine reads a split tensor whose ranks each hold "
-            "one piece, or an equal share of each of its equal parts"
+            f"{tag_dir}: DeepSpeed split {name!r} (logical shape {logical}) into pieces that are not each "
+            f"rank's share of consecutive parts of dimension {dims[0]}; this engine reads a split tensor whose "
+            "ranks each hold one piece, or their share of each part of a fused layer"
         )
-    return logical, dims[0], stride
+    if len(set(sections)) == 1:
+        return logical, dims[0], len(sections), None
+    return logical, dims[0], 1, sections
 
 
 def merge_tensor_parallel(
@@ -163,13 +174,14 @@ def merge_tensor_parallel(
             whole = model_shapes.get(name)
             shards = [list(part.params[name]) for part in parts]
             logical, dim, stride = _split_from_shapes(name, shards, None if whole is None else list(whole), tag_dir)
+            sections = None
         else:
             entry = next((e for p, e in amap.items() if re.fullmatch(p, name)), None)
             if entry is None:
                 raise CheckpointError(
                     f"{tag_dir}: parameter {name!r} is missing from universal_checkpoint_info.affine_map"
                 )
-            logical, dim, stride = _split_of(name, entry, mp, tag_dir)
+            logical, dim, stride, sections = _split_of(name, entry, mp, tag_dir)
         if dim is None:
             continue
         split[name] = dim
@@ -182,6 +194,8 @@ def merge_tensor_parallel(
             "slice_shapes": [list(shape)] * mp,
             "saved_as": [_slice_name(name, m) for m in range(mp)],
         }
+        if sections is not None:  # a fused layer of unequal parts: each rank holds its share of each
+            tp_params[name]["partition_sections"] = sections
         if padded is not None and isinstance(vocab, int) and vocab < padded:
             tp_params[name]["rows_kept"] = vocab  # the rest is DeepSpeed's vocabulary padding
             whole_shapes[name] = [vocab, *logical[1:]]

@@ -34,10 +34,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASE = "stage1_fp32_tp2"
 FUSED_CASE = "stage1_fp32_tp2_fused"
 """FusedLM: DeepSpeed cuts its fused qkv_proj and gate_up_proj into sub-parameters, several pieces per rank."""
+GQA_CASE = "stage1_fp32_tp2_gqa"
+"""FusedLM with fewer key/value heads: DeepSpeed cuts qkv_proj into unequal sub-parameters."""
 OLD_CASE = "stage1_fp32_tp2_ds0176"
 """The Llama case written by DeepSpeed 0.17.6, whose AutoTP records no universal_checkpoint_info."""
-CASES = (CASE, FUSED_CASE, OLD_CASE)
-WRITTEN_BY = {CASE: "0.19.8", FUSED_CASE: "0.19.8", OLD_CASE: "0.17.6"}
+CASES = (CASE, FUSED_CASE, GQA_CASE, OLD_CASE)
+WRITTEN_BY = {CASE: "0.19.8", FUSED_CASE: "0.19.8", GQA_CASE: "0.19.8", OLD_CASE: "0.17.6"}
 """The DeepSpeed version each case must be written with (its own venv)."""
 WORLD, TP = 2, 2
 MICRO, SEQ, VOCAB = 4, 8, 64
@@ -46,15 +48,16 @@ SAVE_AT, RESUME_STEPS = 4, 10
 
 class FusedBlock(torch.nn.Module):
     """A pre-norm transformer block whose attention input and MLP input are each one fused Linear, as
-    in Phi-3: qkv_proj holds [q; k; v] and gate_up_proj [gate; up] stacked along out_features. Under
-    tensor parallelism each rank's slice of the fused output is its share of every part, so the
-    chunks and the head_dim reshape work on any slice."""
+    in Phi-3: qkv_proj holds [q; k; v] and gate_up_proj [gate; up] stacked along out_features; with
+    queries_per_kv > 1, fewer key/value heads than query heads (grouped-query attention), so q is the
+    larger part. Under tensor parallelism each rank's slice of the fused output is its share of every
+    part, so the split by proportion and the head_dim reshape work on any slice."""
 
-    def __init__(self, d: int, head_dim: int, ffn: int) -> None:
+    def __init__(self, d: int, head_dim: int, ffn: int, queries_per_kv: int = 1) -> None:
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.queries_per_kv = head_dim, queries_per_kv
         self.input_norm = torch.nn.LayerNorm(d)
-        self.qkv_proj = torch.nn.Linear(d, 3 * d)
+        self.qkv_proj = torch.nn.Linear(d, d + 2 * d // queries_per_kv)
         self.o_proj = torch.nn.Linear(d, d)
         self.post_norm = torch.nn.LayerNorm(d)
         self.gate_up_proj = torch.nn.Linear(d, 2 * ffn)
@@ -62,9 +65,11 @@ class FusedBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(self.input_norm(x)).chunk(3, dim=-1)
+        qkv = self.qkv_proj(self.input_norm(x))
+        kv = qkv.shape[-1] // (self.queries_per_kv + 2)  # this slice's key (and value) width
+        q, k, v = qkv.split([kv * self.queries_per_kv, kv, kv], dim=-1)
         q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(torch.nn.functional.silu(gate) * up)
@@ -73,10 +78,11 @@ class FusedBlock(torch.nn.Module):
 class FusedLM(torch.nn.Module):
     """A tiny causal LM of FusedBlocks, called as a Hugging Face model is (input_ids, labels -> .loss)."""
 
-    def __init__(self, vocab: int, d: int, heads: int, ffn: int, layers: int) -> None:
+    def __init__(self, vocab: int, d: int, heads: int, ffn: int, layers: int, kv_heads: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(vocab, d)
-        self.layers = torch.nn.ModuleList(FusedBlock(d, d // heads, ffn) for _ in range(layers))
+        per_kv = heads // (kv_heads or heads)
+        self.layers = torch.nn.ModuleList(FusedBlock(d, d // heads, ffn, per_kv) for _ in range(layers))
         self.norm = torch.nn.LayerNorm(d)
         self.lm_head = torch.nn.Linear(d, vocab, bias=False)
 
@@ -94,6 +100,8 @@ def make_model(seed: int, case: str = CASE) -> Any:
     torch.manual_seed(seed)
     if case == FUSED_CASE:
         return FusedLM(VOCAB, d=16, heads=2, ffn=32, layers=2)
+    if case == GQA_CASE:  # 4 query heads, 2 key/value heads of 4: qkv_proj is [q 16; k 8; v 8]
+        return FusedLM(VOCAB, d=16, heads=4, ffn=32, layers=2, kv_heads=2)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -115,7 +123,7 @@ def batch(step: int) -> torch.Tensor:
 
 def ds_config(case: str = CASE) -> dict[str, Any]:
     tensor_parallel: dict[str, Any] = {"autotp_size": TP}
-    if case == FUSED_CASE:
+    if case in (FUSED_CASE, GQA_CASE):
         # DeepSpeed's documented spec for a custom model: each fused Linear's parts given by `shape`.
         tensor_parallel["partition_config"] = {
             "use_default_specs": False,
@@ -124,7 +132,8 @@ def ds_config(case: str = CASE) -> dict[str, Any]:
                 {
                     "patterns": [r".*\.qkv_proj\.weight$"],
                     "partition_type": "column",
-                    "shape": [3, -1],
+                    # [q; k; v]: three equal parts, or (GQA_CASE) 16 query rows and 8 each of key and value
+                    "shape": [[16, 8, 8], -1] if case == GQA_CASE else [3, -1],
                     "partition_dim": 0,
                 },
                 {
