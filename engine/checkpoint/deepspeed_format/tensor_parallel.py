@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.checkpoint.deepspeed_format.layout import Converted, Pieces
+from engine.checkpoint.deepspeed_format.converted import Converted, Pieces
 from engine.checkpoint.files import CheckpointError
 
 
