@@ -55,22 +55,12 @@ def convert_stage0(
             raise CheckpointError(f"{tag_dir}: DeepSpeed's fp32_groups holds a non-tensor; the file is corrupted")
         opt = opt.get("optimizer_state_dict", {})
         if len(masters) != len(names):
-            raise CheckpointError(
-                f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {len(masters)} fp32 masters, the module "
-                f"{len(names)} parameters; the engine maps them by position, which needs the optimizer to have "
-                "been given every parameter of the module (deepspeed.initialize(model_parameters="
-                "model.parameters()))"
-            )
+            raise _not_by_position(tag_dir, f"{len(masters)} fp32 masters", f"{len(names)} parameters")
     state: dict[int, dict[str, Any]] = opt.get("state", {})
     groups = opt.get("param_groups", [])
     numbered = [i for g in groups for i in g.get("params", [])]
     if numbered and len(numbered) != len(names):
-        raise CheckpointError(
-            f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {len(numbered)} parameters, the module "
-            f"{len(names)}; the engine maps them by position, which needs the optimizer to have been "
-            "given every parameter of the module (deepspeed.initialize(model_parameters="
-            "model.parameters()))"
-        )
+        raise _not_by_position(tag_dir, f"{len(numbered)} parameters", f"{len(names)}")
     pieces: Pieces = {}
     scalars: dict[int, dict[str, Any]] = {}
     index = {i: g for g, group in enumerate(groups) for i in group.get("params", [])}
@@ -84,20 +74,7 @@ def convert_stage0(
         s = state.get(i, {})
         scalars.setdefault(index.get(i, 0), scalar_state(s, flat.numel()))
         pieces[name] = [piece(0, flat, moments_of(s, flat.numel()), 0, flat.numel())]
-    rest: list[Pieces] = [{} for _ in range(world - 1)]
-    shapes = {n: list(module[n].shape) for n in names}
-    return Converted(
-        world,
-        0,
-        shapes,
-        set(names),
-        [pieces, *rest],
-        [{} for _ in range(world)],
-        scalars,
-        whole,
-        converted_head(head, groups, scaler),
-        aliases_of(head),
-    )
+    return _replicated(world, module, names, pieces, scalars, whole, converted_head(head, groups, scaler), head)
 
 
 def _stage0_loss_scaler(opt: dict[str, Any], head: dict[str, Any]) -> dict[str, Any] | None:
@@ -136,12 +113,8 @@ def _convert_stage0_fused(
     groups = osd.get("param_groups", [])
     sizes = [module[n].numel() for n in names]
     if sum(sizes) != sum(f.numel() for f in flats):
-        raise CheckpointError(
-            f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {sum(f.numel() for f in flats)} fp32 master elements "
-            f"in {len(flats)} flat groups, the module's parameters {sum(sizes)}; the engine maps them by position, "
-            "which needs the optimizer to have been given every parameter of the module "
-            "(deepspeed.initialize(model_parameters=model.parameters()))"
-        )
+        held = f"{sum(f.numel() for f in flats)} fp32 master elements in {len(flats)} flat groups"
+        raise _not_by_position(tag_dir, held, f"{sum(sizes)} in its parameters")
     pieces: Pieces = {}
     scalars: dict[int, dict[str, Any]] = {}
     params = iter(zip(names, sizes))
@@ -158,7 +131,22 @@ def _convert_stage0_fused(
                 )
             pieces[name] = [piece(0, flat, moments, offset, n)]
             offset += n
-    scaler = _stage0_loss_scaler(opt, head)
+    head_out = converted_head(head, groups, _stage0_loss_scaler(opt, head))
+    return _replicated(world, module, names, pieces, scalars, whole, head_out, head)
+
+
+def _replicated(
+    world: int,
+    module: dict[str, Any],
+    names: list[str],
+    pieces: Pieces,
+    scalars: dict[int, dict[str, Any]],
+    whole: dict[str, torch.Tensor],
+    converted: dict[str, Any],
+    head: dict[str, Any],
+) -> Converted:
+    """A stage-0 conversion: every master and its state in rank 0's pieces (each rank held all of them).
+    `converted`: the engine's head (converted_head); `head`: DeepSpeed's model file's, for its aliases."""
     return Converted(
         world,
         0,
@@ -168,6 +156,14 @@ def _convert_stage0_fused(
         [{} for _ in range(world)],
         scalars,
         whole,
-        converted_head(head, groups, scaler),
+        converted,
         aliases_of(head),
+    )
+
+
+def _not_by_position(tag_dir: str, held: str, module_has: str) -> CheckpointError:
+    return CheckpointError(
+        f"{tag_dir}: DeepSpeed's stage 0 optimizer holds {held}, the module {module_has}; the engine maps them "
+        "by position, which needs the optimizer to have been given every parameter of the module "
+        "(deepspeed.initialize(model_parameters=model.parameters()))"
     )

@@ -277,7 +277,8 @@ def _run_case(name: str, stage: int, precision: str) -> None:
 
 def _fix_stage0_fp16_bugs() -> None:
     """Correct, in this process only, the two bugs of DeepSpeed 0.19.8's stage 0 in fp16 (its
-    FP16_UnfusedOptimizer around a torch optimizer), for a reference run of what it means to do:
+    FP16_UnfusedOptimizer around a torch optimizer, and FP16_Optimizer around its FusedAdam), for a
+    reference run of what it means to do:
 
     1. engine.backward() scales the loss only for ZeRO optimizers (runtime/engine.py: `if
        isinstance(self.optimizer, ZeROOptimizer): loss = self.optimizer.scale_if_loss(loss)`), so at
@@ -289,52 +290,34 @@ def _fix_stage0_fp16_bugs() -> None:
     The corrected step multiplies the gradients by the scale (as if the loss had been scaled; their
     fp16 rounding is that of unscaled gradients), unscales and clips with the scale they were made
     with, then updates the scale."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    shipped_step, shipped_unscale = FP16_UnfusedOptimizer.step, FP16_UnfusedOptimizer.unscale_and_clip_grads
+    # FP16_UnfusedOptimizer.unscale_and_clip_grads(total_norm) unscales its fp32_groups' gradients;
+    # FP16_Optimizer (the fused one, with FusedAdam) unscale_and_clip_grads(grads, total_norm) the flat
+    # gradients it is given.
+    _scale_then_unscale(
+        FP16_UnfusedOptimizer, lambda self, args: [p.grad for g in self.fp32_groups for p in g if p.grad is not None], 0
+    )
+    _scale_then_unscale(FP16_Optimizer, lambda self, args: args[0], 1)
+
+
+def _scale_then_unscale(cls: Any, grads_of: Any, norm_at: int) -> None:
+    """cls.step corrected as _fix_stage0_fp16_bugs says (once: a second call changes nothing).
+    grads_of(self, args): the gradients unscale_and_clip_grads(*args) unscales; args[norm_at]: the norm."""
+    if getattr(cls.step, "bugs_fixed", False):
+        return
+    shipped_step, shipped_unscale = cls.step, cls.unscale_and_clip_grads
 
     def step(self: Any, closure: Any = None) -> Any:
         update, deferred = self._update_scale, []
 
-        def unscale_then_update(total_norm: float, apply_scale: bool = True) -> Any:
+        def unscale_then_update(*args: Any, **kwargs: Any) -> Any:
             scale = self.loss_scale_config.cur_scale
-            for group in self.fp32_groups:
-                for p in group:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-            combined = shipped_unscale(self, total_norm * scale, apply_scale)
-            for skip in deferred:
-                update(skip)
-            deferred.clear()
-            return combined
-
-        self._update_scale = lambda skip: update(skip) if skip else deferred.append(skip)
-        self.unscale_and_clip_grads = unscale_then_update
-        try:
-            return shipped_step(self, closure)
-        finally:
-            del self._update_scale, self.unscale_and_clip_grads
-
-    FP16_UnfusedOptimizer.step = step
-
-
-def _fix_fused_stage0_fp16_bugs() -> None:
-    """_fix_stage0_fp16_bugs for the fused FP16_Optimizer (stage 0 in fp16 with FusedAdam), which has
-    both bugs too (it is no ZeRO optimizer, so engine.backward() does not scale the loss; its step()
-    grows the scale before unscale_and_clip_grads): its flat gradients are multiplied by the scale and
-    unscaled with the scale they were made with, then the scale is updated."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-
-    shipped_step, shipped_unscale = FP16_Optimizer.step, FP16_Optimizer.unscale_and_clip_grads
-
-    def step(self: Any, closure: Any = None) -> Any:
-        update, deferred = self._update_scale, []
-
-        def unscale_then_update(grads: list[torch.Tensor], total_norm: float, apply_scale: bool = True) -> Any:
-            scale = self.loss_scale_config.cur_scale
-            for grad in grads:
+            for grad in grads_of(self, args):
                 grad.mul_(scale)
-            combined = shipped_unscale(self, grads, total_norm * scale, apply_scale)
+            args = tuple(a * scale if i == norm_at else a for i, a in enumerate(args))
+            combined = shipped_unscale(self, *args, **kwargs)
             for skip in deferred:
                 update(skip)
             deferred.clear()
@@ -347,7 +330,8 @@ def _fix_fused_stage0_fp16_bugs() -> None:
         finally:
             del self._update_scale, self.unscale_and_clip_grads
 
-    FP16_Optimizer.step = step
+    step.bugs_fixed = True  # type: ignore[attr-defined]
+    cls.step = step
 
 
 def _fix_zero_fp16_scale_order() -> None:
@@ -386,7 +370,7 @@ BUG_FIXES = {
     "stage1_fp16": _fix_zero_fp16_scale_order,
     "stage2_fp16": _fix_zero_fp16_scale_order,
     "stage3_fp16": _fix_zero_fp16_scale_order,
-    "stage0_fp16_fusedadam": _fix_fused_stage0_fp16_bugs,
+    "stage0_fp16_fusedadam": _fix_stage0_fp16_bugs,
 }
 """The fp16 fixtures, and the correction of DeepSpeed's loss-scale bugs their reference run applies."""
 
