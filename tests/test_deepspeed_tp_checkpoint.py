@@ -205,8 +205,8 @@ def test_a_checkpoint_without_an_affine_map_is_read_from_the_models_shapes_only(
     assert done.returncode != 0 and "has no universal_checkpoint_info.affine_map" in done.stderr, done.stderr
     assert "load it with engine.load_checkpoint into the model" in done.stderr
     tag = "ckpt/global_step4"
-    assert _split_from_shapes("o_proj.weight", [[16, 8], [16, 8]], [16, 16], tag) == ([16, 16], 1, 1)
-    assert _split_from_shapes("norm.weight", [[16], [16]], [16], tag) == ([16], None, 1)
+    assert _split_from_shapes("o_proj.weight", [[16, 8], [16, 8]], [16, 16], tag) == ([16, 16], 1, 1, None)
+    assert _split_from_shapes("norm.weight", [[16], [16]], [16], tag) == ([16], None, 1, None)
     with pytest.raises(CheckpointError, match=r"'layers.0.self_attn.qkv_proj.weight' as a fused qkv, in a layout"):
         _split_from_shapes("layers.0.self_attn.qkv_proj.weight", [[24, 16], [24, 16]], [48, 16], tag)
     with pytest.raises(CheckpointError, match=r"'up.weight' has shard shapes \[\[16, 16\], \[16, 16\]\] .* \[48, 16\]"):

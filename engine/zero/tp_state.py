@@ -22,17 +22,13 @@ from engine.zero.clone import clone_tensors_for_torch_save
 def join_slices(
     slices: Sequence[torch.Tensor], dim: int, stride: int = 1, sections: Sequence[int] | None = None
 ) -> torch.Tensor:
-    """The whole tensor from every tensor-parallel rank's slice, in rank order. `sections`: the whole
-    sizes of unequal parts along `dim` (a fused [q; k; v] with fewer key/value heads, as DeepSpeed cuts
-    it), each rank's slice holding its share of each in order; the parts are joined one by one."""
-    if sections is not None:
-        widths = [w // len(slices) for w in sections]
-        pieces = [s.split(widths, dim=dim) for s in slices]
-        return torch.cat([part[j] for j in range(len(widths)) for part in pieces], dim=dim)
-    if stride == 1:
-        return torch.cat(list(slices), dim=dim)
-    chunks = [s.chunk(stride, dim=dim) for s in slices]
-    return torch.cat([part[c] for c in range(stride) for part in chunks], dim=dim)
+    """The whole tensor from every tensor-parallel rank's slice, in rank order. Each slice holds its
+    share of consecutive parts along `dim`, which are joined one by one: `stride` equal parts (1: the
+    slices are simply concatenated), or `sections`, the whole sizes of unequal parts (a fused [q; k; v]
+    with fewer key/value heads, as DeepSpeed cuts it)."""
+    shares = [w // len(slices) for w in sections] if sections is not None else [slices[0].shape[dim] // stride] * stride
+    pieces = [s.split(shares, dim=dim) for s in slices]
+    return torch.cat([part[j] for j in range(len(shares)) for part in pieces], dim=dim)
 
 
 def split_slice(whole: torch.Tensor, rank: int, size: int, dim: int, stride: int = 1) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.checkpoint.deepspeed_format.converted import Converted, Pieces
 from engine.checkpoint.files import CheckpointError
@@ -44,14 +44,25 @@ def _affine_map(head: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | 
 _OLD_FUSED_QKV = ("qkv_proj", "query_key_value", "attn.Wqkv", "self_attn.W_pack", "c_attn")
 
 
-def _split_from_shapes(
-    name: str, shards: list[list[int]], whole: list[int] | None, tag_dir: str
-) -> tuple[list[int], int | None, int]:
-    """(logical shape, partition dim or None when replicated, partition stride 1) of one parameter of a
-    checkpoint without an affine_map, from its shard shapes and the model's whole shape."""
+class Split(NamedTuple):
+    """How DeepSpeed split one parameter over the tensor-parallel ranks."""
+
+    logical: list[int]
+    """The whole (logical) shape."""
+    dim: int | None
+    """The partition dim; None: replicated."""
+    stride: int
+    """Equal parts each rank holds its share of (the engine's partition_stride)."""
+    sections: list[int] | None
+    """The whole sizes of unequal parts each rank holds its share of (partition_sections), or None."""
+
+
+def _split_from_shapes(name: str, shards: list[list[int]], whole: list[int] | None, tag_dir: str) -> Split:
+    """How one parameter of a checkpoint without an affine_map was split, from its shard shapes and the
+    model's whole shape: replicated, or one equal piece per rank."""
     mp = len(shards)
     if whole is None or all(shape == whole for shape in shards):
-        return list(shards[0]), None, 1
+        return Split(list(shards[0]), None, 1, None)
     dims = [d for d in range(len(whole)) if shards[0][d] != whole[d]] if len(shards[0]) == len(whole) else []
     if len(dims) != 1 or any(shape != shards[0] for shape in shards) or shards[0][dims[0]] * mp != whole[dims[0]]:
         raise CheckpointError(
@@ -65,7 +76,7 @@ def _split_from_shapes(
             "that a checkpoint without universal_checkpoint_info.affine_map (DeepSpeed < 0.18) does not record; "
             "save it with DeepSpeed >= 0.18, or at tensor-parallel size 1"
         )
-    return list(whole), dims[0], 1
+    return Split(list(whole), dims[0], 1, None)
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:
@@ -116,11 +127,8 @@ def _sections(shards: list[dict[str, Any]], logical: list[int], dim: int) -> lis
     return sections
 
 
-def _split_of(
-    name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str
-) -> tuple[list[int], int | None, int, list[int] | None]:
-    """(logical shape, partition dim or None when replicated, partition stride, the whole sizes of
-    unequal parts or None) of one parameter."""
+def _split_of(name: str, pattern_entry: dict[str, Any], mp: int, tag_dir: str) -> Split:
+    """How one parameter was split, from its affine_map entry."""
     logical = [int(s) for s in pattern_entry["logical_shape"]]
     ranks = pattern_entry.get("ranks", {})
     shards = [ranks.get(r, ranks.get(str(r))) for r in range(mp)]
@@ -128,7 +136,7 @@ def _split_of(
         raise CheckpointError(f"{tag_dir}: affine_map entry of {name!r} lacks some of the {mp} tensor-parallel ranks")
     shapes = [[int(x) for x in s["shard_shape"]] for s in shards]
     if all(shape == logical for shape in shapes):
-        return logical, None, 1, None
+        return Split(logical, None, 1, None)
     dims = [d for d in range(len(logical)) if shapes[0][d] != logical[d]]
     if len(dims) != 1 or any(shape != shapes[0] for shape in shapes) or shapes[0][dims[0]] * mp != logical[dims[0]]:
         raise CheckpointError(
@@ -143,8 +151,8 @@ def _split_of(
             "ranks each hold one piece, or their share of each part of a fused layer"
         )
     if len(set(sections)) == 1:
-        return logical, dims[0], len(sections), None
-    return logical, dims[0], 1, sections
+        return Split(logical, dims[0], len(sections), None)
+    return Split(logical, dims[0], 1, sections)
 
 
 def merge_tensor_parallel(
@@ -173,8 +181,9 @@ def merge_tensor_parallel(
             assert model_shapes is not None
             whole = model_shapes.get(name)
             shards = [list(part.params[name]) for part in parts]
-            logical, dim, stride = _split_from_shapes(name, shards, None if whole is None else list(whole), tag_dir)
-            sections = None
+            logical, dim, stride, sections = _split_from_shapes(
+                name, shards, None if whole is None else list(whole), tag_dir
+            )
         else:
             entry = next((e for p, e in amap.items() if re.fullmatch(p, name)), None)
             if entry is None:
