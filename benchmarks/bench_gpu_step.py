@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--peak_tflops", type=float, default=989.0)
+    parser.add_argument(
+        "--profile", action="store_true", help="after timing, print torch.profiler's top ops of 2 steps"
+    )
     return parser.parse_args()
 
 
@@ -105,6 +108,19 @@ def fsdp2_runner(model: GPT, args: argparse.Namespace):
     return step, device
 
 
+def print_profile(step, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Where a step's time goes: the top ops of two steps by self CPU time and by self device (CUDA) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step(x, y)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
+    print(averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     args = parse_args()
     assert torch.cuda.is_available(), "bench_gpu_step needs a CUDA GPU"
@@ -125,6 +141,8 @@ def main() -> None:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - started)
+    if args.profile:
+        print_profile(step, x, y)
     step_s = statistics.median(times)
     tokens = args.micro_batch * args.seq_len
     flops_per_token = 6 * n_params + 12 * args.n_layers * args.d_model * args.seq_len

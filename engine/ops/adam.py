@@ -99,8 +99,12 @@ def adam_step(tensors: AdamTensors, hyper: AdamScalars) -> None:
     hyper.check()
     ext = compiled_module(params)
     if ext is not None and all(g.device == params[0].device for g in grads):
-        # The binding checks every tensor itself (dtype, device, contiguity, size) in one scan that
-        # also collects the pointers, naming a bad one with check_tensors' message.
+        # The CPU binding checks every tensor itself (dtype, device, contiguity, size) in one scan that
+        # also collects the pointers, naming a bad one with check_tensors' message. The CUDA module's
+        # checks are TORCH_CHECKs, and a C++ exception thrown from an extension has killed the process
+        # on a lent H200's image (benchmarks/results/gpu_h200.md): CUDA tensors are checked here first.
+        if params and params[0].is_cuda:
+            check_tensors(tensors)
         ext.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lp_params, *hyper.kernel_args())
         return
     check_tensors(tensors)

@@ -105,6 +105,7 @@ def zero_wrapper_for_fp_tensor_constructor(
 # a WeakIdKeyDictionary is a change to those two once stage 3 calls drop_shard.
 DS_SHAPE, DS_NUMEL = "ds_shape", "ds_numel"
 _SHARD = "_zero_init_shard"
+_BUILT_ON = "_zero_init_built_on"  # the device a parameter was built on, where apply's fn runs (see _partitioned_apply)
 
 
 def set_full_shape(param: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -145,9 +146,11 @@ def partition(params: Iterable[torch.Tensor], dtype: torch.dtype | None = None, 
     if not whole:
         return
     device = _collective_device()
-    if device is not None:  # NCCL moves device tensors only: partition where the collectives run, as
-        for p in whole:  # DeepSpeed's Init does on its local_device (found on an H200: a CPU gather failed)
-            p.data = p.data.to(device)
+    for p in whole:
+        if not hasattr(p, _BUILT_ON):
+            setattr(p, _BUILT_ON, p.device)
+        if device is not None:  # NCCL moves device tensors only: partition where the collectives run, as
+            p.data = p.data.to(device)  # DeepSpeed's Init does on its local_device (an H200: a CPU gather failed)
     if src is not None:
         comm.broadcast_coalesced([p.data for p in whole], src=src)
     world, rank = comm.get_world_size(), comm.get_rank()
@@ -207,9 +210,9 @@ def full_value(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return value if dtype is None else value.to(dtype)
 
 
-def unpartition(param: torch.Tensor) -> None:
-    """Make a partitioned parameter whole again, in its current dtype and device."""
-    param.data = full_value(param, param.dtype).to(param.device)
+def unpartition(param: torch.Tensor, device: torch.device | None = None) -> None:
+    """Make a partitioned parameter whole again, in its current dtype, on `device` (default: its current one)."""
+    param.data = full_value(param, param.dtype).to(param.device if device is None else device)
     drop_shard(param)
 
 
@@ -404,12 +407,15 @@ class Init:
     @staticmethod
     def _partitioned_apply(module: _M, fn: Callable[[torch.nn.Module], None]) -> _M:
         """torch's Module.apply (children first, then the module) with the module's own parameters
-        whole while fn runs."""
+        whole while fn runs, on the device they were built on: an init function's random draws then
+        come from the same generator (the CPU's, for a model built on the CPU) as without Init, so
+        the values equal the unpartitioned model's on a GPU too (there the partitions live on the GPU,
+        and drawing there gave other weights: found on an H200, stage 3 started from another model)."""
         for child in module.children():
             child.apply(fn)
         params = [p for p in _own_params(module) if is_partitioned(p)]
         for p in params:
-            unpartition(p)
+            unpartition(p, getattr(p, _BUILT_ON, None))
         fn(module)
         partition(params, Init._dtype)
         return module
