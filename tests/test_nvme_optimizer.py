@@ -26,6 +26,7 @@ from distributed import run_distributed
 from models import global_batches, make_model, rank_micro_batch
 
 import engine
+from engine.zero.optimizer_swap import sub_group_cuts
 
 STEPS, MICRO, GAS = 10, 2, 2
 
@@ -154,6 +155,77 @@ def test_nvme_equals_the_in_memory_offload_bitwise(
     assert got["mapped grad files"] == grad_files, got
     assert len(grad_files) == (got["grad targets"] if stage == 3 else 0) and (stage != 3 or grad_files), got
     assert all(r["nvme"]["gone"] for r in ranks), [r["nvme"]["folder"] for r in ranks]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "size"),
+    [
+        ([5000], 3000),
+        ([100_000], 20_000),
+        ([1500, 7000, 1], 3000),
+        ([4096, 4096], 2048),
+        ([700, 900], 300),
+        ([0, 9], 4),
+    ],
+)
+def test_sub_groups_cover_each_element_once_on_the_4k_grid(pieces: list[int], size: int) -> None:
+    cuts = sub_group_cuts(pieces, size)
+    assert all(0 < n <= size for _, _, n, _ in cuts), cuts
+    # In file order, each piece's elements once: the next cut starts where the last ended.
+    offset, ends = 0, {}
+    for piece, lo, n, at in cuts:
+        assert at == offset and lo == ends.get(piece, 0), cuts
+        offset, ends[piece] = offset + n, lo + n
+    assert offset == sum(pieces) and all(ends.get(j, 0) == numel for j, numel in enumerate(pieces)), cuts
+    if size >= 1024:  # 1024 fp32 elements = 4 KiB: a cut that does not start a piece starts on the grid
+        assert all(at % 1024 == 0 for _, lo, _, at in cuts if lo != 0), cuts
+
+
+def _direct_share(nvme_path: str) -> dict[str, float]:
+    """The share of the bytes of the swapped steps' transfers (2 steps, one target of 16,897 elements cut
+    into sub-groups of at most 3000) that went through O_DIRECT, per direction; -1 where the folder
+    refuses O_DIRECT."""
+    from engine.ops import aio
+
+    moved: dict[str, list[int]] = {"read": [0, 0], "write": [0, 0]}
+    wait = aio.IOHandle.wait
+
+    def counted(handle: aio.IOHandle) -> int:
+        n = wait(handle)
+        if not getattr(handle, "counted", False):
+            handle.counted = True  # type: ignore[attr-defined]
+            moved[handle.op][0] += handle.nbytes
+            moved[handle.op][1] += handle.direct_bytes
+        return n
+
+    aio.IOHandle.wait = counted  # type: ignore[method-assign]
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+        config = _config(1, False, "nvme", nvme_path, True) | {"gradient_accumulation_steps": 1}
+        config["zero_optimization"]["sub_group_size"] = 3000  # 12,000 bytes: off the 4 KiB grid
+        eng, *_ = engine.initialize(model=model, config=config)
+        probe = aio.open_file(next(iter(eng._stage.master_step.swap.by_master.values())).files["exp_avg"].path)
+        direct = probe.direct_fd >= 0
+        probe.close()
+        moved.update(read=[0, 0], write=[0, 0])  # the steps' transfers only (initialize writes unaligned tensors)
+        for _ in range(2):
+            eng.backward(eng(torch.randn(MICRO, 64)).square().mean())
+            eng.step()
+        eng.destroy()
+    finally:
+        aio.IOHandle.wait = wait  # type: ignore[method-assign]
+    return {op: (d / total if direct else -1.0) for op, (total, d) in moved.items()}
+
+
+def test_the_swapped_step_moves_its_sub_groups_through_o_direct(tmp_path: Path) -> None:
+    """Sub-groups cut at sub_group_size itself (12,000 bytes here) left every transfer off the 4 KiB grid
+    and in the page cache (0% direct: twice the memory traffic, and the kernel's CPU time)."""
+    share = run_distributed(_direct_share, 1, args=(str(tmp_path),))[0]
+    if share["read"] < 0:  # this file system refuses O_DIRECT (tmpfs): every transfer is buffered there
+        assert share == {"read": -1.0, "write": -1.0}
+    else:  # only each file's last sub-group (16,897 elements is not a whole number of 4 KiB) is buffered
+        assert share["read"] > 0.9 and share["write"] > 0.9, share
 
 
 def test_parameters_on_nvme_need_stage_3_and_the_optimizer_there(tmp_path: Path) -> None:
