@@ -229,3 +229,50 @@ def test_shard_sizes_and_names_as_transformers_writes_them() -> None:
     assert split_shards(specs, None) == [specs]
     assert shard_names(3) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert shard_names(1) == ["model.safetensors"]
+
+
+def test_runs_are_copied_from_their_bytes_only_and_a_short_file_is_named(tmp_path: Path) -> None:
+    """consolidate_copy.scan_file without a checksum (DeepSpeed's files, verify=False): each run's bytes,
+    read in blocks, land at their place, cast or not, across block boundaries; a file that ends inside a
+    run is a CheckpointError naming it."""
+    from engine.checkpoint import consolidate_copy as cc
+
+    values = torch.randn(3 * cc.SCAN_BYTES // 4 + 123)
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(values.numpy().tobytes())
+    dst.write_bytes(bytes(4 * values.numel()))
+    runs = [  # out of order, one crossing two block boundaries, one cast to bf16, two touching
+        cc.Copy("a", str(src), 4 * 1000, str(dst), 0, cc.SCAN_BYTES // 2, torch.float32, torch.float32),
+        cc.Copy("b", str(src), 0, str(dst), 2 * cc.SCAN_BYTES, 1000, torch.float32, torch.float32),
+        cc.Copy(
+            "c",
+            str(src),
+            4 * 1000 + 2 * cc.SCAN_BYTES,
+            str(dst),
+            2 * cc.SCAN_BYTES + 4000,
+            999,
+            torch.float32,
+            torch.bfloat16,
+        ),
+    ]
+    tasks = cc.tasks(runs)
+    assert [path for path, _ in tasks] == [str(src)] and tasks[0][1][1] is None
+    cc.init_worker()
+    try:
+        path, _, copied = cc.scan_file(tasks[0])
+    finally:
+        cc.close_files()
+    assert path == str(src) and copied == sum(r.numel * 4 for r in runs)
+    out = dst.read_bytes()
+    got = torch.frombuffer(bytearray(out[: 2 * cc.SCAN_BYTES]), dtype=torch.float32)
+    assert torch.equal(got, values[1000 : 1000 + cc.SCAN_BYTES // 2])
+    tail = torch.frombuffer(bytearray(out[2 * cc.SCAN_BYTES : 2 * cc.SCAN_BYTES + 4000]), dtype=torch.float32)
+    assert torch.equal(tail, values[:1000])
+    cast = torch.frombuffer(bytearray(out[2 * cc.SCAN_BYTES + 4000 :][: 2 * 999]), dtype=torch.bfloat16)
+    start = 1000 + cc.SCAN_BYTES // 2
+    assert torch.equal(cast, values[start : start + 999].to(torch.bfloat16))
+
+    os.truncate(src, 4 * 1000 + cc.SCAN_BYTES)  # ends inside run "a"
+    with pytest.raises(CheckpointError, match=f"{src} cannot be read .*the file ends at byte"):
+        cc.scan_file(cc.tasks(runs[:1])[0])
+    cc.close_files()

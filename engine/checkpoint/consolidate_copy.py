@@ -59,62 +59,27 @@ def close_files() -> None:
     _FILES.clear()
 
 
-def tasks(copies: list[Copy]) -> list[list[Copy]]:
-    """The worker tasks: every kept-dtype run into one output file is one task (writes into one file
-    take its inode's lock, so two workers copying into it take turns and only add switching: they run
-    in parallel on different shards); a cast run is a task of its own (the cast is the CPU's work)."""
-    by_file: dict[str, list[Copy]] = {}
-    cast: list[list[Copy]] = []
+def tasks(copies: list[Copy]) -> list[tuple[str, tuple[list[Copy], None]]]:
+    """The worker tasks of runs whose files have no checksum to check: each a source file's runs, in file
+    order, up to TASK_BYTES of them (one rank file's runs are shared by several workers), the largest
+    first; scan_file reads just the runs' bytes."""
+    by_src: dict[str, list[Copy]] = {}
     for c in copies:
-        if c.src_dtype == c.dst_dtype:
-            by_file.setdefault(c.dst, []).append(c)
-        else:
-            cast.append([c])
-    for runs in by_file.values():
-        runs.sort(key=lambda c: (c.src, c.src_offset))
-    return sorted(by_file.values(), key=len, reverse=True) + cast
-
-
-def run_copies(copies: list[Copy]) -> int:
-    return sum(_run_copy(c) for c in copies)
-
-
-def _run_copy(c: Copy) -> int:
-    """One Copy run; returns the source bytes copied."""
-    try:
-        src, dst = open_fd(c.src, os.O_RDONLY), open_fd(c.dst, os.O_WRONLY)
-        nbytes = c.numel * c.src_dtype.itemsize
-        if c.src_dtype == c.dst_dtype:
-            _copy_bytes(src, c.src_offset, dst, c.dst_offset, nbytes)
-        else:
-            buf = bytearray(nbytes)
-            if os.preadv(src, [buf], c.src_offset) != nbytes:
-                raise EOFError("the file ends before the tensor's bytes do")
-            cast = torch.frombuffer(buf, dtype=c.src_dtype).to(c.dst_dtype)
-            pwrite(dst, cast.view(torch.uint8).numpy().data, c.dst_offset)
-    except (OSError, EOFError) as err:
-        raise CheckpointError(
-            f"{c.src}: copying {c.numel} elements of {c.tensor!r} from byte {c.src_offset} into {c.dst} "
-            f"failed ({err}); the file is truncated or the disk is full"
-        ) from None
-    return nbytes
-
-
-def _copy_bytes(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
-    """nbytes from src to dst inside the kernel (copy_file_range), or by pread/pwrite where it is missing."""
-    done = 0
-    while done < nbytes:
-        try:
-            n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
-        except (AttributeError, OSError) as err:  # no copy_file_range here (or across these file systems)
-            if isinstance(err, OSError) and err.errno not in (18, 22, 38, 95):  # EXDEV EINVAL ENOSYS EOPNOTSUPP
-                raise
-            n = pwrite(
-                dst, memoryview(os.pread(src, min(nbytes - done, 16 << 20), src_offset + done)), dst_offset + done
-            )
-        if n == 0:
-            raise EOFError("the file ends before the tensor's bytes do")
-        done += n
+        by_src.setdefault(c.src, []).append(c)
+    out: list[tuple[str, tuple[list[Copy], None]]] = []
+    for path, runs in by_src.items():
+        runs.sort(key=lambda c: c.src_offset)
+        chunk: list[Copy] = []
+        size = 0
+        for c in runs:
+            if chunk and size + _bytes(c) > TASK_BYTES:
+                out.append((path, (chunk, None)))
+                chunk, size = [], 0
+            chunk.append(c)
+            size += _bytes(c)
+        if chunk:
+            out.append((path, (chunk, None)))
+    return sorted(out, key=lambda task: sum(_bytes(c) for c in task[1][0]), reverse=True)
 
 
 def pwrite(fd: int, data: memoryview, offset: int) -> int:
@@ -124,32 +89,58 @@ def pwrite(fd: int, data: memoryview, offset: int) -> int:
     return done
 
 
-def scan_file(task: tuple[str, tuple[list[Copy], int]]) -> tuple[str, dict[str, int], int]:
-    """A rank file's first `limit` bytes read once, front to back: their CRC-32 taken and every run of
-    `copies` (all from this file, all within them) written out of the same blocks, so checking a file
-    and copying from it cost one read of it. Returns (path, {"crc32", "bytes"}, source bytes copied)."""
+def scan_file(task: tuple[str, tuple[list[Copy], int | None]]) -> tuple[str, dict[str, int], int]:
+    """Runs of one rank file written out of blocks of SCAN_BYTES read front to back. With a `limit`, the
+    file's first `limit` bytes are read whole and their CRC-32 taken on the way (every run lies within
+    them), so checking a file and copying from it cost one read of it; with None, only the runs' bytes
+    are read (DeepSpeed's files, verify=False). Large sequential reads also bring a cold file in at the
+    disk's speed, where copy_file_range (the kernel's page-cache readahead) took 25% longer here.
+    Returns (path, {"crc32", "bytes"}: what a check compares, source bytes copied)."""
     path, (copies, limit) = task
     copies = sorted(copies, key=lambda c: c.src_offset)
-    buf = bytearray(SCAN_BYTES)
+    spans = [(0, limit)] if limit is not None else _spans(copies)
+    view = memoryview(bytearray(SCAN_BYTES))
     crc, pos, copied, first = 0, 0, 0, 0
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
-            while pos < limit and (n := os.preadv(fd, [memoryview(buf)[: min(SCAN_BYTES, limit - pos)]], pos)):
-                block = memoryview(buf)[:n]
-                crc = zlib.crc32(block, crc)
-                while first < len(copies) and _end(copies[first]) <= pos:
-                    first += 1
-                for c in copies[first:]:
-                    if c.src_offset >= pos + n:
-                        break
-                    copied += _from_block(c, block, pos)
-                pos += n
+            for start, end in spans:
+                pos = start
+                while pos < end and (n := os.preadv(fd, [view[: min(SCAN_BYTES, end - pos)]], pos)):
+                    block = view[:n]
+                    if limit is not None:
+                        crc = zlib.crc32(block, crc)
+                    while first < len(copies) and _end(copies[first]) <= pos:
+                        first += 1
+                    for c in copies[first:]:
+                        if c.src_offset >= pos + n:
+                            break
+                        copied += _from_block(c, block, pos)
+                    pos += n
+                if limit is None and pos < end:  # a checked file's short read is the check's to name
+                    raise EOFError(f"the file ends at byte {pos}, before the tensors' bytes up to byte {end} do")
         finally:
             os.close(fd)
-    except OSError as err:
-        raise CheckpointError(f"{path} cannot be read ({err}); load another tag") from None
+    except (OSError, EOFError) as err:
+        raise CheckpointError(
+            f"{path} cannot be read ({err}); the file is truncated or unreadable: load another tag"
+        ) from None
     return path, {"crc32": crc, "bytes": pos}, copied
+
+
+def _bytes(c: Copy) -> int:
+    return c.numel * c.src_dtype.itemsize
+
+
+def _spans(copies: list[Copy]) -> list[tuple[int, int]]:
+    """The byte ranges the runs (sorted by offset) cover, touching or overlapping ones merged."""
+    spans: list[tuple[int, int]] = []
+    for c in copies:
+        if spans and c.src_offset <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], _end(c)))
+        else:
+            spans.append((c.src_offset, _end(c)))
+    return spans
 
 
 def _end(c: Copy) -> int:
@@ -161,13 +152,18 @@ def _from_block(c: Copy, block: memoryview, pos: int) -> int:
     a, b = max(c.src_offset, pos), min(_end(c), pos + len(block))
     if a >= b:
         return 0
-    dst = open_fd(c.dst, os.O_WRONLY)
-    if c.src_dtype == c.dst_dtype:
-        pwrite(dst, block[a - pos : b - pos], c.dst_offset + a - c.src_offset)
-    else:  # tensors start 64-byte aligned and blocks are whole elements: a and b fall between elements
-        size = c.src_dtype.itemsize
-        cast = torch.frombuffer(block, dtype=c.src_dtype, count=(b - a) // size, offset=a - pos).to(c.dst_dtype)
-        pwrite(
-            dst, cast.view(torch.uint8).numpy().data, c.dst_offset + (a - c.src_offset) // size * c.dst_dtype.itemsize
-        )
+    try:
+        dst = open_fd(c.dst, os.O_WRONLY)
+        if c.src_dtype == c.dst_dtype:
+            pwrite(dst, block[a - pos : b - pos], c.dst_offset + a - c.src_offset)
+        else:  # runs start on whole elements and blocks are whole elements: a and b fall between elements
+            size = c.src_dtype.itemsize
+            cast = torch.frombuffer(block, dtype=c.src_dtype, count=(b - a) // size, offset=a - pos).to(c.dst_dtype)
+            at = c.dst_offset + (a - c.src_offset) // size * c.dst_dtype.itemsize
+            pwrite(dst, cast.view(torch.uint8).numpy().data, at)
+    except OSError as err:
+        raise CheckpointError(
+            f"{c.dst}: writing {c.tensor!r} failed ({err}); free space on its file system or write the output "
+            "elsewhere (nothing is renamed into place: the earlier output, if any, is intact)"
+        ) from None
     return b - a
