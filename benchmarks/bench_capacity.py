@@ -53,6 +53,8 @@ import torch
 from machine import machine_facts
 
 WORKER = os.path.join(ROOT, "benchmarks", "capacity_workers", "worker.py")
+ENGINE_ARENA_BYTES = 0
+"""zero_optimization.stage3_arena_bytes of the engine rows (--engine-arena; 0: no arena)."""
 DS_PYTHON = "/tmp/dsvenv/bin/python"
 VOCAB, SEQ, STEPS, WORLD = 50257, 128, 2, 2
 GROWTH = 1.5
@@ -161,6 +163,8 @@ def _command(system: str, shape: Shape, out: str, nvme: str | None) -> list[str]
     cmd += ["--system", system, "--layers", str(shape.layers), "--d-model", str(shape.d_model)]
     cmd += ["--heads", str(shape.heads), "--vocab", str(VOCAB), "--seq", str(SEQ), "--steps", str(STEPS)]
     cmd += ["--out", out] + (["--nvme", nvme] if nvme else [])
+    if system.startswith("engine") and ENGINE_ARENA_BYTES:
+        cmd += ["--arena", str(ENGINE_ARENA_BYTES)]
     return cmd
 
 
@@ -532,7 +536,15 @@ def main() -> None:
         help="rerun only --systems and replace their rows in NAME.json (the other rows and the machine's figures "
         "stay from the run that wrote it); WHY goes in the report's notes",
     )
+    parser.add_argument(
+        "--engine-arena",
+        type=float,
+        default=0,
+        help="the engine rows' zero_optimization.stage3_arena_bytes (bytes; 0: no arena, the default's)",
+    )
     args = parser.parse_args()
+    global ENGINE_ARENA_BYTES
+    ENGINE_ARENA_BYTES = int(args.engine_arena)
     if args.replot:
         with open(os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json")) as f:
             plot(json.load(f), os.path.join(ROOT, "benchmarks", "results", f"{args.name}.md"))

@@ -140,6 +140,8 @@ def _build(args: argparse.Namespace, cfg: GPTConfig) -> tuple[Callable[..., None
         import engine
 
         conf = _ds_config(nvme, cfg.vocab_size * cfg.d_model)
+        if args.arena:  # the engine's own key: gathered units and buckets from a pre-touched arena
+            conf["zero_optimization"]["stage3_arena_bytes"] = args.arena
         with engine.zero.Init(config_dict_or_path=conf):
             model = GPT(cfg)
         eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=conf)
@@ -158,6 +160,7 @@ def main() -> None:
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--nvme", default=None)
+    parser.add_argument("--arena", type=int, default=0, help="engine rows: zero_optimization.stage3_arena_bytes")
     args = parser.parse_args()
     if args.system.startswith("deepspeed"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

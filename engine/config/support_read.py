@@ -110,7 +110,8 @@ READ_ENTRIES: tuple[Entry, ...] = (
         "memory_efficient_linear (default true: F.linear saves stage-3 weights, not views of their gathered "
         "unit, so a released unit's memory is freed before its backward); "
         "our stage3_arena_bytes sizes the pre-touched arena that gathered units and gradient buckets come from "
-        'on CPU ("auto": from the units and stage3_max_live_parameters; absent or 0: off); '
+        'on CPU ("auto": from the units and stage3_max_live_parameters, the worst case; a number of bytes: '
+        "requests past it come from the default allocator, logged once; absent or 0: off); "
         "sub_group_size: elements of optimizer state swapped and stepped at a time with NVMe offload; "
         "stage3_model_persistence_threshold accepted without effect",
     ),
