@@ -4,12 +4,12 @@ check_for_nan_in_loss_and_grad, NonFiniteGradientError on every rank before anyt
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
 import torch
 from distributed import run_distributed
+from log_records import EngineWarnings
 
 import engine
 from engine import NonFiniteGradientError
@@ -24,15 +24,6 @@ _CASES = [
     ("fp32", 0.0, True),
     ("bf16", 1.0, True),
 ]
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _snapshot(eng: Any) -> list[torch.Tensor]:
@@ -76,8 +67,7 @@ def _run(stage: int, precision: str, clip: float, stop: bool) -> dict[str, Any]:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
     }
     eng, *_ = engine.initialize(model=model, config=cfg)
-    records = _Records()
-    logging.getLogger("engine").addHandler(records)
+    records = EngineWarnings().attach()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     rank = torch.distributed.get_rank()
     g = torch.Generator().manual_seed(rank)
@@ -107,7 +97,7 @@ def _run(stage: int, precision: str, clip: float, stop: bool) -> dict[str, Any]:
         )
         return out
     finally:
-        logging.getLogger("engine").removeHandler(records)
+        records.detach()
         eng.destroy()
 
 

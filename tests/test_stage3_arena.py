@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_distributed
+from log_records import EngineWarnings
 from test_stage3 import LR, MICRO, WIDTH, Block, batches, param_groups
 
 import engine
@@ -133,18 +134,6 @@ def test_torch_fallback_arena_trains_the_same() -> None:
 
 def _small_arena(capacity: int) -> dict[str, Any]:
     """_train with an arena of `capacity` bytes, and the warnings the engine logged on this rank."""
-    import logging
-
-    class Keep(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.WARNING)
-            self.messages: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
-
-    keep = Keep()
-    logging.getLogger("engine").addHandler(keep)
     fallbacks: list[int] = []
     destroy = engine.Engine.destroy
 
@@ -154,11 +143,11 @@ def _small_arena(capacity: int) -> dict[str, Any]:
 
     engine.Engine.destroy = counted_destroy  # type: ignore[method-assign]
     try:
-        out = _train({"stage3_arena_bytes": capacity}, "fp32")
+        with EngineWarnings() as warnings:
+            out = _train({"stage3_arena_bytes": capacity}, "fp32")
     finally:
         engine.Engine.destroy = destroy  # type: ignore[method-assign]
-        logging.getLogger("engine").removeHandler(keep)
-    return out | {"warnings": keep.messages, "fallbacks": fallbacks[0]}
+    return out | {"warnings": warnings.messages, "fallbacks": fallbacks[0]}
 
 
 def test_too_small_an_arena_falls_back_to_the_default_allocator() -> None:
