@@ -144,7 +144,7 @@ def _spans(copies: list[Copy]) -> list[tuple[int, int]]:
 
 
 def _end(c: Copy) -> int:
-    return c.src_offset + c.numel * c.src_dtype.itemsize
+    return c.src_offset + _bytes(c)
 
 
 def _from_block(c: Copy, block: memoryview, pos: int) -> int:

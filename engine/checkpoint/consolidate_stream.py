@@ -169,16 +169,16 @@ class _Source:
             with tqdm(total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress) as bar:
                 for entry, tmp, offset in in_memory:  # joined in memory, one tensor at a time
                     _pwrite_all(tmp, assemble(self.reader, entry).to(entry.dtype), offset)
-                if self.checksums:  # each file read once: its CRC-32 and its runs from the same blocks
-                    by_src = {
-                        path: (_within_checked(path, [c for c in copies if c.src == path], check), check["bytes"])
-                        for path, check in self.checksums.items()
-                    }
-                    for path, found, done in self._map(scan_file, list(by_src.items())):
+                # A checked file is one task, read once: its CRC-32 and its runs from the same blocks; the
+                # runs of the others are read alone, in tasks of TASK_BYTES.
+                checked = {
+                    path: (_within_checked(path, [c for c in copies if c.src == path], check), check["bytes"])
+                    for path, check in self.checksums.items()
+                }
+                unchecked = tasks([c for c in copies if c.src not in checked])
+                for path, found, done in self._map(scan_file, [*checked.items(), *unchecked]):
+                    if path in checked:
                         check_checksum(path, found, self.checksums[path])
-                        bar.update(done)
-                    copies = [c for c in copies if c.src not in by_src]
-                for _, _, done in self._map(scan_file, tasks(copies)):
                     bar.update(done)
             for tmp in tmps:
                 fsync_path(tmp)
