@@ -58,3 +58,42 @@ def test_the_swap_folder_removes_its_mapped_files(tmp_path: Path) -> None:
     folder.close()
     assert not mapped.path.exists() and not folder.path.exists()
     assert float(mapped.tensor.sum()) == 3.0 * 1024  # the mapping outlives the name until the tensor goes
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
+
+
+def test_discarded_pages_are_overwritten_without_reading_the_disk(tmp_path: Path) -> None:
+    """A store into a page of a file mapping that is not in memory reads the page from disk first; after
+    discard() it must not (the values are zeros in the file), where the file system can zero a range."""
+    numel = 4 << 20  # 16 MiB of float32
+    mapped = MappedFile(tmp_path, "grad.0", numel, torch.float32)
+    t = mapped.tensor
+    values = torch.arange(numel, dtype=torch.float32)
+
+    def overwrite_from_disk() -> int:
+        """Bytes read from the disk by overwriting every page while none of the file is cached."""
+        os.sync()
+        fd = os.open(mapped.path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the page cache
+        os.close(fd)
+        before = _read_bytes()
+        t.copy_(values)
+        return _read_bytes() - before
+
+    t.copy_(values)
+    mapped.release(t)
+    baseline = overwrite_from_disk()  # released, not discarded: the old pages are read back to be overwritten
+    mapped.discard(t[1000:])  # all but the first page (and its partial neighbour) of the file
+    if mapped.zeroes_ranges:
+        assert torch.count_nonzero(t[1024:]) == 0 and torch.equal(t[:1000], values[:1000])
+        mapped.release(t)
+        discarded = overwrite_from_disk()
+        assert baseline >= 8 << 20, baseline  # the test measures what it claims to (most of the 16 MiB read)
+        assert discarded <= baseline // 8, (discarded, baseline)
+    else:  # no zeroing here (tmpfs): the values stay, as release() keeps them
+        assert torch.equal(t, values)
+    assert torch.equal(t, values)
+    mapped.close()

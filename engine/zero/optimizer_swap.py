@@ -58,7 +58,7 @@ class NvmeSettings:
     trainable parameter there, lives on disk and each gather reads its unit's from the file."""
     grads: bool = False
     """Stage 3: each target's gradient is a memory-mapped swap file, released from memory after its
-    reduction and after the step (engine/offload/mapped_file.py, [Note: state the step touches in place])."""
+    reduction and discarded after the step reads it (engine/offload/mapped_file.py, [Note: state the step touches in place])."""
 
 
 def nvme_settings(config: EngineConfig) -> NvmeSettings | None:
@@ -305,8 +305,8 @@ class OptimizerSwap:
                     grad_scale=coef,
                 ),
             )
-            if s.grad_file is not None:  # read for the last time this step: out of memory, kept in its file
-                s.grad_file.release(part.grad)
+            if s.grad_file is not None:  # read for the last time: zeros on disk, out of memory (not read back)
+                s.grad_file.discard(part.grad)
             writes = [f.write(buf[name][:n], part.offset) for name, f in s.files.items()]
             if self.settings.pipeline_write:
                 writing.append((b, writes))

@@ -58,6 +58,7 @@ def start(
     rank: int,
     averaging: Averaging,
     scatter: bool = True,
+    in_bucket: bool = False,
     key: int = 0,
     real: int | None = None,
     group: comm.ProcessGroup | None = None,
@@ -65,12 +66,18 @@ def start(
     """Start reducing `data` (a whole bucket, every rank's slice) over `group` (the data-parallel group;
     None: the world) towards `row` (this rank's slice; `rank` is its position in the group).
     scatter=False all-reduces the bucket instead (one slice, or reduce_scatter: false), and then only
-    its first `real` elements (default all): the layout's padding, zero on every rank, need not travel."""
+    its first `real` elements (default all): the layout's padding, zero on every rank, need not travel.
+    in_bucket=True reduces into this rank's own slice of `data` instead, and finish() copies (or adds) it
+    into the row in one pass, where the dtypes agree: for a row whose stores are costly (a memory-mapped
+    gradient, whose pages the reduce-scatter would otherwise write twice: its own contribution, then each
+    peer's added), at the same arithmetic."""
     if averaging.before != 1.0:
         data.mul_(averaging.before)
     mine = data[rank * row.numel() : (rank + 1) * row.numel()]
     if not scatter:
         return PendingReduce(comm.all_reduce(data if real is None else data[:real], async_op=True, group=group), mine)
+    if in_bucket and data.dtype == row.dtype:
+        return PendingReduce(comm.reduce_scatter(mine, data, async_op=True, key=key, group=group), mine)
     return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written, group=group), None)
 
 

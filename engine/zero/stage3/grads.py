@@ -46,6 +46,7 @@ class UnitGradients:
         where: Callable[[], str],
         group: ProcessGroup | None = None,
         reduced: Callable[[torch.Tensor], None] = lambda shard_grad: None,
+        rows_mapped: bool = False,
     ) -> None:
         self.units = units
         self._memory = memory
@@ -55,9 +56,11 @@ class UnitGradients:
         """Position in `group`, the data-parallel group gradients are reduced over (None: the world)."""
         self._group = group
         self._release = release
+        """Release a unit whose gradients were sent (its parameters are not needed in this backward)."""
         self._reduced = reduced
         """Told each shard gradient a reduction has just written (NVMe: its pages leave memory)."""
-        """Release a unit whose gradients were sent (its parameters are not needed in this backward)."""
+        self._rows_mapped = rows_mapped
+        """The shard gradients are memory-mapped swap files: reduce in the bucket, store into them once."""
         self._where = where
         """Where training is (optimizer step, backward), for errors."""
         self._owner = {id(p): (u, g, i) for u in units for g in u.trainable for i, p in enumerate(g.params)}
@@ -120,6 +123,7 @@ class UnitGradients:
                 bucket,
                 g.shard_grad,
                 written=written,
+                in_bucket=self._rows_mapped,
                 rank=self._rank,
                 averaging=self._averaging,
                 key=unit.index,

@@ -159,6 +159,7 @@ class Stage3:
             reduced=self.master_step.swap.release_grad
             if self.master_step and self.master_step.swap
             else lambda g: None,
+            rows_mapped=bool(self.master_step and self.master_step.swap and self.master_step.swap.settings.grads),
         )
         self._gathers = UnitGathers(
             self.units,
