@@ -466,6 +466,8 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         if self._stage is None:
             return
         swap = swap_of(self._stage)
+        if swap is not None:
+            swap.finish()  # a step still running behind the forward: its error, if any, is raised here
         self._stage.destroy()  # stage 3 gathers every unit back into the module first (not from NVMe: see there)
         if swap is not None:
             swap.close()  # the NVMe swap files and folder removed

@@ -16,6 +16,7 @@ import os
 import resource
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -571,3 +572,70 @@ def test_a_rank_killed_mid_swap_leaves_the_checkpoint_loadable_and_its_files_are
     out = run_distributed(_resume_after_a_crash, 1, args=(str(tmp_path), str(save_dir), dead))[0]
     assert not out["left"], dead
     assert out["losses"] == out["reference"], out
+
+
+def _behind_the_forward(save_dir: str, nvme_path: str, delay: float) -> dict[str, Any]:
+    """Stage 3 with parameters on NVMe (each step run behind the next forward, its thread held back by
+    `delay` seconds so that every reader finds it still running) and the in-memory offload, through the
+    readers of a step's results: the next forward, an evaluation forward, a checkpoint's save (then
+    loaded into a run without offload), two steps with no forward between them, and a learning rate
+    the scheduler changes after every step."""
+    out: dict[str, Any] = {}
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batches = global_batches(6, MICRO * GAS * ws)
+    for device in ("nvme", "cpu"):
+        config = _config(3, False, device, nvme_path, True, params=device == "nvme")
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}}
+        eng, *_ = engine.initialize(model=make_model(3), config=config)
+        swap = eng._stage.master_step.swap
+        if swap is not None:
+            run = swap._run
+
+            def held_back(jobs: Any, written: Any, run: Any = run) -> None:
+                time.sleep(delay)
+                run(jobs, written)
+
+            swap._run = held_back
+        losses, evals = [], []
+        for step in range(6):
+            for k in range(GAS):
+                x, y = rank_micro_batch(batches[step], rank, ws, MICRO, k)
+                loss = torch.nn.functional.mse_loss(eng(x), y)
+                eng.backward(loss)
+                eng.step()
+                losses.append(float(loss))
+            if step == 1:
+                with torch.no_grad():
+                    evals.append(float(torch.nn.functional.mse_loss(eng(x), y)))
+            if step == 2:
+                eng.save_checkpoint(save_dir, tag=device)
+            if step == 3:
+                eng.step()  # a micro-step of nothing: the window's first gradients come from the next backward
+        out[device] = {
+            "losses": losses,
+            "evals": evals,
+            "lr": eng.get_lr(),
+            "state": {k: v.float() for k, v in eng.consolidated_state_dict().items()},
+            "behind": swap.steps_behind if swap is not None else 0,
+        }
+        eng.destroy()
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "none", nvme_path, True))
+    eng.load_checkpoint(save_dir, tag="nvme")
+    out["loaded"] = {k: v.float() for k, v in eng.consolidated_state_dict().items()}
+    eng.destroy()
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "none", nvme_path, True))
+    eng.load_checkpoint(save_dir, tag="cpu")
+    out["loaded cpu"] = {k: v.float() for k, v in eng.consolidated_state_dict().items()}
+    eng.destroy()
+    return out
+
+
+def test_the_step_behind_the_next_forward_is_waited_for_by_every_reader(tmp_path: Path) -> None:
+    got = run_distributed(_behind_the_forward, 2, args=(str(tmp_path / "ckpt"), str(tmp_path), 0.3))[0]
+    nvme, cpu = got["nvme"], got["cpu"]
+    assert nvme["behind"] == 6 and cpu["behind"] == 0  # every NVMe step ran in its thread
+    assert nvme["losses"] == cpu["losses"] and nvme["evals"] == cpu["evals"] and nvme["lr"] == cpu["lr"]
+    for name, value in cpu["state"].items():
+        assert torch.equal(nvme["state"][name], value), name
+    for name, value in got["loaded cpu"].items():
+        assert torch.equal(got["loaded"][name], value), name

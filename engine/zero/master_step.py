@@ -172,9 +172,11 @@ class MasterStep:
         holds its new master's value."""
         modes = [_adam_mode(self.optimizer, g) for g in self.optimizer.param_groups]
         if self.swap is not None:
+            groups = []
             for group, mode in zip(self.optimizer.param_groups, modes):
-                assert mode is not None
-                self.swap.step_group(group, coef, *mode)
+                assert mode is not None  # checked when the swap was built
+                groups.append((group, *mode))
+            self.swap.step(groups, coef)
             self.fused_steps += 1
             vars(self.optimizer)["_opt_called"] = True
         elif (self.offload or self._low_precision) and all(m is not None for m in modes):

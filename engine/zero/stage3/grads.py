@@ -47,6 +47,7 @@ class UnitGradients:
         group: ProcessGroup | None = None,
         reduced: Callable[[torch.Tensor], None] = lambda shard_grad: None,
         rows_mapped: bool = False,
+        before_reduce: Callable[[], None] = lambda: None,
     ) -> None:
         self.units = units
         self._memory = memory
@@ -61,6 +62,8 @@ class UnitGradients:
         """Told each shard gradient a reduction has just written (NVMe: its pages leave memory)."""
         self._rows_mapped = rows_mapped
         """The shard gradients are memory-mapped swap files: reduce in the bucket, store into them once."""
+        self._before_reduce = before_reduce
+        """Called before a reduction writes shard gradients (NVMe: waits for a step still reading them)."""
         self._where = where
         """Where training is (optimizer step, backward), for errors."""
         self._owner = {id(p): (u, g, i) for u in units for g in u.trainable for i, p in enumerate(g.params)}
@@ -105,6 +108,7 @@ class UnitGradients:
 
     def _launch(self, unit: Unit) -> None:
         """Start reduce-scattering the unit's buckets, then release the unit."""
+        self._before_reduce()
         for g in unit.trainable:
             bucket = g.grad_bucket
             if not g.filling:  # no gradient on this rank: contribute zeros

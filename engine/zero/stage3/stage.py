@@ -160,6 +160,7 @@ class Stage3:
             if self.master_step and self.master_step.swap
             else lambda g: None,
             rows_mapped=bool(self.master_step and self.master_step.swap and self.master_step.swap.settings.grads),
+            before_reduce=self.master_step.swap.finish if self.master_step and self.master_step.swap else lambda: None,
         )
         self._gathers = UnitGathers(
             self.units,
@@ -249,6 +250,10 @@ class Stage3:
         # Every gradient of the window reduced into the shard gradients, nothing left gathered.
         self._grads.flush()
         self._gathers.drop_prefetched()
+        swap = self.master_step.swap if self.master_step is not None else None
+        if swap is not None:  # the last step, if it still runs behind the forward, first; this one's order
+            swap.finish()
+            swap.order = self._forward_order()
         # Norm, clipping, the optimizer step on the shards (rows no reduction wrote are zeroed first).
         assert self.master_step is not None
         outcome = step_on_gradients(
@@ -264,6 +269,13 @@ class Stage3:
         self.zero_grad()
         self.steps += 1
         return outcome
+
+    def _forward_order(self) -> list[torch.Tensor]:
+        """The masters in the order of the units' first uses in the recorded trace, then the rest."""
+        first_uses = dict.fromkeys(self._plan.trace or [])
+        order = [*first_uses, *(u.index for u in self.units if u.index not in first_uses)]
+        by_index = {u.index: u for u in self.units}
+        return [g.master for i in order for g in by_index[i].trainable]
 
     def _norm_rows(self) -> list[torch.Tensor]:
         return [row for g, runs in self._norm_runs for row in counted_rows(g.shard_grad, runs, g.layout.slice_numel)]
