@@ -15,7 +15,7 @@ from engine.monitor.log import get_logger
 from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
-from engine.zero.optimizer_swap import nvme_settings
+from engine.zero.nvme_setup import nvme_settings
 
 logger = get_logger()
 

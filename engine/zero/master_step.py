@@ -50,7 +50,8 @@ from engine.offload import SwapDir
 from engine.ops.adam import AdamEntry, CPUAdam, adam_state, adam_step_entries
 from engine.optim.adam import ReferenceAdam
 from engine.zero.layout import contiguous_pieces
-from engine.zero.optimizer_swap import NvmeSettings, OptimizerSwap
+from engine.zero.nvme_setup import NvmeSettings
+from engine.zero.optimizer_swap import OptimizerSwap
 
 _STEPPING = "_zero_engine_stepping"
 """Set in the optimizer's __dict__ while MasterStep runs its step(): the guard lets that one through."""

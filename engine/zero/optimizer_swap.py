@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,75 +50,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine import comm
-from engine.config.errors import ConfigError
-from engine.config.types import EngineConfig
-from engine.offload import AioConfig, AioContext, MappedFile, SwapDir, SwapFile, SwapHandle, aligned_empty
+from engine.offload import AioContext, MappedFile, SwapDir, SwapFile, SwapHandle, aligned_empty
 from engine.ops.adam import AdamScalars, AdamTensors, adam_step
 from engine.ops.aio import DIRECT_ALIGN
+from engine.zero.nvme_setup import NvmeSettings, agreed, open_swap_dir
 from engine.zero.step_thread import StepThread
 
-KEY = "zero_optimization.offload_optimizer"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True)
-class NvmeSettings:
-    nvme_path: str
-    buffer_count: int
-    pipeline_read: bool
-    pipeline_write: bool
-    sub_group_size: int
-    aio: AioConfig
-    params: bool = False
-    """offload_param.device "nvme" too (stage 3): every fp32 master, the only persistent copy of a
-    trainable parameter there, lives on disk and each gather reads its unit's from the file."""
-    grads: bool = False
-    """Stage 3: each target's gradient is a memory-mapped swap file, released from memory after its
-    reduction and discarded after the step reads it (engine/offload/mapped_file.py, [Note: state the step touches in place])."""
-
-
-def nvme_settings(config: EngineConfig) -> NvmeSettings | None:
-    """The NVMe optimizer offload asked for, or None."""
-    offload = config.zero.offload_optimizer
-    params = config.zero.offload_param.device == "nvme"
-    if params and (config.zero.stage != 3 or offload.device != "nvme"):
-        raise ConfigError(
-            'zero_optimization.offload_param.device "nvme": parameters go to NVMe at stage 3 together with the '
-            f'optimizer state (offload_optimizer.device "nvme"); here stage {config.zero.stage} with '
-            f'offload_optimizer.device "{offload.device}": set both, or use offload_param "cpu"/"none"'
-        )
-    if offload.device != "nvme":
-        return None
-    if not offload.nvme_path:
-        raise ConfigError(f'{KEY}.nvme_path: required with device "nvme": the folder the swap files go in')
-    if offload.buffer_count < 1:
-        raise ConfigError(f"{KEY}.buffer_count: {offload.buffer_count}; at least 1 buffer is needed")
-    return NvmeSettings(
-        str(offload.nvme_path),
-        int(offload.buffer_count),
-        bool(offload.pipeline_read),
-        bool(offload.pipeline_write),
-        max(int(config.zero.sub_group_size), 1),
-        AioConfig.from_section(dict(config.aio)),
-        params,
-    )
-
-
-def _agreed(make: Any, what: str) -> Any:
-    """make() on every rank; if it failed anywhere, every rank raises (naming the ranks that failed)."""
-    error: BaseException | None = None
-    try:
-        result = make()
-    except (OSError, ValueError, RuntimeError) as err:  # SwapPathError and the aio errors are OSError/RuntimeError
-        error, result = err, None
-    failed = [(r, msg) for r, msg in enumerate(comm.all_gather_object(None if error is None else str(error))) if msg]
-    if failed:
-        if error is not None:
-            raise error
-        rank, message = failed[0]
-        raise RuntimeError(f"{what} failed on rank {rank}: {message}")
-    return result
 
 
 def sub_group_cuts(piece_numels: list[int], sub_group_size: int) -> list[tuple[int, int, int, int]]:
@@ -188,27 +125,6 @@ class _AfterStep:
         return self._s.files["master"].read(self._out).wait()
 
 
-def open_swap_dir(settings: NvmeSettings) -> SwapDir:
-    """This rank's swap folder of a new run (one run id, rank 0's), made on every rank or refused on all."""
-    run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
-    return _agreed(
-        lambda: SwapDir.create(settings.nvme_path, comm.get_rank(), run_id, f"{KEY}.nvme_path"),
-        "creating the NVMe swap folder",
-    )
-
-
-def map_gradients(swap_dir: SwapDir, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
-    """One gradient per (numel, dtype), each a memory-mapped swap file `grad.<i>` reading as zeros and
-    holding no memory yet ([Note: state the step touches in place]); made on every rank or refused on all."""
-    return _agreed(
-        lambda: [
-            swap_dir.mapped(f"grad.{i}", n, dtype).tensor if n else torch.zeros(0, dtype=dtype)
-            for i, (n, dtype) in enumerate(sizes)
-        ],
-        "creating the gradient swap files",
-    )
-
-
 class OptimizerSwap:
     """The swapped state of MasterStep's targets and the step over it (see [Note: the swapped step])."""
 
@@ -273,7 +189,7 @@ class OptimizerSwap:
             self._write_out(initial=True)
 
         try:
-            _agreed(build, "writing the optimizer state to the NVMe swap files")
+            agreed(build, "writing the optimizer state to the NVMe swap files")
         except BaseException:
             self.close()  # a failed start leaves no swap folder behind, so the next one starts clean
             raise
@@ -294,6 +210,14 @@ class OptimizerSwap:
             raise RuntimeError("NVMe settings say the gradients are swapped, but this one is not in a swap file")
         self._mapped_grads[id(grad)] = mapped
         return mapped
+
+    def store_grad(self, grad: torch.Tensor, values: torch.Tensor) -> None:
+        """grad[:] = values, through its swap file's write where it is mapped (no page faults)."""
+        mapped = self._mapped_grads.get(id(grad))
+        if mapped is None:
+            grad.copy_(values)
+        else:
+            mapped.write(grad, values)
 
     def release_grad(self, grad: torch.Tensor) -> None:
         """A mapped gradient's pages leave this process's memory (values kept in its file); no-op for

@@ -35,7 +35,7 @@ from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
-from engine.zero.optimizer_swap import map_gradients, nvme_settings, open_swap_dir
+from engine.zero.nvme_setup import map_gradients, nvme_settings, open_swap_dir
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3 import memory_efficient_linear
@@ -147,6 +147,7 @@ class Stage3:
             persist_below=zero.stage3_param_persistence_threshold,
         )
         self._memory = self._build_memory(config)
+        swap = self.master_step.swap if self.master_step is not None else None
         self._grads = UnitGradients(
             self.units,
             self._memory,
@@ -156,11 +157,9 @@ class Stage3:
             release=lambda unit: self._gathers.release(unit),
             where=self._where_in_training,
             group=self._group,
-            reduced=self.master_step.swap.release_grad
-            if self.master_step and self.master_step.swap
-            else lambda g: None,
-            rows_mapped=bool(self.master_step and self.master_step.swap and self.master_step.swap.settings.grads),
-            before_reduce=self.master_step.swap.finish if self.master_step and self.master_step.swap else lambda: None,
+            reduced=swap.release_grad if swap is not None else lambda g: None,
+            store=swap.store_grad if swap is not None and swap.settings.grads else None,
+            before_reduce=swap.finish if swap is not None else lambda: None,
         )
         self._gathers = UnitGathers(
             self.units,
@@ -171,7 +170,6 @@ class Stage3:
             grads_sent=self._grads.sent,
             group=self._group,
         )
-        swap = self.master_step.swap if self.master_step is not None else None
         if swap is not None and swap.settings.params:  # the masters are on NVMe: each gather reads its unit's
             self._gathers.read_stored = swap.start_read_master
             self._gathers.read_ahead_units = config.zero.offload_param.buffer_count  # the schema's count: >= 0
