@@ -97,21 +97,3 @@ def test_discarded_pages_are_overwritten_without_reading_the_disk(tmp_path: Path
         assert torch.equal(t, values)
     assert torch.equal(t, values)
     mapped.close()
-
-
-def test_a_write_through_the_file_is_what_the_mapping_reads(tmp_path: Path) -> None:
-    mapped = MappedFile(tmp_path, "grad.0", 1 << 20, torch.float32)
-    t = mapped.tensor
-    t.fill_(1.0)
-    values = torch.arange(5000, dtype=torch.float32)
-    mapped.write(t[3000:8000], values)  # offsets off the page grid at both ends
-    assert (
-        torch.equal(t[3000:8000], values)
-        and float(t[:3000].sum()) == 3000
-        and float(t[8000:].sum()) == t.numel() - 8000
-    )
-    mapped.release(t)
-    assert torch.equal(t[3000:8000], values)  # in the file, not only in this process's pages
-    with pytest.raises(ValueError, match="write of 10 torch.float32 into 5000"):
-        mapped.write(t[3000:8000], torch.zeros(10))
-    mapped.close()

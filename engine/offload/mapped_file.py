@@ -94,22 +94,6 @@ class MappedFile:
             err = ctypes.get_errno()
             raise OSError(err, f"madvise(MADV_DONTNEED) on {self.path}: {os.strerror(err)}")
 
-    def write(self, view: torch.Tensor, values: torch.Tensor) -> None:
-        """view[:] = values (`view` a contiguous view of `tensor`), written through the file (pwrite) rather
-        than stored through the mapping: no page fault per page, and no page read from disk to be wholly
-        overwritten. The mapping sees the new values (it maps the same page cache)."""
-        offset = view.data_ptr() - self.tensor.data_ptr()
-        nbytes = view.numel() * view.element_size()
-        if values.dtype != view.dtype or values.numel() != view.numel() or not 0 <= offset <= self.nbytes - nbytes:
-            raise ValueError(f"{self.path}: write of {values.numel()} {values.dtype} into {view.numel()} {view.dtype}")
-        data = values.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
-        done = 0
-        while done < nbytes:
-            try:
-                done += os.pwrite(self._fd, data[done:], offset + done)
-            except OSError as err:
-                raise OSError(err.errno, f"writing {nbytes} bytes at {offset} of {self.path}: {err.strerror}") from err
-
     def discard(self, view: torch.Tensor) -> None:
         """The values in `view` are not needed again: its whole pages read as zeros from now on, with no
         write, their blocks still reserved, and leave memory (see [Note: state the step touches in

@@ -211,14 +211,6 @@ class OptimizerSwap:
         self._mapped_grads[id(grad)] = mapped
         return mapped
 
-    def store_grad(self, grad: torch.Tensor, values: torch.Tensor) -> None:
-        """grad[:] = values, through its swap file's write where it is mapped (no page faults)."""
-        mapped = self._mapped_grads.get(id(grad))
-        if mapped is None:
-            grad.copy_(values)
-        else:
-            mapped.write(grad, values)
-
     def release_grad(self, grad: torch.Tensor) -> None:
         """A mapped gradient's pages leave this process's memory (values kept in its file); no-op for
         gradients that are not mapped."""

@@ -12,7 +12,6 @@ every rank keeps the whole gradient) is all-reduced instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +70,7 @@ def start(
     in_bucket=True reduces into this rank's own slice of `data` instead, and finish() copies (or adds) it
     into the row in one pass, where the dtypes agree: for a row whose stores are costly (a memory-mapped
     gradient, whose pages the reduce-scatter would otherwise write twice: its own contribution, then each
-    peer's added), at the same arithmetic; finish()'s `store` then writes it."""
+    peer's added), at the same arithmetic."""
     if averaging.before != 1.0:
         data.mul_(averaging.before)
     mine = data[rank * row.numel() : (rank + 1) * row.numel()]
@@ -82,22 +81,12 @@ def start(
     return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written, group=group), None)
 
 
-def finish(
-    pending: PendingReduce,
-    row: torch.Tensor,
-    *,
-    written: bool,
-    what: str,
-    store: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-) -> None:
-    """Wait for the reduction (failing with `what` if the ranks diverged) and fold it into the row;
-    `store(row, values)` overwrites a row that is a swap file (a write instead of stores into its pages)."""
+def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: str) -> None:
+    """Wait for the reduction (failing with `what` if the ranks diverged) and fold it into the row."""
     comm.wait(pending.work, what)
     if pending.out is not None and not _same_memory(pending.out, row):  # stage 0 in fp32: reduced in place
         if written:
             row.add_(pending.out)
-        elif store is not None:
-            store(row, pending.out)
         else:
             row.copy_(pending.out)
 

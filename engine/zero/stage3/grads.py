@@ -46,7 +46,7 @@ class UnitGradients:
         where: Callable[[], str],
         group: ProcessGroup | None = None,
         reduced: Callable[[torch.Tensor], None] = lambda shard_grad: None,
-        store: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        rows_mapped: bool = False,
         before_reduce: Callable[[], None] = lambda: None,
     ) -> None:
         self.units = units
@@ -60,9 +60,8 @@ class UnitGradients:
         """Release a unit whose gradients were sent (its parameters are not needed in this backward)."""
         self._reduced = reduced
         """Told each shard gradient a reduction has just written (NVMe: its pages leave memory)."""
-        self._store = store
-        """store(row, values) for shard gradients that are swap files (NVMe): each reduction sums in its
-        bucket and is written into the file once (shard_reduce.finish); None: reduced straight into the row."""
+        self._rows_mapped = rows_mapped
+        """The shard gradients are memory-mapped swap files: reduce in the bucket, store into them once."""
         self._before_reduce = before_reduce
         """Called before a reduction writes shard gradients (NVMe: waits for a step still reading them)."""
         self._where = where
@@ -128,7 +127,7 @@ class UnitGradients:
                 bucket,
                 g.shard_grad,
                 written=written,
-                in_bucket=self._store is not None,
+                in_bucket=self._rows_mapped,
                 rank=self._rank,
                 averaging=self._averaging,
                 key=unit.index,
@@ -152,7 +151,6 @@ class UnitGradients:
             g.shard_grad,
             written=g.grad_state is GradState.ADDING,
             what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})",
-            store=self._store,
         )
         g.pending = None
         g.arrived.clear()

@@ -158,7 +158,7 @@ class Stage3:
             where=self._where_in_training,
             group=self._group,
             reduced=swap.release_grad if swap is not None else lambda g: None,
-            store=swap.store_grad if swap is not None and swap.settings.grads else None,
+            rows_mapped=swap is not None and swap.settings.grads,
             before_reduce=swap.finish if swap is not None else lambda: None,
         )
         self._gathers = UnitGathers(
