@@ -639,3 +639,29 @@ def test_the_step_behind_the_next_forward_is_waited_for_by_every_reader(tmp_path
         assert torch.equal(nvme["state"][name], value), name
     for name, value in got["loaded cpu"].items():
         assert torch.equal(got["loaded"][name], value), name
+
+
+def _step_fails_behind_the_forward(nvme_path: str) -> dict[str, str]:
+    """Stage 3, parameters on NVMe: a moment file truncated by hand between steps makes the next step,
+    which runs in its thread, fail; the next forward raises that error, and destroy still cleans up."""
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", nvme_path, True, params=True))
+    _steps(eng, range(1), torch.float32)
+    swap = eng._stage.master_step.swap
+    swap.finish()
+    os.truncate(next(iter(swap.by_master.values())).files["exp_avg"].path, 100)
+    _steps(eng, range(1, 2), torch.float32)  # its step plans and starts; the thread finds the file cut
+    try:
+        _steps(eng, range(2, 3), torch.float32)
+        raised = "no error"
+    except Exception as err:  # noqa: BLE001 (the test reads the message of whatever was raised)
+        raised = f"{type(err).__name__}: {err}"
+    folder = swap.dir.path
+    eng.destroy()
+    return {"raised": raised, "left": str(os.path.exists(folder))}
+
+
+def test_a_failed_step_behind_the_forward_is_raised_by_the_next_reader(tmp_path: Path) -> None:
+    got = run_distributed(_step_fails_behind_the_forward, 1, args=(str(tmp_path),))[0]
+    assert got["raised"].startswith("SwapFileError") and "exp_avg" in got["raised"], got
+    assert "has 100 bytes, expected" in got["raised"], got
+    assert got["left"] == "False", got

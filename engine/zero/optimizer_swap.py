@@ -345,9 +345,12 @@ class OptimizerSwap:
                 raise error
 
     def wait_for(self, master: torch.Tensor) -> None:
-        """Wait until the running step, if any, has written `master`'s target back (raise its error if it failed)."""
+        """Wait until the running step, if any, has written `master`'s target back; if it failed, raise its
+        error (once: the step is over then, as an in-line step that raised would be)."""
         if self._background is not None:
             self._background.wait_for(id(master))
+            if self._background.error is not None:
+                self.finish()
 
     def start_read_master(self, master: torch.Tensor) -> tuple[torch.Tensor, SwapHandle | _AfterStep | None]:
         """A swapped master's values, with the read from its file that fills them started now (wait on

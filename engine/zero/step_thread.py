@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 class StepThread:
     """run(done) in a thread; run calls done(key) when key's work is finished. Every key counts as
-    finished once run returns or raises; its error is raised again in every thread that waits."""
+    finished once run returns or raises; `error` is what it raised, for the waiters to raise again."""
 
     def __init__(self, run: Callable[[Callable[[int], None]], None], keys: Iterable[int]) -> None:
         self._done = {key: threading.Event() for key in keys}
@@ -21,7 +21,7 @@ class StepThread:
     def _main(self, run: Callable[[Callable[[int], None]], None]) -> None:
         try:
             run(lambda key: self._done[key].set())
-        except BaseException as err:  # noqa: BLE001 (raised again in the threads that wait for it)
+        except BaseException as err:  # noqa: BLE001 (raised again by the thread that waits for it)
             self.error = err
         finally:
             for event in self._done.values():
@@ -33,12 +33,10 @@ class StepThread:
         return event is None or event.is_set()
 
     def wait_for(self, key: int) -> None:
-        """Until key's work is done; the step's error if it failed."""
+        """Until key's work is done (or the step failed: see `error`)."""
         event = self._done.get(key)
         if event is not None:
             event.wait()
-        if self.error is not None:
-            raise self.error
 
     def join(self) -> BaseException | None:
         """Until the whole step is done; its error, or None."""

@@ -171,10 +171,17 @@ class UnitGathers:
 
     def _launch(self, unit: Unit) -> None:
         """Start a GATHERING unit's all-gathers (waiting for its reads first, if any are still running)."""
+        reads = self._reading.pop(unit.index)
+        try:
+            _wait(reads)  # all of them first: a failed read leaves nothing launched
+        except BaseException:  # back to PARTITIONED: a later use gathers it anew
+            for g in unit.groups:
+                self.gathered_bytes -= _nbytes(_full(g))
+                g.full = None
+            unit.move(UnitState.PARTITIONED)
+            raise
         works = []
-        for g, (values, pending) in self._reading.pop(unit.index):
-            if pending is not None:
-                pending.wait()
+        for g, (values, _) in reads:
             full = _full(g)
             start, end = g.layout.slice_range(0, self._rank)
             # This rank's slice goes straight into its place in the gathered buffer (cast from the fp32
@@ -308,9 +315,16 @@ def _on_disk(reads: GroupReads) -> bool:
 
 
 def _wait(reads: GroupReads) -> None:
+    """Wait for every read; the first error is raised after all have ended (none still fills memory)."""
+    error: BaseException | None = None
     for _, (_, pending) in reads:
         if pending is not None:
-            pending.wait()
+            try:
+                pending.wait()
+            except BaseException as err:  # noqa: BLE001 (raised below, once every read has ended)
+                error = error or err
+    if error is not None:
+        raise error
 
 
 def _full(g: ShardedGroup) -> torch.Tensor:
