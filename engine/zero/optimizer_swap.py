@@ -265,6 +265,8 @@ class OptimizerSwap:
         """The swapped step over `jobs` through the buffers; `written(id(master))` once a target's parts
         are all written back. Returns with no transfer in flight, raised or not (the buffers are reused)."""
         left = Counter(id(job.swapped.master) for job in jobs)
+        fill: dict[int, torch.Tensor | None] = {}
+        """Target -> where its updated values go (a gather's buffer), while the step is on that target."""
         free = list(range(len(self._buffers)))
         writing: deque[tuple[int, list[SwapHandle], int]] = deque()
         reading: dict[int, tuple[int, list[SwapHandle]]] = {}
@@ -275,6 +277,7 @@ class OptimizerSwap:
             free.append(b)
             left[target] -= 1
             if not left[target]:
+                fill.pop(target, None)  # the gather holds it now: memory of one unit, not of every unit stepped
                 written(target)
 
         def take_buffer() -> int:
@@ -288,8 +291,6 @@ class OptimizerSwap:
             buf = self._buffers[b]
             n = part.grad.numel()
             reading[k] = (b, [f.read(buf[name][:n], part.offset) for name, f in s.files.items()])
-
-        fill: dict[int, torch.Tensor | None] = {}
 
         def destination(target: int) -> torch.Tensor | None:
             if target not in fill:
