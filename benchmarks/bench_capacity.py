@@ -445,9 +445,12 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
         (
             "- Disk bytes per step are measured (/proc/<pid>/io read_bytes and write_bytes of each rank, all its "
             "threads), not modelled: the step writes the fp32 master and both moments (12 B/param) and reads them "
-            "(12 B/param); each gather of a unit reads its master shard (4 B/param per gather); the engine's "
-            "gradients (memory-mapped swap files) are written as they are reduced (4 B/param) and read back by "
-            "the step where the kernel has evicted them."
+            "(12 B/param); each gather of a unit reads its master shard (4 B/param per gather), except where the "
+            "engine's step, running behind the next forward, hands a gather its unit's updated values; the "
+            "engine's gradients (memory-mapped swap files) are written once as they are reduced (4 B/param), read "
+            "back by the step where the kernel has evicted them, then zeroed in the file (no write). A step's "
+            "bytes are those of the window from one step's forward to the next's: the step behind the forward "
+            "is counted in the step after it."
         ),
         (
             "- Peak RSS counts the two rank processes (started directly, no launcher process). The load average "
