@@ -54,6 +54,24 @@ class AdamScalars:
     grad_scale: float = 1.0
     """Every gradient is multiplied by it first (e.g. clip_coef / loss_scale)."""
 
+    @classmethod
+    def of_group(
+        cls, group: dict[str, Any], step: int, *, adamw_mode: bool, bias_correction: bool, grad_scale: float
+    ) -> AdamScalars:
+        """A torch param group's scalars now (its learning rate as the scheduler left it), at `step`."""
+        beta1, beta2 = group["betas"]
+        return cls(
+            float(group["lr"]),
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            step,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+            grad_scale=grad_scale,
+        )
+
     def check(self) -> None:
         """Named ValueErrors for values the step cannot use."""
         step = self.step
@@ -183,18 +201,9 @@ def adam_step_entries(
     batches: dict[tuple[int, bool], list[AdamEntry]] = {}
     for entry, count in zip(entries, torch.stack(steps).tolist()):
         batches.setdefault((int(count), entry.lp_params is not None), []).append(entry)
-    beta1, beta2 = group["betas"]
     for (count, has_lp), members in batches.items():
-        hyper = AdamScalars(
-            float(group["lr"]),
-            beta1,
-            beta2,
-            group["eps"],
-            group["weight_decay"],
-            count,
-            adamw_mode=adamw_mode,
-            bias_correction=bias_correction,
-            grad_scale=grad_scale,
+        hyper = AdamScalars.of_group(
+            group, count, adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=grad_scale
         )
         tensors = AdamTensors(
             [t for e in members for t in e.params],

@@ -242,21 +242,12 @@ class OptimizerSwap:
     def _plan(self, group: dict[str, Any], coef: float, adamw_mode: bool, bias_correction: bool) -> list[_Job]:
         """The group's sub-groups, each with the scalars of this step (its learning rate now: a scheduler
         may change the group's before the step has run)."""
-        beta1, beta2 = group["betas"]
         jobs: list[_Job] = []
         for p in group["params"]:
             s = self.by_master[id(p)]
             s.state["step"] += 1.0
-            scalars = AdamScalars(
-                float(group["lr"]),
-                beta1,
-                beta2,
-                group["eps"],
-                group["weight_decay"],
-                int(s.state["step"]),
-                adamw_mode=adamw_mode,
-                bias_correction=bias_correction,
-                grad_scale=coef,
+            scalars = AdamScalars.of_group(
+                group, int(s.state["step"]), adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=coef
             )
             jobs.extend(_Job(s, part, scalars) for part in s.parts)
         return jobs
