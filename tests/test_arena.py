@@ -169,6 +169,15 @@ def test_request_too_large_names_request_state_and_config_key(impl: str) -> None
     assert arena.stats() == before and held.numel() == 1000
 
 
+def test_try_allocate_gives_none_where_allocate_refuses(impl: str) -> None:
+    arena = make(impl, 16 * 64)
+    held = arena.try_allocate([600], torch.uint8)  # a 640-byte block
+    assert held is not None and held.data_ptr() == arena.data_ptr()
+    before = arena.stats()
+    assert arena.try_allocate([600], torch.uint8) is None and arena.stats() == before  # 384 bytes left
+    assert arena.try_allocate([384], torch.uint8) is not None
+
+
 def test_fragmented_refusal_says_so_and_coalescing_heals_it(impl: str) -> None:
     arena = make(impl, 4096)
     quarters = [arena.allocate([1024], torch.uint8) for _ in range(4)]

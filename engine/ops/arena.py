@@ -209,17 +209,29 @@ class BlockArena:
         self._config_key = config_key
 
     def allocate(self, sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
+        tensor, refused = self._lend(sizes, dtype)
+        if tensor is None:
+            assert refused is not None
+            nbytes = _check_shape(sizes, dtype)
+            raise RuntimeError(_full_message(refused, self._config_key, sizes, dtype, nbytes, block_bytes(nbytes)))
+        return tensor
+
+    def try_allocate(self, sizes: list[int], dtype: torch.dtype) -> torch.Tensor | None:
+        return self._lend(sizes, dtype)[0]
+
+    def _lend(self, sizes: list[int], dtype: torch.dtype) -> tuple[torch.Tensor | None, Usage | None]:
+        """A block as a tensor, or None and the free list's usage when no free block is large enough."""
         nbytes = _check_shape(sizes, dtype)
         if nbytes == 0:
-            return torch.empty(sizes, dtype=dtype)  # takes no block
+            return torch.empty(sizes, dtype=dtype), None  # takes no block
         block = block_bytes(nbytes)
         offset, refused = self._blocks.take(block)
         if refused is not None:
-            raise RuntimeError(_full_message(refused, self._config_key, sizes, dtype, nbytes, block))
+            return None, refused
         memory = (ctypes.c_ubyte * nbytes).from_address(self._blocks.base + offset)
         finalizer = weakref.finalize(memory, self._blocks.give_back, offset, block)  # owns the free list
         finalizer.atexit = False  # the whole buffer goes at exit anyway
-        return torch.frombuffer(memory, dtype=dtype).view(sizes)
+        return torch.frombuffer(memory, dtype=dtype).view(sizes), None
 
     def stats(self) -> ArenaStats:
         u = self._blocks.usage()
@@ -294,6 +306,10 @@ class Arena:
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous CPU tensor in a free block (contents undefined); RuntimeError when none fits."""
         return self._impl.allocate([int(size) for size in shape], dtype)
+
+    def try_allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """allocate(), or None where no free block is large enough (one search of the free list)."""
+        return self._impl.try_allocate([int(size) for size in shape], dtype)
 
     def stats(self) -> ArenaStats:
         return self._impl.stats()

@@ -149,7 +149,8 @@ class OptimizerSwap:
         is on disk and read only through this class."""
         self.order: list[torch.Tensor] = []
         """The masters in the order the next forward reads them (the stage's recorded trace); the others after."""
-        self._background: StepThread | None = None
+        self._running: StepThread | None = None
+        """The step running behind the forward, until a reader has waited for all of it (finish)."""
         self.steps_behind = 0
         """Steps run behind the forward, over the swap's life."""
         self._lock = threading.Lock()
@@ -235,9 +236,7 @@ class OptimizerSwap:
         jobs.sort(key=lambda job: position.get(id(job.swapped.master), len(position)))  # stable: parts in file order
         self.steps_behind += 1
         self._begun, self._fill = set(), {}
-        self._background = StepThread(
-            lambda written: self._run(jobs, written), [id(job.swapped.master) for job in jobs]
-        )
+        self._running = StepThread(lambda written: self._run(jobs, written), [id(job.swapped.master) for job in jobs])
 
     def _plan(self, group: dict[str, Any], coef: float, adamw_mode: bool, bias_correction: bool) -> list[_Job]:
         """The group's sub-groups, each with the scalars of this step (its learning rate now: a scheduler
@@ -330,18 +329,18 @@ class OptimizerSwap:
 
     def finish(self) -> None:
         """Wait for the step running behind the forward, if any; raise its error (once) if it failed."""
-        background, self._background = self._background, None
-        if background is not None:
-            error = background.join()
+        running, self._running = self._running, None
+        if running is not None:
+            error = running.join()
             if error is not None:
                 raise error
 
     def wait_for(self, master: torch.Tensor) -> None:
         """Wait until the running step, if any, has written `master`'s target back; if it failed, raise its
         error (once: the step is over then, as an in-line step that raised would be)."""
-        if self._background is not None:
-            self._background.wait_for(id(master))
-            if self._background.error is not None:
+        if self._running is not None:
+            self._running.wait_for(id(master))
+            if self._running.error is not None:
                 self.finish()
 
     def start_read_master(self, master: torch.Tensor) -> tuple[torch.Tensor, SwapHandle | _AfterStep | None]:
@@ -352,8 +351,8 @@ class OptimizerSwap:
         if s is None or "master" not in s.files or master.numel() == s.shape.numel():
             return master, None
         flat = aligned_empty(s.shape.numel(), torch.float32)  # aligned: the read can take O_DIRECT
-        background = self._background
-        if background is not None and not background.finished(id(master)):
+        running = self._running
+        if running is not None and not running.finished(id(master)):
             with self._lock:  # the step thread takes a target's destination when it begins the target
                 filled = id(master) not in self._begun and id(master) not in self._fill
                 if filled:
@@ -402,8 +401,8 @@ class OptimizerSwap:
     def close(self) -> None:
         """Remove the swap folder (after waiting for a running step: an error of it was raised by finish(),
         which every reader calls first, or is dropped with the state it failed to write)."""
-        if self._background is not None:
-            self._background.join()
-            self._background = None
+        if self._running is not None:
+            self._running.join()
+            self._running = None
         self.context.close()
         self.dir.close()

@@ -175,10 +175,7 @@ class UnitGathers:
         try:
             _wait(reads)  # all of them first: a failed read leaves nothing launched
         except BaseException:  # back to PARTITIONED: a later use gathers it anew
-            for g in unit.groups:
-                self.gathered_bytes -= _nbytes(_full(g))
-                g.full = None
-            unit.move(UnitState.PARTITIONED)
+            self._unstart(unit)
             raise
         works = []
         for g, (values, _) in reads:
@@ -191,6 +188,13 @@ class UnitGathers:
             assert work is not None  # async_op=True always returns a handle
             works.append(work)
         self._in_flight[unit.index] = works
+
+    def _unstart(self, unit: Unit) -> None:
+        """GATHERING -> PARTITIONED, its full buffers dropped (nothing of it in flight any more)."""
+        for g in unit.groups:
+            self.gathered_bytes -= _nbytes(_full(g))
+            g.full = None
+        unit.move(UnitState.PARTITIONED)
 
     def _launch_read_ahead(self) -> None:
         """Launch the all-gathers of every unit whose read was started before this point (oldest first);
@@ -257,10 +261,7 @@ class UnitGathers:
                 self._in_flight[unit.index] = []
             for work in self._in_flight.pop(unit.index):
                 comm.wait(work, "a prefetched all-gather nobody used")
-            for g in unit.groups:
-                self.gathered_bytes -= _nbytes(_full(g))
-                g.full = None
-            unit.move(UnitState.PARTITIONED)
+            self._unstart(unit)
         assert not self._in_flight and not self._reading, "stage 3: gathers in flight for units that are not GATHERING"
 
     def start_micro_step(self) -> None:

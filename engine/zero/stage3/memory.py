@@ -100,7 +100,6 @@ class Stage3Memory:
         self._pool = BucketPool(bucket_capacity)
         self.fallbacks = 0
         """Requests the arena could not hold, served by the default allocator."""
-        self.fallback_bytes = 0
         self.bucket_bytes = 0
         self.peak_bucket_bytes = 0
 
@@ -128,13 +127,12 @@ class Stage3Memory:
         """A block of the arena, or, when no free block is large enough, memory from the default allocator
         (see [Note: an arena smaller than the worst case])."""
         assert self.arena is not None
-        nbytes = block_bytes(numel * dtype.itemsize)
-        stats = self.arena.stats()
-        if nbytes <= stats["largest_free"]:
-            return self.arena.allocate((numel,), dtype)
+        lent = self.arena.try_allocate((numel,), dtype)
+        if lent is not None:
+            return lent
         self.fallbacks += 1
-        self.fallback_bytes += nbytes
         if self.fallbacks == 1:
+            nbytes, stats = block_bytes(numel * dtype.itemsize), self.arena.stats()
             sized = "sized from the units and stage3_max_live_parameters" if self.auto else "set by the config"
             logger.warning(
                 "rank %d, %s: %d bytes do not fit in the arena (%s: capacity %d bytes, %d in use, largest free "
