@@ -32,6 +32,9 @@ class UnitHandle:
     """Every rank takes rank src's values of the gathered unit into its shard and fp32 master."""
     status: Callable[[], ZeroParamStatus]
     """DeepSpeed's `param.ds_status` of the unit's parameters, from its state (Unit.ds_status)."""
+    grad_slot: Callable[[torch.Tensor, torch.dtype], torch.Tensor | None] = lambda param, dtype: None
+    """Where the parameter's gradient of this backward goes in the unit's gradient bucket, shaped like the
+    parameter, for the stage-3 linear to compute it into; None: return it the usual way (UnitGradients.slot)."""
 
 
 _units = WeakIdKeyDictionary()  # stage-3 parameter -> UnitHandle

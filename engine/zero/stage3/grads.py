@@ -74,6 +74,8 @@ class UnitGradients:
         """Unit index -> its position in `_order`."""
         self._reducing: deque[TrainableGroup] = deque()
         """Groups whose reduce-scatter is in flight, oldest first."""
+        self.in_place = 0
+        """Gradients that arrived already in their bucket slot (computed there: slot()), over the stage's life."""
 
     def on_grad(self, param: torch.Tensor) -> None:
         """A parameter's gradient was accumulated: move it into its unit's bucket; reduce what is ready."""
@@ -82,20 +84,52 @@ class UnitGradients:
         if grad is None:
             return
         param.grad = None
-        if not g.filling:  # the first of this backward: EMPTY -> FILLING or REDUCED -> ACCUMULATING
-            g.grad_bucket = self._memory.bucket(
-                g.layout.padded_numel, self._precision.wire_dtype(grad.dtype), grad.device, unit.name
-            )
-            g.move_grads(GradState.ACCUMULATING if g.grad_written else GradState.FILLING)
-        assert g.grad_bucket is not None
         span = g.layout.params[i]
+        into = self._bucket(unit, g, self._precision.wire_dtype(grad.dtype), grad.device)[span.offset : span.end]
         if i in g.arrived:
-            g.grad_bucket[span.offset : span.end].add_(grad.reshape(-1))
+            into.add_(grad.reshape(-1))
         else:
-            g.grad_bucket[span.offset : span.end].copy_(grad.reshape(-1))
+            if not (grad.data_ptr() == into.data_ptr() and grad.is_contiguous() and grad.dtype == into.dtype):
+                into.copy_(grad.reshape(-1))
+            else:  # computed in its slot (slot()): already where it goes
+                self.in_place += 1
             g.arrived.add(i)
         if self._complete(unit):
             self._order.launch_ready()
+
+    def slot(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where `param`'s gradient of this backward goes in its unit's bucket, shaped like the parameter, for
+        the stage-3 linear to compute it into (memory_efficient_linear.py: no fresh gradient, no copy);
+        None where it must come the usual way: a gradient of another dtype than the bucket's, one that
+        arrived already (it is added), a unit already sent, a slot given before in this backward (a
+        weight used twice: two products into one slot would leave only the last, and autograd adds the
+        two it was given, which would both be that one), and a parameter with tensor hooks (one may keep
+        the gradient it is given, which must then not change when the bucket is reduced and reused)."""
+        owner = self._owner.get(id(param))
+        if owner is None:
+            return None
+        unit, g, i = owner
+        if (
+            i in g.arrived
+            or i in g.slotted
+            or self.sent(unit)
+            or self._precision.wire_dtype(dtype) != dtype
+            or param.device.type != "cpu"  # the arena and the measured page faults are the CPU's
+            or param._backward_hooks
+        ):
+            return None
+        span = g.layout.params[i]
+        g.slotted.add(i)
+        return self._bucket(unit, g, dtype, param.device)[span.offset : span.end].view(param.shape)
+
+    def _bucket(self, unit: Unit, g: TrainableGroup, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The group's bucket of this backward; the first ask takes one: EMPTY -> FILLING or REDUCED ->
+        ACCUMULATING."""
+        if not g.filling:
+            g.grad_bucket = self._memory.bucket(g.layout.padded_numel, dtype, device, unit.name)
+            g.move_grads(GradState.ACCUMULATING if g.grad_written else GradState.FILLING)
+        assert g.grad_bucket is not None
+        return g.grad_bucket
 
     def sent(self, unit: Unit) -> bool:
         """The unit's gradients of this backward were sent to be reduced (and the unit released): a
@@ -154,6 +188,7 @@ class UnitGradients:
         )
         g.pending = None
         g.arrived.clear()
+        g.slotted.clear()
         self._recycle_bucket(g)
         g.move_grads(GradState.REDUCED)
         self._reduced(g.shard_grad)
@@ -195,6 +230,7 @@ class UnitGradients:
                     g.pending = None
                 self._recycle_bucket(g)
                 g.arrived.clear()
+                g.slotted.clear()
                 g.move_grads(GradState.EMPTY)
                 for p in g.params:
                     p.grad = None

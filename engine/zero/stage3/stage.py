@@ -109,6 +109,7 @@ class Stage3:
                 release=partial(self.release_for_user, unit),
                 scatter_from=partial(self.scatter_from, unit),
                 status=unit.ds_status,
+                grad_slot=lambda param, dtype: self._grads.slot(param, dtype),
             )
             for g in unit.groups:
                 for p in g.params:

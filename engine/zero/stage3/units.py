@@ -148,6 +148,8 @@ class TrainableGroup(ShardedGroup):
     """1D, padded like `full`, in the wire dtype: held while FILLING/ACCUMULATING/REDUCING/ADDING."""
     arrived: set[int] = field(default_factory=set)
     """Indices (in `params`) of the parameters whose gradient is in `grad_bucket` (FILLING/ACCUMULATING)."""
+    slotted: set[int] = field(default_factory=set)
+    """Indices of the parameters whose slot of `grad_bucket` was lent in this backward (UnitGradients.slot)."""
     pending: shard_reduce.PendingReduce | None = None
     """The reduce-scatter of `grad_bucket` in flight (REDUCING/ADDING)."""
 
