@@ -665,3 +665,23 @@ def test_a_failed_step_behind_the_forward_is_raised_by_the_next_reader(tmp_path:
     assert got["raised"].startswith("SwapFileError") and "exp_avg" in got["raised"], got
     assert "has 100 bytes, expected" in got["raised"], got
     assert got["left"] == "False", got
+
+
+def _gathers_take_the_stepped_values(nvme_path: str) -> dict[str, Any]:
+    """Stage 3, parameters on NVMe, the step not held back: it waits for the next forward's gathers to ask
+    for each target, so it never writes one back before its gather asks (which would read it again)."""
+    eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", nvme_path, True, params=True))
+    swap = eng._stage.master_step.swap
+    _steps(eng, range(1), torch.float32)
+    time.sleep(0.3)  # what the step may do before anything reads it
+    begun_before_the_forward = len(swap._begun)
+    _steps(eng, range(1, 4), torch.float32)
+    out = {"begun": begun_before_the_forward, "handed": swap.handed, "reread": swap.reread}
+    eng.destroy()
+    return out
+
+
+def test_the_step_behind_the_forward_hands_every_gather_its_values(tmp_path: Path) -> None:
+    for got in run_distributed(_gathers_take_the_stepped_values, 2, args=(str(tmp_path),)):
+        assert got["begun"] == 0, got
+        assert got["handed"] > 0 and got["reread"] == 0, got
