@@ -30,13 +30,13 @@ other scalars of this step. Then a thread runs it, targets in the order the next
 target (all its parts written back), everything else for the whole step (the next step, a
 checkpoint, destroy, and the next backward, whose reductions overwrite the gradients the step reads).
 The forward computes while the step's transfers go on: at 3.65B parameters, 45 GB a rank and 38 s
-with nothing else running, against a forward of 23 s that read 8 GB. The step begins a target only once
-a gather has asked for it or for a later one (or a reader waits for the whole step: `_may_begin`), so
-every gather is handed its values: run ahead, the step wrote a target back before its gather asked,
-which then read it from disk again (one rank read 6 GB a step more than the other at 3.65B, its step
-having no forward of its own to wait for: the ranks' forwards go at the slower one's pace). The arithmetic is the in-line
-step's (the same kernel on the same values), so the results are bitwise the same. An error in the
-thread is raised again in the first thread that waits.
+with nothing else running, against a forward of 23 s that read 8 GB. The step begins a target only
+once a gather has asked for it or for a later one, or once a reader waits for the whole step
+(`_may_begin`), so every gather is handed its values. Run ahead, the step wrote targets back before
+their gathers asked, and they read them from disk again: at 3.65B one rank read 6 GB a step more than
+the other, its step being faster than the forward, which goes at the slower rank's pace. The
+arithmetic is the in-line step's (the same kernel on the same values), so the results are bitwise the
+same. An error in the thread is raised again in the first thread that waits.
 
 Every rank creates its swap folder (engine/offload/swap_dir.py); a failure on any rank is raised on
 every rank, so none waits in a collective for a rank that stopped.
@@ -353,9 +353,7 @@ class OptimizerSwap:
 
     def _may_begin(self, target: int) -> bool:
         """Whether the running step may begin `target` (under _lock): once a gather has asked for it or for a
-        later one, or once a reader waits for the whole step. Run ahead of the gathers, the step writes
-        a target back before its gather asks, and the gather reads it from disk again: a rank whose step
-        had no other rank's forward to wait for read 6 GB a step more than the other at 3.65B."""
+        later one, or once a reader waits for the whole step (see [Note: the step behind the next forward])."""
         return self._run_on or self._asked_upto >= self._position.get(target, 0)
 
     def _let_run_on(self) -> None:
