@@ -511,7 +511,11 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
             "The engine NVMe row's RSS includes its gradients' file pages while they are mapped in (page cache the "
             "kernel reclaims when memory is short; the lowest MemAvailable column is the memory actually left)."
         ),
-        "- Plot: capacity.png (every attempt per system, o trained, x failed; dashed: model states = this RAM).",
+        f"- Plot: {args.name}.png (every attempt per system, o trained, x failed; dashed: model states = this RAM).",
+        (
+            "- The engine rows' zero_optimization.stage3_arena_bytes (--engine-arena): "
+            f"{data.get('engine_arena', 'not recorded')}."
+        ),
         (
             f"- Safety: each attempt in its own process group, oom_score_adj 1000, killed when MemAvailable < "
             f"{args.min_available_gib} GiB (reason memory) or after {args.attempt_timeout:.0f} s (reason time); "
@@ -619,6 +623,7 @@ def main() -> None:
         data["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         data["ds_aio"] = deepspeed_aio_status()
         data["mm_gflops"] = mm_gflops()
+        data["engine_arena"] = ENGINE_ARENA_BYTES
         data["dd_write"], data["dd_read"] = dd_bandwidth(args.nvme_dir)
         data["disk_rates"] = [{"when": "before", **disk_rates(args.nvme_dir)}]
         data["systems"] = {}
