@@ -288,6 +288,11 @@ class OptimizerSwap:
                 fill.pop(target, None)  # the gather holds it now: memory of one unit, not of every unit stepped
                 written(target)
 
+        def drain() -> None:
+            """Wait for every write in flight and tell the waiters of each target written."""
+            while writing:
+                wrote(*writing.popleft())
+
         def take_buffer() -> int:
             if not free:
                 wrote(*writing.popleft())
@@ -305,8 +310,7 @@ class OptimizerSwap:
                 with self._lock:
                     ready = self._may_begin(target)
                 if not ready:  # the gathers that would ask may be waiting for the targets written so far
-                    while writing:
-                        wrote(*writing.popleft())
+                    drain()
                 with self._lock:
                     self._asked.wait_for(lambda: self._may_begin(target))
                     self._begun.add(target)
@@ -344,8 +348,7 @@ class OptimizerSwap:
                     wrote(*writing.pop())
                 while writing and all(h.done() for h in writing[0][1]):  # tell waiters as soon as it is on disk
                     wrote(*writing.popleft())
-            while writing:
-                wrote(*writing.popleft())
+            drain()
         finally:  # after a failure: nothing may still move data into or out of the buffers
             for h in [h for _, hs in reading.values() for h in hs] + [h for _, hs, _ in writing for h in hs]:
                 with contextlib.suppress(Exception):
@@ -363,9 +366,9 @@ class OptimizerSwap:
 
     def finish(self) -> None:
         """Wait for the step running behind the forward, if any; raise its error (once) if it failed."""
-        self._let_run_on()
         running, self._running = self._running, None
         if running is not None:
+            self._let_run_on()
             error = running.join()
             if error is not None:
                 raise error

@@ -54,9 +54,9 @@ class _LinearSavingWeight(torch.autograd.Function):
             handle = owners.unit_of(weight)
             # (Not when the backward records a graph, create_graph=True: a product written into `out=` has none.)
             slot = None
-            if handle is not None and not torch.is_grad_enabled():
+            if handle is not None and not torch.is_grad_enabled() and flat_input.dtype == flat_grad.dtype:
                 slot = handle.grad_slot(weight, flat_grad.dtype)
-            if slot is not None and flat_input.dtype == flat_grad.dtype:  # into the bucket: see the module's note
+            if slot is not None:  # into the bucket: see the module's note
                 grad_weight = torch.mm(flat_grad.t(), flat_input, out=slot)
             else:
                 grad_weight = flat_grad.t().matmul(flat_input)
