@@ -26,6 +26,11 @@ from engine.zero.ordered_launch import LaunchInOrder
 from engine.zero.stage3.memory import Stage3Memory
 from engine.zero.stage3.units import GradState, TrainableGroup, Unit
 
+_FRESH_ALIGN = 64
+"""Bytes torch's CPU allocator aligns a fresh tensor to: a slot (UnitGradients.slot) is lent only at such an
+address, so the matrix product writing it sees its output placed as autograd's own would be (its kernel
+may pick its path by the output's alignment; the results are meant to be bitwise the same)."""
+
 MAX_REDUCES_IN_FLIGHT = 2
 """Gradient reduce-scatters (one per unit, optimizer group and dtype) in flight before the oldest is
 waited for and its bucket recycled."""
@@ -103,8 +108,9 @@ class UnitGradients:
         None where it must come the usual way: a gradient of another dtype than the bucket's, one that
         arrived already (it is added), a unit already sent, a slot given before in this backward (a
         weight used twice: two products into one slot would leave only the last, and autograd adds the
-        two it was given, which would both be that one), and a parameter with tensor hooks (one may keep
-        the gradient it is given, which must then not change when the bucket is reduced and reused)."""
+        two it was given, which would both be that one), a parameter with tensor hooks (one may keep
+        the gradient it is given, which must then not change when the bucket is reduced and reused), and
+        a slot off the alignment of a fresh tensor (_FRESH_ALIGN)."""
         owner = self._owner.get(id(param))
         if owner is None:
             return None
@@ -119,8 +125,11 @@ class UnitGradients:
         ):
             return None
         span = g.layout.params[i]
+        slot = self._bucket(unit, g, dtype, param.device)[span.offset : span.end].view(param.shape)
+        if slot.data_ptr() % _FRESH_ALIGN:  # placed as a fresh gradient would be, so the product is the same
+            return None
         g.slotted.add(i)
-        return self._bucket(unit, g, dtype, param.device)[span.offset : span.end].view(param.shape)
+        return slot
 
     def _bucket(self, unit: Unit, g: TrainableGroup, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The group's bucket of this backward; the first ask takes one: EMPTY -> FILLING or REDUCED ->
