@@ -455,7 +455,12 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
                     f"engine aio {r['aio_write'] / 1e9:.2f}/{r['aio_read'] / 1e9:.2f}"
                     for r in data.get("disk_rates", [])
                 )
-                + f" (dd alone, at the start: {data['dd_write'] / 1e9:.2f}/{data['dd_read'] / 1e9:.2f}). "
+                + (
+                    ""
+                    if data.get("disk_rates")
+                    else f"at the start: dd {data['dd_write'] / 1e9:.2f}/{data['dd_read'] / 1e9:.2f}"
+                )
+                + ". "
                 f"Disk time at the fastest of them: write {fastest(data, 'write') / 1e9:.2f}, read "
                 f"{fastest(data, 'read') / 1e9:.2f} GB/s (this disk's speed drifts between measurements). "
                 "Compute: forward+backward FLOPs of one sequence per rank (the ranks run in "
@@ -624,8 +629,9 @@ def main() -> None:
         data["ds_aio"] = deepspeed_aio_status()
         data["mm_gflops"] = mm_gflops()
         data["engine_arena"] = ENGINE_ARENA_BYTES
-        data["dd_write"], data["dd_read"] = dd_bandwidth(args.nvme_dir)
-        data["disk_rates"] = [{"when": "before", **disk_rates(args.nvme_dir)}]
+        before = disk_rates(args.nvme_dir)
+        data["dd_write"], data["dd_read"] = before["dd_write"], before["dd_read"]  # the fields older runs have
+        data["disk_rates"] = [{"when": "before", **before}]
         data["systems"] = {}
     for system in systems:
         if system == "deepspeed-3-nvme" and data["ds_aio"] != "compatible":
