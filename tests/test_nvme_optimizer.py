@@ -27,6 +27,8 @@ from distributed import run_distributed
 from models import global_batches, make_model, rank_micro_batch
 
 import engine
+from engine.ops.overflow import KnownSquares, sum_squares_and_overflow, sum_squares_of
+from engine.zero.norm_scope import counted_rows
 from engine.zero.optimizer_swap import sub_group_cuts
 
 STEPS, MICRO, GAS = 10, 2, 2
@@ -89,6 +91,7 @@ def _run(
     with open("/proc/self/maps") as maps:
         mapped = {line.split()[-1] for line in maps if folder and folder in line and "/grad." in line}
     grads = [g.shard_grad for u in eng._stage.units for g in u.trainable] if stage == 3 else []
+    norm = _norm_of_one_more_window(eng, dtype) if stage == 3 else None
     reads_ahead = eng._stage._gathers.reads_ahead if stage == 3 else 0
     shards_read_ahead = eng._stage._gathers.shards_read_ahead if stage == 3 else 0
     state = eng.consolidated_state_dict()
@@ -104,8 +107,27 @@ def _run(
         "masters in memory": in_memory,
         "mapped grad files": sorted(os.path.basename(m) for m in mapped),
         "grad targets": len(grads),
+        "norm": norm,
         "reads ahead": reads_ahead,
         "shards read ahead": shards_read_ahead,
+    }
+
+
+def _norm_of_one_more_window(eng: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """One more accumulation window's backwards (no step): what the step's norm would add up (partial sums
+    taken as each reduction landed, or the gradient rows), and whether it is the rows' own sum, bitwise."""
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batch = global_batches(1, MICRO * GAS * ws)[0]
+    for k in range(GAS):
+        x, y = rank_micro_batch(batch, rank, ws, MICRO, k)
+        eng.backward(torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y))
+    stage = eng._stage
+    rows = stage._norm_rows()
+    counted = [r for g, runs in stage._norm_runs for r in counted_rows(g.shard_grad, runs, g.layout.slice_numel)]
+    return {
+        "groups": len(stage._norm_runs),
+        "known": sum(isinstance(r, KnownSquares) for r in rows),
+        "same": sum_squares_of(rows) == sum_squares_and_overflow(counted),
     }
 
 
@@ -155,6 +177,13 @@ def test_nvme_equals_the_in_memory_offload_bitwise(
     grad_files = [f for f in got["files"] if f.startswith("grad.")]
     assert got["mapped grad files"] == grad_files, got
     assert len(grad_files) == (got["grad targets"] if stage == 3 else 0) and (stage != 3 or grad_files), got
+    # Stage 3 on NVMe: the norm adds partial sums taken as each gradient's reduction landed (after the
+    # accumulation's last add too), never reading a gradient back from disk, and they are the rows' sum.
+    if stage == 3:
+        for r in ranks:
+            norm, memory = r["nvme"]["norm"], r["cpu"]["norm"]
+            assert norm["known"] == norm["groups"] > 0 and norm["same"], norm
+            assert memory["known"] == 0 and memory["same"], memory
     assert all(r["nvme"]["gone"] for r in ranks), [r["nvme"]["folder"] for r in ranks]
 
 

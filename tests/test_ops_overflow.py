@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from engine.ops import overflow as overflow_ops
-from engine.ops.overflow import sum_squares_and_overflow, torch_sum_squares_and_overflow
+from engine.ops.overflow import (
+    KnownSquares,
+    add_in_order,
+    chunk_sum_squares,
+    sum_squares_and_overflow,
+    sum_squares_of,
+    torch_sum_squares_and_overflow,
+)
 
 K = 1 << 14  # zero_engine::kChunk (csrc/cpu/ops.h)
 SIZES = [0, 1, 3, K - 1, K, K + 1, 2 * K + 5, 1000003]
@@ -128,3 +135,50 @@ def test_refusals_name_the_tensor(ext: ModuleType, bad: torch.Tensor, pattern: s
         sum_squares_and_overflow([torch.ones(2), bad])
     with pytest.raises(RuntimeError, match=pattern):  # the C++ check, for callers of the op itself
         ext.sum_squares_and_overflow([torch.ones(2), bad], 1.0)
+
+
+# --- the partial sums taken early (chunk_sum_squares, KnownSquares, sum_squares_of) ---------------------
+
+
+def _split_known(ts: list[torch.Tensor], known: set[int]) -> list[torch.Tensor | KnownSquares]:
+    """`ts` with the tensors at `known` replaced by their partial sums, each taken on its own."""
+    return [KnownSquares(*chunk_sum_squares([t])) if i in known else t for i, t in enumerate(ts)]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("known", [set(), {0}, {3, 4}, set(range(19))], ids=["none", "first", "middle", "all"])
+def test_partial_sums_taken_early_add_up_to_the_same_total_bitwise(
+    ext: ModuleType, monkeypatch: pytest.MonkeyPatch, compiled: bool, known: set[int]
+) -> None:
+    """Whatever tensors' partials were taken earlier, and one tensor at a time, the total is the one
+    sum_squares_and_overflow gives the whole list: the same float64, not merely close."""
+    if not compiled:
+        monkeypatch.setattr(overflow_ops, "compiled_module", lambda tensors: None)
+    ts = tensors(torch.bfloat16) + tensors(torch.float32)
+    want = sum_squares_and_overflow(ts)
+    got = sum_squares_of(_split_known(ts, known))
+    assert got == want and got[0] > 0, (got, want)
+    partials, overflow = chunk_sum_squares(ts)
+    # One partial per chunk of K (compiled) or _PIECE (torch) elements; torch's split gives an empty
+    # tensor one empty piece, whose 0.0 adds nothing.
+    pieces = (
+        [-(-t.numel() // K) for t in ts] if compiled else [max(1, -(-t.numel() // overflow_ops._PIECE)) for t in ts]
+    )
+    assert len(partials) == sum(pieces) and not overflow
+    assert add_in_order(partials) == want[0]
+
+
+def test_partial_sums_carry_inf_and_nan(ext: ModuleType) -> None:
+    ts = [torch.ones(K + 3), torch.tensor([1.0, INF]), torch.ones(5)]
+    total, overflow = sum_squares_of(_split_known(ts, {1}))
+    assert overflow and math.isinf(total)
+    total, overflow = sum_squares_of(_split_known([torch.ones(3), torch.tensor([NAN])], {0}))
+    assert overflow and math.isnan(total)
+
+
+def test_partial_sums_refuse_what_the_norm_refuses(ext: ModuleType) -> None:
+    with pytest.raises((ValueError, TypeError), match=r"tensors\[1\] is not contiguous"):
+        chunk_sum_squares([torch.ones(2), torch.ones(4, 6)[:, ::2]])
+    meta = torch.ones(3, device="meta")
+    with pytest.raises((ValueError, TypeError), match="CPU tensors only|device"):
+        chunk_sum_squares([meta])

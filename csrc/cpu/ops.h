@@ -75,6 +75,12 @@ void ze_copy(const void* const* ins, void* const* outs, const int64_t* numels, c
 double ze_sum_squares_and_overflow(const void* const* data, const int64_t* numels, const int32_t* types,
                                    int64_t count, double scale, int32_t threads, int32_t* overflow);
 
+// The partial sums ze_sum_squares_and_overflow adds up, one per chunk of kChunk elements (a tensor's last
+// chunk may be shorter; no chunk spans two tensors), into sums[0 .. sum of ceil(numels[i] / kChunk));
+// returns 1 when any element is inf/nan, else 0 (overflow.cpp).
+int32_t ze_chunk_sum_squares(const void* const* data, const int64_t* numels, const int32_t* types, int64_t count,
+                             double scale, int32_t threads, double* sums);
+
 // dst[:n] += float(src[:n]) * float(scale) (accumulate.cpp); returns -1 for a dtype pair it does not
 // take, else 0.
 int32_t ze_accumulate(void* dst, const void* src, int64_t n, int32_t dst_type, int32_t src_type, double scale,

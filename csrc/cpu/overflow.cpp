@@ -10,7 +10,9 @@
 // Deterministic: the chunks have fixed boundaries (kChunk elements, never crossing a tensor), each
 // chunk's partial sum depends only on its own elements, and the partials are added in chunk order
 // after the parallel part, so the result is bitwise the same at any thread count (for a given build:
-// the SIMD width sets the order of the additions within a chunk).
+// the SIMD width sets the order of the additions within a chunk). ze_chunk_sum_squares hands back the
+// partials themselves, so a caller can take them early (stage 3: as each gradient is reduced) and add
+// them in the same order later, to the same total.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -81,9 +83,9 @@ std::pair<double, bool> reduce(const Chunk& c, float scale) {
   }
 }
 
-std::pair<double, bool> sum_squares_and_overflow(const std::vector<Chunk>& chunks, double scale, int64_t threads) {
+// Every chunk's partial sum into sums[c] (in chunk order); whether any element is inf/nan.
+bool chunk_sums(const std::vector<Chunk>& chunks, double scale, int64_t threads, double* sums) {
   const float scale_f = static_cast<float>(scale);
-  std::vector<double> sums(chunks.size());
   std::vector<char> bad(chunks.size());  // char, not vector<bool>: threads write neighbouring entries
   const int64_t n = static_cast<int64_t>(chunks.size());
   // Threads claim chunks from a shared counter (a thread slowed by other work on its core does not hold
@@ -92,13 +94,28 @@ std::pair<double, bool> sum_squares_and_overflow(const std::vector<Chunk>& chunk
   on_threads(n < 2 ? 1 : threads, [&] {
     for (int64_t c = next++; c < n; c = next++) std::tie(sums[c], bad[c]) = reduce(chunks[c], scale_f);
   });
-  double total = 0.0;
   bool overflow = false;
-  for (int64_t c = 0; c < n; ++c) {  // in chunk order: see the note at the top
-    total += sums[c];
-    overflow = overflow || bad[c];
-  }
+  for (int64_t c = 0; c < n; ++c) overflow = overflow || bad[c];
+  return overflow;
+}
+
+std::pair<double, bool> sum_squares_and_overflow(const std::vector<Chunk>& chunks, double scale, int64_t threads) {
+  std::vector<double> sums(chunks.size());
+  const bool overflow = chunk_sums(chunks, scale, threads, sums.data());
+  double total = 0.0;
+  for (const double s : sums) total += s;  // in chunk order: see the note at the top
   return {total, overflow};
+}
+
+std::vector<Chunk> make_chunks(const void* const* data, const int64_t* numels, const int32_t* types, int64_t count) {
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < count; ++i) {
+    const char* base = static_cast<const char*>(data[i]);
+    for (int64_t begin = 0; begin < numels[i]; begin += kChunk) {
+      chunks.push_back({base + begin * element_size(types[i]), std::min(kChunk, numels[i] - begin), types[i]});
+    }
+  }
+  return chunks;
 }
 
 }  // namespace
@@ -107,14 +124,13 @@ std::pair<double, bool> sum_squares_and_overflow(const std::vector<Chunk>& chunk
 double ze_sum_squares_and_overflow(const void* const* data, const int64_t* numels, const int32_t* types,
                                    int64_t count, double scale, int32_t threads, int32_t* overflow) {
   using namespace zero_engine;
-  std::vector<Chunk> chunks;
-  for (int64_t i = 0; i < count; ++i) {
-    const char* base = static_cast<const char*>(data[i]);
-    for (int64_t begin = 0; begin < numels[i]; begin += kChunk) {
-      chunks.push_back({base + begin * element_size(types[i]), std::min(kChunk, numels[i] - begin), types[i]});
-    }
-  }
-  const auto [total, bad] = sum_squares_and_overflow(chunks, scale, threads);
+  const auto [total, bad] = sum_squares_and_overflow(make_chunks(data, numels, types, count), scale, threads);
   *overflow = bad ? 1 : 0;
   return total;
+}
+
+int32_t ze_chunk_sum_squares(const void* const* data, const int64_t* numels, const int32_t* types, int64_t count,
+                             double scale, int32_t threads, double* sums) {
+  using namespace zero_engine;
+  return chunk_sums(make_chunks(data, numels, types, count), scale, threads, sums) ? 1 : 0;
 }

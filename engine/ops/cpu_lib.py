@@ -25,6 +25,8 @@ import torch
 
 from engine.ops import checks
 
+CHUNK = 1 << 14
+"""Elements per partial sum of the norm (csrc/cpu/ops.h, kChunk)."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """torch dtype -> the C API's dtype code (csrc/cpu/ops.h, DType)."""
 _FP32 = {torch.float32: 0}
@@ -37,6 +39,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ze_simd_level": (ctypes.c_char_p, []),
     "ze_copy": (None, [_P, _P, _P, _P, _P, _I64, _F64, _I32]),
     "ze_sum_squares_and_overflow": (_F64, [_P, _P, _P, _I64, _F64, _I32, ctypes.POINTER(_I32)]),
+    "ze_chunk_sum_squares": (_I32, [_P, _P, _P, _I64, _F64, _I32, _P]),
     "ze_accumulate": (_I32, [_P, _P, _I64, _I32, _I32, _F64, _I32]),
     "ze_adam_step": (
         None,
@@ -66,7 +69,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _address(values: array.array[int]) -> int:
+def _address(values: array.array[int] | array.array[float]) -> int:
     return values.buffer_info()[0]
 
 
@@ -233,6 +236,18 @@ class CpuOps:
             ctypes.byref(overflow),
         )
         return float(total), bool(overflow.value)
+
+    def chunk_sum_squares(self, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> tuple[array.array[float], bool]:
+        """The partial sums sum_squares_and_overflow adds in order (one per CHUNK elements of each tensor;
+        none spans two), and whether any element is inf/nan."""
+        scan = _Scan(tensors, DTYPE_CODES)
+        if not scan.ok:
+            raise _named(lambda: checks.check_overflow_args(tensors), _indexed("tensors", tensors), "chunk_sum_squares")
+        sums = array.array("d", bytes(8 * sum(-(-t.numel() // CHUNK) for t in tensors)))
+        overflow = self._lib.ze_chunk_sum_squares(
+            scan.ptrs, scan.numel_array, scan.type_array, len(tensors), float(scale), thread_count(), _address(sums)
+        )
+        return sums, bool(overflow)
 
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
         """dst += float(src) * scale in place (float32 math, one rounding into dst): accumulate.accumulate."""

@@ -12,7 +12,7 @@ when the config sets check_for_nan_in_loss_and_grad.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,7 @@ import torch
 
 from engine import comm
 from engine.config.types import EngineConfig
-from engine.ops.overflow import sum_squares_and_overflow
+from engine.ops.overflow import KnownSquares, sum_squares_of
 from engine.precision.loss_scaler import LossScaler
 
 if TYPE_CHECKING:
@@ -107,9 +107,10 @@ class Precision:
     def grad_accum_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.accum_dtype or param_dtype
 
-    def global_norm(self, rows: list[torch.Tensor], *, factor: float, scope: NormScope) -> GradNorm:
+    def global_norm(self, rows: Sequence[torch.Tensor | KnownSquares], *, factor: float, scope: NormScope) -> GradNorm:
         """Global L2 norm of `factor x` the gradients whose pieces this rank counts are `rows` (1-D,
-        contiguous; engine/zero/norm_scope.py says which, and over which ranks they add up).
+        contiguous; engine/zero/norm_scope.py says which, and over which ranks they add up), or partial
+        sums of some taken earlier (KnownSquares, engine/ops/overflow.py: the same norm, bitwise).
 
         Local sums of squares are summed by one all-reduce over `scope` (never a gather). An inf or
         nan anywhere makes the sum non-finite on every rank, so the same collective is the overflow
@@ -118,7 +119,7 @@ class Precision:
         # One fused pass over every row (engine/ops/overflow.py), in the rows' own dtype: the sum of
         # squares in float64 and whether any element is inf/nan, which makes the sum nan (a nan element)
         # or inf so the all-reduce carries it, and the norm says which.
-        local, overflow = sum_squares_and_overflow(rows)
+        local, overflow = sum_squares_of(rows)
         if overflow:
             local = math.nan if math.isnan(local) else math.inf
         sumsq = torch.tensor([local], dtype=torch.float32)
@@ -129,7 +130,7 @@ class Precision:
 
     def step_shards(
         self,
-        rows: list[torch.Tensor],
+        rows: Sequence[torch.Tensor | KnownSquares],
         update: Callable[[float], None],
         *,
         max_grad_norm: float,

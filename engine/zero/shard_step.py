@@ -4,10 +4,11 @@ averages, unscales and clips (engine/precision/policy.py's step_shards, engine/z
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from engine.ops.overflow import KnownSquares
 from engine.precision import Precision
 from engine.zero.base import StepOutcome
 from engine.zero.norm_scope import NormScope
@@ -16,7 +17,7 @@ from engine.zero.shard_reduce import Averaging
 
 def step_on_gradients(
     precision: Precision,
-    norm_rows: Callable[[], list[torch.Tensor]],
+    norm_rows: Callable[[], Sequence[torch.Tensor | KnownSquares]],
     *,
     stale: Iterable[torch.Tensor],
     averaging: Averaging,
@@ -25,7 +26,8 @@ def step_on_gradients(
     update: Callable[[float], None],
 ) -> StepOutcome:
     """`norm_rows()`: the pieces of the gradient buffers the optimizer step reads (summed over ranks but
-    not yet averaged) that this rank counts in the global norm, added up over `scope`
+    not yet averaged) that this rank counts in the global norm (or their partial sums, KnownSquares),
+    added up over `scope`
     (engine/zero/norm_scope.py); `stale`: the parts of the buffers no gradient reached this window
     (zeroed first); `update(coef)`: the step."""
     for rows in stale:

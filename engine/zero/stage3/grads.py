@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.comm import ProcessGroup
+from engine.ops.overflow import KnownSquares, chunk_sum_squares
 from engine.precision import Precision
 from engine.zero import shard_reduce
 from engine.zero.ordered_launch import LaunchInOrder
@@ -53,6 +54,7 @@ class UnitGradients:
         reduced: Callable[[torch.Tensor], None] = lambda shard_grad: None,
         rows_mapped: bool = False,
         before_reduce: Callable[[], None] = lambda: None,
+        norm_pieces: Callable[[TrainableGroup, torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> None:
         self.units = units
         self._memory = memory
@@ -69,6 +71,10 @@ class UnitGradients:
         """The shard gradients are memory-mapped swap files: reduce in the bucket, store into them once."""
         self._before_reduce = before_reduce
         """Called before a reduction writes shard gradients (NVMe: waits for a step still reading them)."""
+        self._norm_pieces = norm_pieces
+        """Given a group and its reduced values, the pieces the norm counts: where set (rows on NVMe), each
+        group's partial sums are taken from its bucket as the reduction lands ([Note: the norm's partial
+        sums] in engine/ops/overflow.py), so the step's norm reads no gradient back from disk."""
         self._where = where
         """Where training is (optimizer step, backward), for errors."""
         self._owner = {id(p): (u, g, i) for u in units for g in u.trainable for i, p in enumerate(g.params)}
@@ -189,12 +195,17 @@ class UnitGradients:
         if not g.in_flight:
             return
         assert g.pending is not None
+        adding = g.grad_state is GradState.ADDING
         shard_reduce.finish(
             g.pending,
             g.shard_grad,
-            written=g.grad_state is GradState.ADDING,
+            written=adding,
             what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})",
         )
+        if self._norm_pieces is not None:  # the row's values: still in the bucket where it was overwritten
+            out = g.pending.out
+            values = g.shard_grad if adding or out is None else out.view(g.shard_grad.shape)
+            g.norm_squares = KnownSquares(*chunk_sum_squares(self._norm_pieces(g, values)))
         g.pending = None
         g.arrived.clear()
         g.slotted.clear()
@@ -240,6 +251,7 @@ class UnitGradients:
                 self._recycle_bucket(g)
                 g.arrived.clear()
                 g.slotted.clear()
+                g.norm_squares = None
                 g.move_grads(GradState.EMPTY)
                 for p in g.params:
                     p.grad = None

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from engine import comm
 from engine.config.errors import ConfigError
 from engine.config.types import ARENA_AUTO, EngineConfig
+from engine.ops.overflow import KnownSquares
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 from engine.zero import owners, released, shard_reduce
@@ -136,6 +137,7 @@ class Stage3:
         self._norm_scope = NormScope.of(self.parallel, partitioned=True)
         self._norm_runs = [(g, counted_runs(g.layout, self._rank, g.params, self.parallel)) for g in trainable]
         """Each trainable group with the runs of its gradient shard this rank counts in the global norm."""
+        self._norm_runs_of = {id(g): runs for g, runs in self._norm_runs}
 
         zero = config.zero
         # Which units to prefetch or keep (pure bookkeeping); the gathers and the gradient reduction
@@ -161,6 +163,7 @@ class Stage3:
             reduced=swap.release_grad if swap is not None else lambda g: None,
             rows_mapped=swap is not None and swap.settings.grads,
             before_reduce=swap.finish if swap is not None else lambda: None,
+            norm_pieces=self._counted_pieces if swap is not None and swap.settings.grads else None,
         )
         self._gathers = UnitGathers(
             self.units,
@@ -276,8 +279,20 @@ class Stage3:
         by_index = {u.index: u for u in self.units}
         return [g.master for i in order for g in by_index[i].trainable]
 
-    def _norm_rows(self) -> list[torch.Tensor]:
-        return [row for g, runs in self._norm_runs for row in counted_rows(g.shard_grad, runs, g.layout.slice_numel)]
+    def _norm_rows(self) -> list[torch.Tensor | KnownSquares]:
+        """What the norm counts, group by group: the partial sums taken as the reduction landed, else the rows."""
+        rows: list[torch.Tensor | KnownSquares] = []
+        for g, runs in self._norm_runs:
+            rows += (
+                [g.norm_squares]
+                if g.norm_squares is not None
+                else counted_rows(g.shard_grad, runs, g.layout.slice_numel)
+            )
+        return rows
+
+    def _counted_pieces(self, g: TrainableGroup, values: torch.Tensor) -> list[torch.Tensor]:
+        """The pieces of `values` (a group's shard gradient, or its reduced values) the norm counts."""
+        return counted_rows(values, self._norm_runs_of[id(g)], g.layout.slice_numel)
 
     def zero_grad(self) -> None:
         self._grads.zero_grad()
@@ -411,6 +426,7 @@ class Stage3:
                 unit.move(UnitState.PARTITIONED)
         self.units.clear()
         self._norm_runs.clear()
+        self._norm_runs_of.clear()
         self._grads.clear()
         self._memory.clear()
         self._gathers.gathered_bytes = 0

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from engine.config import run_checks
+from engine.ops.overflow import KnownSquares
 from engine.zero import partitioned_init, released, shard_reduce
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.stage3.unit_plan import leaf_test, plan_units
@@ -152,6 +153,9 @@ class TrainableGroup(ShardedGroup):
     """Indices of the parameters whose slot of `grad_bucket` was lent in this backward (UnitGradients.slot)."""
     pending: shard_reduce.PendingReduce | None = None
     """The reduce-scatter of `grad_bucket` in flight (REDUCING/ADDING)."""
+    norm_squares: KnownSquares | None = None
+    """The norm's partial sums of `shard_grad` as this window's last reduction left it (NVMe: taken while
+    the values are in memory, see UnitGradients); None where not taken, and from zero_grad on."""
 
     def move_grads(self, to: GradState) -> None:
         """Take a transition of `_GRAD_MOVES` (or zero_grad's to EMPTY); anything else is a bug, refused."""
