@@ -504,8 +504,9 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
             "threads), not modelled: the step writes the fp32 master and both moments (12 B/param) and reads them "
             "(12 B/param); each gather of a unit reads its master shard (4 B/param per gather), except where the "
             "engine's step, running behind the next forward, hands a gather its unit's updated values; the "
-            "engine's gradients (memory-mapped swap files) are written once as they are reduced (4 B/param), read "
-            "back by the step where the kernel has evicted them, then zeroed in the file (no write). A step's "
+            "engine's gradients (swap files) are written once with O_DIRECT as they are reduced (4 B/param) and "
+            "read once with O_DIRECT by the step (4 B/param), past the page cache, then zeroed in the file (no "
+            "write). A step's "
             "bytes are those of the window from one step's forward to the next's: the step behind the forward "
             "is counted in the step after it."
         ),

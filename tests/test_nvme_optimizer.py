@@ -714,3 +714,50 @@ def test_the_step_behind_the_forward_hands_every_gather_its_values(tmp_path: Pat
     for got in run_distributed(_gathers_take_the_stepped_values, 2, args=(str(tmp_path),)):
         assert got["begun"] == 0, got
         assert got["handed"] > 0 and got["reread"] == 0, got
+
+
+def _grad_transfers(nvme_path: str) -> dict[str, Any]:
+    """Bytes of the stage-3 gradient files moved by aio over 2 steps (GAS 1), per direction, how many went
+    through O_DIRECT, and the gradient bytes of a step; whether the folder takes O_DIRECT."""
+    from engine.ops import aio
+
+    moved: dict[str, list[int]] = {"read": [0, 0], "write": [0, 0]}
+    wait = aio.IOHandle.wait
+
+    def counted(handle: aio.IOHandle) -> int:
+        n = wait(handle)
+        if "/grad." in handle.path and not getattr(handle, "counted", False):
+            handle.counted = True  # type: ignore[attr-defined]
+            moved[handle.op][0] += handle.nbytes
+            moved[handle.op][1] += handle.direct_bytes
+        return n
+
+    aio.IOHandle.wait = counted  # type: ignore[method-assign]
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
+        config = _config(3, False, "nvme", nvme_path, True) | {"gradient_accumulation_steps": 1}
+        config["zero_optimization"]["sub_group_size"] = 4096
+        eng, *_ = engine.initialize(model=model, config=config)
+        grads = [g.shard_grad for u in eng._stage.units for g in u.trainable]
+        direct = all(m.file.direct_fd >= 0 for m in eng._stage.master_step.swap.dir.mapped_files.values())
+        for _ in range(2):
+            eng.backward(eng(torch.randn(MICRO, 64)).square().mean())
+            eng.step()
+        eng.destroy()
+    finally:
+        aio.IOHandle.wait = wait  # type: ignore[method-assign]
+    return {"moved": moved, "step bytes": sum(g.numel() * g.element_size() for g in grads), "direct": direct}
+
+
+def test_stage_3_gradients_go_to_disk_and_back_past_the_page_cache(tmp_path: Path) -> None:
+    """Each backward writes every shard gradient once and each step reads it once, with O_DIRECT (the
+    reduction from a staging buffer, the step into its sub-group buffer): no page-cache page is touched
+    ([Note: gradients past the page cache]); only a file's partial last 4 KiB block is buffered."""
+    for got in run_distributed(_grad_transfers, 2, args=(str(tmp_path),)):
+        moved, step_bytes = got["moved"], got["step bytes"]
+        assert step_bytes > 16 * 4096 and moved["write"][0] == moved["read"][0] == 2 * step_bytes, got
+        if got["direct"]:
+            assert moved["write"][1] >= 0.9 * moved["write"][0] and moved["read"][1] >= 0.9 * moved["read"][0], got
+        else:  # this file system refuses O_DIRECT (tmpfs): every transfer is buffered there
+            assert moved["write"][1] == moved["read"][1] == 0, got

@@ -63,7 +63,8 @@ def format_table(estimates: MemoryEstimate | Iterable[MemoryEstimate]) -> str:
     if disk:
         lines.append(
             "NVMe: the model states ZeRO-Infinity keeps in swap files (offload_optimizer / offload_param "
-            '"nvme"), per rank, not counted in total (RAM); plus buffer_count x sub_group_size x 12 B of buffers.'
+            '"nvme"), per rank, not counted in total (RAM); plus buffer_count x sub_group_size x 12 B of buffers '
+            "(16 B at stage 3, and 128 MiB of gradient staging buffers)."
         )
     if any(e.stage == 3 for e in rows):
         lines.append(

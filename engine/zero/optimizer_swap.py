@@ -13,7 +13,8 @@ is read into a free buffer (its exp_avg, exp_avg_sq, and master when swapped), u
 Adam kernel (engine/ops/adam.py, the same call the in-memory offload makes, so the numbers are
 bitwise the same), and written back. With `pipeline_read` the next sub-group's read is started
 before this one is computed; with `pipeline_write` a write is waited for only when its buffer is
-needed again. `buffer_count` buffers bound the memory: buffer_count x sub_group_size x 3 x 4 bytes.
+needed again. `buffer_count` buffers bound the memory: buffer_count x sub_group_size x 3 x 4 bytes
+(x 4 x 4 at stage 3, whose gradients are read into them too: [Note: gradients past the page cache]).
 
 Between steps nothing of the swapped state is in memory: a swapped master's `.data` is empty and
 optimizer.state[master] holds only "step". `resident()` brings it all back for a checkpoint save or
@@ -55,8 +56,9 @@ from typing import Any, NamedTuple
 import torch
 
 from engine.offload import AioContext, MappedFile, SwapDir, SwapFile, SwapHandle, aligned_empty
+from engine.offload.staged_writes import StagedWriter
 from engine.ops.adam import AdamScalars, AdamTensors, adam_step
-from engine.ops.aio import DIRECT_ALIGN
+from engine.ops.aio import DIRECT_ALIGN, IOHandle
 from engine.zero.nvme_setup import NvmeSettings, agreed, open_swap_dir
 from engine.zero.step_thread import StepThread
 
@@ -106,6 +108,12 @@ class _Swapped:
     """The mapped swap file holding the gradient (NvmeSettings.grads), else None."""
 
 
+def _grad_buffer(buffers: dict[str, torch.Tensor], part: _Part) -> torch.Tensor:
+    """The sub-group buffer a part's gradient is read into, in the gradient's dtype."""
+    nbytes = part.grad.numel() * part.grad.element_size()
+    return buffers["grad"].view(torch.uint8)[:nbytes].view(part.grad.dtype)
+
+
 class _Job(NamedTuple):
     """One sub-group of one step, with that step's scalars."""
 
@@ -145,6 +153,8 @@ class OptimizerSwap:
         self.settings = settings
         self.dir: SwapDir = swap_dir if swap_dir is not None else open_swap_dir(settings)
         self.context = AioContext(settings.aio)
+        self._grad_writes = StagedWriter(self.context) if settings.grads else None
+        """Stage 3's reductions write the mapped gradients through it ([Note: gradients past the page cache])."""
         self.by_master: dict[int, _Swapped] = {}
         self._mapped_grads: dict[int, MappedFile] = {}
         """id(gradient) -> the mapped swap file that holds it (settings.grads)."""
@@ -212,9 +222,9 @@ class OptimizerSwap:
             raise
         # Sized to the largest sub-group there is: sub_group_size is a bound (transformers' configs write 1e14).
         largest = max((p.grad.numel() for sw in self.by_master.values() for p in sw.parts), default=0)
+        names = (*_MOMENTS, "master", *(["grad"] if settings.grads else []))
         self._buffers = [
-            {k: aligned_empty(largest, torch.float32) for k in (*_MOMENTS, "master")}
-            for _ in range(settings.buffer_count)
+            {k: aligned_empty(largest, torch.float32) for k in names} for _ in range(settings.buffer_count)
         ]
 
     def _mapped_grad(self, grad: torch.Tensor, mapped_at: dict[int, MappedFile]) -> MappedFile | None:
@@ -227,6 +237,20 @@ class OptimizerSwap:
             raise RuntimeError("NVMe settings say the gradients are swapped, but this one is not in a swap file")
         self._mapped_grads[id(grad)] = mapped
         return mapped
+
+    def store_grad(self, grad: torch.Tensor, values: torch.Tensor) -> bool:
+        """Start grad.copy_(values) with O_DIRECT, for a mapped gradient ([Note: gradients past the page
+        cache]); False, storing nothing, for one that is not mapped. wait_stored_grads() ends them."""
+        mapped = self._mapped_grads.get(id(grad))
+        if mapped is None or self._grad_writes is None:
+            return False
+        self._grad_writes.write(mapped.file, values, mapped.offset(grad))
+        return True
+
+    def wait_stored_grads(self) -> None:
+        """Every gradient store_grad started is in its file (raises the first failed write)."""
+        if self._grad_writes is not None:
+            self._grad_writes.wait_all()
 
     def release_grad(self, grad: torch.Tensor) -> None:
         """A mapped gradient's pages leave this process's memory (values kept in its file); no-op for
@@ -277,7 +301,7 @@ class OptimizerSwap:
         """Target -> where its updated values go (a gather's buffer), while the step is on that target."""
         free = list(range(len(self._buffers)))
         writing: deque[tuple[int, list[SwapHandle], int]] = deque()
-        reading: dict[int, tuple[int, list[SwapHandle]]] = {}
+        reading: dict[int, tuple[int, list[SwapHandle | IOHandle]]] = {}
 
         def wrote(b: int, handles: list[SwapHandle], target: int) -> None:
             for h in handles:
@@ -303,7 +327,12 @@ class OptimizerSwap:
             b = take_buffer()
             buf = self._buffers[b]
             n = part.grad.numel()
-            reading[k] = (b, [f.read(buf[name][:n], part.offset) for name, f in s.files.items()])
+            reads: list[SwapHandle | IOHandle] = [f.read(buf[name][:n], part.offset) for name, f in s.files.items()]
+            if s.grad_file is not None:  # with O_DIRECT, past the page cache ([Note: gradients past the page cache])
+                reads.append(
+                    self.context.read(s.grad_file.file, _grad_buffer(buf, part), s.grad_file.offset(part.grad))
+                )
+            reading[k] = (b, reads)
 
         def destination(target: int) -> torch.Tensor | None:
             if target not in fill:
@@ -332,7 +361,7 @@ class OptimizerSwap:
                 adam_step(
                     AdamTensors(
                         [master],
-                        [part.grad],
+                        [_grad_buffer(buf, part) if s.grad_file is not None else part.grad],
                         [buf["exp_avg"][:n]],
                         [buf["exp_avg_sq"][:n]],
                         [part.lp] if part.lp is not None else None,

@@ -12,6 +12,7 @@ every rank keeps the whole gradient) is all-reduced instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,13 +82,22 @@ def start(
     return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written, group=group), None)
 
 
-def finish(pending: PendingReduce, row: torch.Tensor, *, written: bool, what: str) -> None:
-    """Wait for the reduction (failing with `what` if the ranks diverged) and fold it into the row."""
+def finish(
+    pending: PendingReduce,
+    row: torch.Tensor,
+    *,
+    written: bool,
+    what: str,
+    store: Callable[[torch.Tensor, torch.Tensor], bool] = lambda row, values: False,
+) -> None:
+    """Wait for the reduction (failing with `what` if the ranks diverged) and fold it into the row.
+    `store(row, values)`: row.copy_(values) by other means where it returns True (a memory-mapped row:
+    written to its file with O_DIRECT)."""
     comm.wait(pending.work, what)
     if pending.out is not None and not _same_memory(pending.out, row):  # stage 0 in fp32: reduced in place
         if written:
             row.add_(pending.out)
-        else:
+        elif not store(row, pending.out):
             row.copy_(pending.out)
 
 

@@ -55,6 +55,7 @@ class UnitGradients:
         rows_mapped: bool = False,
         before_reduce: Callable[[], None] = lambda: None,
         norm_pieces: Callable[[TrainableGroup, torch.Tensor], list[torch.Tensor]] | None = None,
+        store: Callable[[torch.Tensor, torch.Tensor], bool] = lambda row, values: False,
     ) -> None:
         self.units = units
         self._memory = memory
@@ -71,6 +72,8 @@ class UnitGradients:
         """The shard gradients are memory-mapped swap files: reduce in the bucket, store into them once."""
         self._before_reduce = before_reduce
         """Called before a reduction writes shard gradients (NVMe: waits for a step still reading them)."""
+        self._store = store
+        """row.copy_(values) by other means where it returns True (shard_reduce.finish: NVMe, O_DIRECT)."""
         self._norm_pieces = norm_pieces
         """Given a group and its reduced values, the pieces the norm counts: where set (rows on NVMe), each
         group's partial sums are taken from its bucket as the reduction lands ([Note: the norm's partial
@@ -201,6 +204,7 @@ class UnitGradients:
             g.shard_grad,
             written=adding,
             what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})",
+            store=self._store,
         )
         if self._norm_pieces is not None:  # the row's values: still in the bucket where it was overwritten
             out = g.pending.out

@@ -164,6 +164,7 @@ class Stage3:
             rows_mapped=swap is not None and swap.settings.grads,
             before_reduce=swap.finish if swap is not None else lambda: None,
             norm_pieces=self._counted_pieces if swap is not None and swap.settings.grads else None,
+            store=swap.store_grad if swap is not None else lambda row, values: False,
         )
         self._gathers = UnitGathers(
             self.units,
@@ -241,8 +242,14 @@ class Stage3:
                 "to accumulate micro-batches"
             )
 
-    def finish_backward(self) -> None:
+    def _flush_grads(self) -> None:
+        """Every gradient of the backward reduced into the shard gradients, and on disk where they are."""
         self._grads.flush()
+        if self.master_step is not None and self.master_step.swap is not None:
+            self.master_step.swap.wait_stored_grads()
+
+    def finish_backward(self) -> None:
+        self._flush_grads()
         self._gathers.end_micro_step()
         self.backwards += 1
 
@@ -250,7 +257,7 @@ class Stage3:
         if self.optimizer is None:
             raise RuntimeError("stage 3 was built without an optimizer (evaluation only): it has nothing to step")
         # Every gradient of the window reduced into the shard gradients, nothing left gathered.
-        self._grads.flush()
+        self._flush_grads()
         self._gathers.drop_prefetched()
         swap = self.master_step.swap if self.master_step is not None else None
         if swap is not None:  # the last step, if it still runs behind the forward, first; this one's order
