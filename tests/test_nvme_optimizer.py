@@ -211,10 +211,10 @@ def test_sub_groups_cover_each_element_once_on_the_4k_grid(pieces: list[int], si
         assert all(at % 1024 == 0 for _, lo, _, at in cuts if lo != 0), cuts
 
 
-def _direct_share(nvme_path: str) -> dict[str, float]:
-    """The share of the bytes of the swapped steps' transfers (2 steps, one target of 16,897 elements cut
-    into sub-groups of at most 3000) that went through O_DIRECT, per direction; -1 where the folder
-    refuses O_DIRECT."""
+@contextlib.contextmanager
+def _aio_bytes(path_part: str = "") -> Iterator[dict[str, list[int]]]:
+    """{"read"/"write": [bytes, of them through O_DIRECT]} of the aio transfers waited for inside the block,
+    of files whose path contains `path_part`."""
     from engine.ops import aio
 
     moved: dict[str, list[int]] = {"read": [0, 0], "write": [0, 0]}
@@ -222,7 +222,7 @@ def _direct_share(nvme_path: str) -> dict[str, float]:
 
     def counted(handle: aio.IOHandle) -> int:
         n = wait(handle)
-        if not getattr(handle, "counted", False):
+        if path_part in handle.path and not getattr(handle, "counted", False):
             handle.counted = True  # type: ignore[attr-defined]
             moved[handle.op][0] += handle.nbytes
             moved[handle.op][1] += handle.direct_bytes
@@ -230,6 +230,18 @@ def _direct_share(nvme_path: str) -> dict[str, float]:
 
     aio.IOHandle.wait = counted  # type: ignore[method-assign]
     try:
+        yield moved
+    finally:
+        aio.IOHandle.wait = wait  # type: ignore[method-assign]
+
+
+def _direct_share(nvme_path: str) -> dict[str, float]:
+    """The share of the bytes of the swapped steps' transfers (2 steps, one target of 16,897 elements cut
+    into sub-groups of at most 3000) that went through O_DIRECT, per direction; -1 where the folder
+    refuses O_DIRECT."""
+    from engine.ops import aio
+
+    with _aio_bytes() as moved:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
         config = _config(1, False, "nvme", nvme_path, True) | {"gradient_accumulation_steps": 1}
@@ -243,8 +255,6 @@ def _direct_share(nvme_path: str) -> dict[str, float]:
             eng.backward(eng(torch.randn(MICRO, 64)).square().mean())
             eng.step()
         eng.destroy()
-    finally:
-        aio.IOHandle.wait = wait  # type: ignore[method-assign]
     return {op: (d / total if direct else -1.0) for op, (total, d) in moved.items()}
 
 
@@ -719,21 +729,7 @@ def test_the_step_behind_the_forward_hands_every_gather_its_values(tmp_path: Pat
 def _grad_transfers(nvme_path: str) -> dict[str, Any]:
     """Bytes of the stage-3 gradient files moved by aio over 2 steps (GAS 1), per direction, how many went
     through O_DIRECT, and the gradient bytes of a step; whether the folder takes O_DIRECT."""
-    from engine.ops import aio
-
-    moved: dict[str, list[int]] = {"read": [0, 0], "write": [0, 0]}
-    wait = aio.IOHandle.wait
-
-    def counted(handle: aio.IOHandle) -> int:
-        n = wait(handle)
-        if "/grad." in handle.path and not getattr(handle, "counted", False):
-            handle.counted = True  # type: ignore[attr-defined]
-            moved[handle.op][0] += handle.nbytes
-            moved[handle.op][1] += handle.direct_bytes
-        return n
-
-    aio.IOHandle.wait = counted  # type: ignore[method-assign]
-    try:
+    with _aio_bytes("/grad.") as moved:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
         config = _config(3, False, "nvme", nvme_path, True) | {"gradient_accumulation_steps": 1}
@@ -745,8 +741,6 @@ def _grad_transfers(nvme_path: str) -> dict[str, Any]:
             eng.backward(eng(torch.randn(MICRO, 64)).square().mean())
             eng.step()
         eng.destroy()
-    finally:
-        aio.IOHandle.wait = wait  # type: ignore[method-assign]
     return {"moved": moved, "step bytes": sum(g.numel() * g.element_size() for g in grads), "direct": direct}
 
 
