@@ -74,6 +74,9 @@ class UnitGradients:
         """Called before a reduction writes shard gradients (NVMe: waits for a step still reading them)."""
         self._store = store
         """row.copy_(values) by other means where it returns True (shard_reduce.finish: NVMe, O_DIRECT)."""
+        self.window_ends = True
+        """This backward ends the accumulation window (set by the stage): only its rows' partial sums are
+        the ones the step adds, so earlier micro-steps take none (an added-to row would be read back)."""
         self._norm_pieces = norm_pieces
         """Given a group and its reduced values, the pieces the norm counts: where set (rows on NVMe), each
         group's partial sums are taken from its bucket as the reduction lands ([Note: the norm's partial
@@ -206,7 +209,8 @@ class UnitGradients:
             what=f"reduce-scatter of stage-3 unit {g.unit_name!r} gradients ({self._where()})",
             store=self._store,
         )
-        if self._norm_pieces is not None:  # the row's values: still in the bucket where it was overwritten
+        g.norm_squares = None
+        if self._norm_pieces is not None and self.window_ends:  # the row's values: in the bucket if overwritten
             out = g.pending.out
             values = g.shard_grad if adding or out is None else out.view(g.shard_grad.shape)
             g.norm_squares = KnownSquares(*chunk_sum_squares(self._norm_pieces(g, values)))

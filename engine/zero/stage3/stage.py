@@ -235,6 +235,7 @@ class Stage3:
 
     # ------------------------------------------------------------------------ stage interface
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
+        self._grads.window_ends = boundary
         if not sync:
             raise RuntimeError(
                 "engine.no_sync() is not supported at zero_optimization.stage 3 (gradients are "
