@@ -26,8 +26,9 @@ Reported per system: the largest model that trained (parameters, model-state byt
 RSS summed over the 2 ranks, disk bytes of the swap folder, the second step's seconds), every attempt
 with its outcome, and for the engine's NVMe row the physical bound of that model's step: compute = its
 forward+backward FLOPs per rank / torch.mm GFLOP/s of one thread (each rank runs one), disk = the bytes
-both ranks read and wrote during the step (/proc/<pid>/io) / dd's direct-I/O read and write bandwidth,
-both measured in this run. Writes benchmarks/results/capacity.{md,json,png}.
+both ranks read and wrote during the step (/proc/<pid>/io) / the fastest direct-I/O read and write rates
+(dd's and the engine's aio) measured right before and right after that attempt (the disk's speed drifts
+within a run; the report also holds the step against the whole run's fastest rates). Writes benchmarks/results/capacity.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class Attempt:
     seconds: float = 0.0
     ranks: list[dict[str, Any]] = field(default_factory=list)
     min_available_gib: float = 0.0
+    disk_rates: list[dict[str, Any]] = field(default_factory=list)  # the engine NVMe rows': right before and after
 
     @property
     def peak_rss(self) -> int:
@@ -221,6 +223,9 @@ def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
             )
             return result
         nvme = tempfile.mkdtemp(prefix="capacity_swap_", dir=args.nvme_dir)
+    bracket = system == "engine-3-nvme"  # the row whose step is held against the disk's rates
+    if bracket:
+        result.disk_rates.append({"when": "right before the attempt", **disk_rates(args.nvme_dir)})
     out = tempfile.mkdtemp(prefix=f"capacity_{system}_")
     log_path = os.path.join(out, "log.txt")
     print(f"[capacity] {system} L={shape.layers} d={shape.d_model}: {shape.params / 1e6:.1f}M params", flush=True)
@@ -256,6 +261,8 @@ def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
         sys.stderr.write(f"[capacity] failed ({result.reason}); log kept in {log_path}\n")
     if result.ok:
         shutil.rmtree(out, ignore_errors=True)
+    if bracket:  # before the swap files go: the disk as the step left it, a minute or two after the step
+        result.disk_rates.append({"when": "right after the attempt", **disk_rates(args.nvme_dir)})
     if nvme:
         shutil.rmtree(nvme, ignore_errors=True)
     print(
@@ -365,16 +372,37 @@ def aio_bandwidth(folder: str, mib: int = 1024) -> tuple[float, float]:
 
 
 def disk_rates(folder: str) -> dict[str, float]:
-    """dd's and the engine's aio write and read rates on `folder` now (see aio_bandwidth)."""
+    """dd's and the engine's aio write and read rates on `folder` now (see aio_bandwidth), after a sync: no
+    earlier run's write-back shares the disk with the measurement."""
+    os.sync()
     dd_write, dd_read = dd_bandwidth(folder)
     aio_write, aio_read = aio_bandwidth(folder)
     return {"dd_write": dd_write, "dd_read": dd_read, "aio_write": aio_write, "aio_read": aio_read}
 
 
-def fastest(data: dict[str, Any], kind: str) -> float:
-    """The fastest `kind` ("write"/"read") rate the disk showed in this run, any tool, before or after."""
-    rates = [data[f"dd_{kind}"]] + [r[f"{t}_{kind}"] for r in data.get("disk_rates", []) for t in ("dd", "aio")]
-    return max(rates)
+def fastest(rates: list[dict[str, Any]], kind: str) -> float:
+    """The fastest `kind` ("write"/"read") rate among `rates` (disk_rates' records), either tool."""
+    return max(r[f"{tool}_{kind}"] for r in rates for tool in ("dd", "aio"))
+
+
+def run_rates(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every disk_rates record of the run: before and after the ladder, and the bracket of the bound's step."""
+    bracket = data.get("bound", {}).get("disk_rates", [])
+    return [{"dd_write": data["dd_write"], "dd_read": data["dd_read"], "aio_write": 0, "aio_read": 0}] + [
+        *data.get("disk_rates", []),
+        *bracket,
+    ]
+
+
+def step_rates(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rates the bound's disk time uses: the bracket of the step's attempt (runs before the bracket
+    existed: the whole run's)."""
+    return data.get("bound", {}).get("disk_rates") or run_rates(data)
+
+
+def disk_seconds(bound: dict[str, Any], rates: list[dict[str, Any]]) -> float:
+    """The step's bytes at the fastest of `rates`: reads and writes one after the other (one disk)."""
+    return bound["read"] / fastest(rates, "read") + bound["written"] / fastest(rates, "write")
 
 
 def deepspeed_aio_status() -> str:
@@ -447,36 +475,47 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
     b = data.get("bound")
     lines += ["", "## Step time against the physical bound (engine, NVMe row's largest model)", ""]
     if b:
+        at_step, at_best = step_rates(data), run_rates(data)
+        disk_s, disk_best = disk_seconds(b, at_step), disk_seconds(b, at_best)
+        bound, bound_best = max(b["compute_s"], disk_s), max(b["compute_s"], disk_best)
+        rate_list = (
+            "; ".join(
+                f"{r['when']}: dd {r['dd_write'] / 1e9:.2f}/{r['dd_read'] / 1e9:.2f}, "
+                f"engine aio {r['aio_write'] / 1e9:.2f}/{r['aio_read'] / 1e9:.2f}"
+                for r in [*data.get("disk_rates", []), *b.get("disk_rates", [])]
+            )
+            or f"at the start: dd {data['dd_write'] / 1e9:.2f}/{data['dd_read'] / 1e9:.2f}"
+        )
         lines += [
             (
-                f"torch.mm {data['mm_gflops']:.1f} GFLOP/s per thread; on {data['nvme_dir']}, write/read GB/s: "
-                + "; ".join(
-                    f"{r['when']}: dd {r['dd_write'] / 1e9:.2f}/{r['dd_read'] / 1e9:.2f}, "
-                    f"engine aio {r['aio_write'] / 1e9:.2f}/{r['aio_read'] / 1e9:.2f}"
-                    for r in data.get("disk_rates", [])
-                )
-                + (
-                    ""
-                    if data.get("disk_rates")
-                    else f"at the start: dd {data['dd_write'] / 1e9:.2f}/{data['dd_read'] / 1e9:.2f}"
-                )
-                + ". "
-                f"Disk time at the fastest of them: write {fastest(data, 'write') / 1e9:.2f}, read "
-                f"{fastest(data, 'read') / 1e9:.2f} GB/s (this disk's speed drifts between measurements). "
-                "Compute: forward+backward FLOPs of one sequence per rank (the ranks run in "
-                "parallel on their own cores). Disk: bytes both ranks read and wrote during the step (one disk)."
+                f"torch.mm {data['mm_gflops']:.1f} GFLOP/s per thread; on {data['nvme_dir']}, write/read GB/s"
+                + (" (each after a sync)" if b.get("disk_rates") else "")
+                + f": {rate_list}. "
+                "Compute: forward+backward FLOPs of one sequence per rank (the ranks run in parallel on their own "
+                "cores). Disk: bytes both ranks read and wrote during the step (one disk), reads and writes one "
+                "after the other."
+            ),
+            "",
+            (
+                "This disk's speed drifts within a run, so the bound's disk time takes the fastest rates measured "
+                "right before and right after the step's own attempt"
+                + f" (write {fastest(at_step, 'write') / 1e9:.2f}, read {fastest(at_step, 'read') / 1e9:.2f} GB/s"
+                + ("" if b.get("disk_rates") else "; this run predates that bracket: the whole run's")
+                + "). "
+                "The last column holds the step against the fastest rates of the whole run (write "
+                f"{fastest(at_best, 'write') / 1e9:.2f}, read {fastest(at_best, 'read') / 1e9:.2f} GB/s), which may "
+                "have been measured an hour away from the step."
             ),
             "",
             (
                 "| params | FLOPs/rank | compute s | read GB | written GB | disk s | bound s = max | step s | "
-                "step / bound |"
+                "step / bound | step / bound at the run's fastest rates |"
             ),
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             (
                 f"| {b['params'] / 1e6:.1f}M | {b['flops'] / 1e12:.3f} T | {b['compute_s']:.2f} | {_g(b['read'])} | "
-                f"{_g(b['written'])} | {b['disk_s']:.2f} | {max(b['compute_s'], b['disk_s']):.2f} | "
-                f"{b['step_s']:.2f} | "
-                f"{b['step_s'] / max(b['compute_s'], b['disk_s']):.2f} |"
+                f"{_g(b['written'])} | {disk_s:.2f} | {bound:.2f} | {b['step_s']:.2f} | "
+                f"{b['step_s'] / bound:.2f} | {b['step_s'] / bound_best:.2f} |"
             ),
         ]
     else:
@@ -675,13 +714,15 @@ def main() -> None:
                 "compute_s": best.shape.flops / (data["mm_gflops"] * 1e9),
                 "read": read,
                 "written": written,
+                "disk_rates": best.disk_rates,
             }
-    if "engine-3-nvme" in systems:  # the disk's rates again, after the runs: the bound takes the fastest seen
+    if "engine-3-nvme" in systems:  # the disk's rates again, after the runs
         when = "after the runs" if not args.update else f"after the rerun of {data['reruns'][-1]['date']}"
         data.setdefault("disk_rates", []).append({"when": when, **disk_rates(args.nvme_dir)})
     if data.get("bound"):
         b = data["bound"]
-        b["disk_s"] = b["read"] / fastest(data, "read") + b["written"] / fastest(data, "write")
+        b["disk_s"] = disk_seconds(b, step_rates(data))
+        b["disk_s_run_fastest"] = disk_seconds(b, run_rates(data))
     with open(os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot(data, write_report(data, args))
