@@ -28,7 +28,8 @@ with its outcome, and for the engine's NVMe row the physical bound of that model
 forward+backward FLOPs per rank / torch.mm GFLOP/s of one thread (each rank runs one), disk = the bytes
 both ranks read and wrote during the step (/proc/<pid>/io) / the fastest direct-I/O read and write rates
 (dd's and the engine's aio) measured right before and right after that attempt (the disk's speed drifts
-within a run; the report also holds the step against the whole run's fastest rates). Writes benchmarks/results/capacity.{md,json,png}.
+within a run; the report also holds the step against the whole run's fastest rates), and where that
+step's time went: its forward, backward and step() with the machine's CPU and disk busy shares. Writes benchmarks/results/capacity.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -518,6 +519,23 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
                 f"{b['step_s'] / bound:.2f} | {b['step_s'] / bound_best:.2f} |"
             ),
         ]
+        if b.get("phases"):
+            lines += [
+                "",
+                (
+                    "Where that step's time went (rank 0's clock; CPU and disk are the whole machine's: both ranks, "
+                    "/proc/stat and /proc/diskstats of the swap folder's disk; disk busy = share of the phase with "
+                    "requests in flight):"
+                ),
+                "",
+                "| phase | s | disk read GB | disk written GB | disk busy | CPU busy |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |",
+                *(
+                    f"| {name} | {p['s']:.2f} | {_g(p['disk_read'])} | {_g(p['disk_written'])} | "
+                    f"{p['disk_busy']:.0%} | {p['cpu_busy']:.0%} |"
+                    for name, p in b["phases"].items()
+                ),
+            ]
     else:
         lines.append("No engine NVMe model trained in this run.")
     lines += [
@@ -715,6 +733,7 @@ def main() -> None:
                 "read": read,
                 "written": written,
                 "disk_rates": best.disk_rates,
+                "phases": (best.ranks[0].get("phases") or [{}])[-1],
             }
     if "engine-3-nvme" in systems:  # the disk's rates again, after the runs
         when = "after the runs" if not args.update else f"after the rerun of {data['reruns'][-1]['date']}"

@@ -65,6 +65,51 @@ def _disk_bytes(folder: str | None) -> int:
     return total
 
 
+class Phases:
+    """Seconds of the forward, backward and step() of each engine or DeepSpeed step, with what the whole
+    machine did meanwhile: CPU busy (share of all cores, /proc/stat) and, for the disk holding the swap
+    folder, bytes read and written and busy time (/proc/diskstats: the share of the phase with requests in
+    flight). Machine-wide, so both ranks' work shows in either rank's record."""
+
+    def __init__(self, folder: str | None) -> None:
+        self.steps: list[dict[str, dict[str, float]]] = []
+        dev = os.stat(folder).st_dev if folder else None
+        self._disk = None if dev is None else (os.major(dev), os.minor(dev))
+
+    def _sample(self) -> tuple[float, int, int, int, int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(t) for t in f.readline().split()[1:]]
+        read = written = busy_ms = 0
+        if self._disk is not None:
+            with open("/proc/diskstats") as f:
+                for line in f:
+                    v = line.split()
+                    if (int(v[0]), int(v[1])) == self._disk:
+                        read, written, busy_ms = int(v[5]) * 512, int(v[9]) * 512, int(v[12])
+        return time.perf_counter(), sum(ticks), ticks[3] + ticks[4], read, written, busy_ms
+
+    def run(self, **phases: Callable[[], None]) -> None:
+        """Run the phases in order, recording each."""
+        record, last = {}, self._sample()
+        for name, phase in phases.items():
+            phase()
+            now = self._sample()
+            seconds, ticks = now[0] - last[0], max(now[1] - last[1], 1)
+            record[name] = {
+                "s": seconds,
+                "cpu_busy": 1 - (now[2] - last[2]) / ticks,
+                "disk_read": now[3] - last[3],
+                "disk_written": now[4] - last[4],
+                "disk_busy": (now[5] - last[5]) / 1e3 / max(seconds, 1e-9),
+            }
+            last = now
+        self.steps.append(record)
+
+
+PHASES: Phases | None = None
+"""The engine and DeepSpeed rows' phase records (main() makes it)."""
+
+
 def _ds_config(nvme: str | None, largest_param: int = 0) -> dict[str, Any]:
     """The stage-3 config of DeepSpeed and the engine rows. `largest_param`: elements of the largest
     parameter (the embedding), which DeepSpeed's parameter swap buffers must hold (offload_param.buffer_size;
@@ -147,8 +192,11 @@ def _build(args: argparse.Namespace, cfg: GPTConfig) -> tuple[Callable[..., None
         eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=conf)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        eng.backward(eng(x, y))
-        eng.step()
+        assert PHASES is not None
+        loss: list[torch.Tensor] = []
+        PHASES.run(
+            forward=lambda: loss.append(eng(x, y)), backward=lambda: eng.backward(loss[0]), step=lambda: eng.step()
+        )
 
     return step, eng.destroy
 
@@ -174,6 +222,8 @@ def main() -> None:
     data = [(torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g),) * 2 for _ in range(args.steps)]
     rec: dict[str, Any] = {"rank": rank, "maxrss_start": _maxrss_kib()}
     torch.manual_seed(0)
+    global PHASES
+    PHASES = Phases(args.nvme)
     step, close = _build(args, cfg)
     rec["maxrss_wrapped"] = _maxrss_kib()
     times, io = [], []
@@ -184,7 +234,7 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         io1 = _io()
         io.append([io1[0] - io0[0], io1[1] - io0[1]])
-    rec.update(maxrss_after=_maxrss_kib(), times=times, io=io, disk_bytes=_disk_bytes(args.nvme))
+    rec.update(maxrss_after=_maxrss_kib(), times=times, io=io, disk_bytes=_disk_bytes(args.nvme), phases=PHASES.steps)
     close()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
