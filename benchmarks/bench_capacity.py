@@ -440,9 +440,9 @@ def write_report(data: dict[str, Any], args: argparse.Namespace) -> str:
     if data["max_params"]:
         lines += [
             (
-                f"**Capped at {data['max_params'] / 1e6:.0f}M parameters: a harness check, not the capacity "
-                "figures.** A row stopped by the cap says so in its last column. The uncapped run (the whole machine "
-                "for about an hour, nothing else running) is:"
+                f"**Capped at {data['max_params'] / 1e6:.0f}M parameters (--max-params, for time).** A row stopped "
+                "by the cap says so in its last column: that system may train a larger model. The uncapped run "
+                "(the whole machine for an hour or more, nothing else running) is:"
             ),
             "",
             "    .venv/bin/python benchmarks/bench_capacity.py --nvme-dir /tmp --attempt-timeout 1800",
@@ -631,7 +631,8 @@ def plot(data: dict[str, Any], md_path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("GPT parameters (o trained 2 steps, x failed)")
     ax.set_title(
-        "Largest GPT trained, 2 ranks, fp32 Adam" + (" (capped: harness check)" if data["max_params"] else ""),
+        "Largest GPT trained, 2 ranks, fp32 Adam"
+        + (f" (capped at {data['max_params'] / 1e6:.0f}M)" if data["max_params"] else ""),
         fontsize=10,
         pad=14,
     )
