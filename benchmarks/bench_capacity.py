@@ -29,7 +29,8 @@ forward+backward FLOPs per rank / torch.mm GFLOP/s of one thread (each rank runs
 both ranks read and wrote during the step (/proc/<pid>/io) / the fastest direct-I/O read and write rates
 (dd's and the engine's aio) measured right before and right after that attempt (the disk's speed drifts
 within a run; the report also holds the step against the whole run's fastest rates), and where that
-step's time went: its forward, backward and step() with the machine's CPU and disk busy shares. Writes benchmarks/results/capacity.{md,json,png}.
+step's time went: its forward, backward and step() with the machine's CPU and disk busy shares.
+Writes benchmarks/results/capacity.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def attempt(system: str, shape: Shape, args: argparse.Namespace) -> Attempt:
         sys.stderr.write(f"[capacity] failed ({result.reason}); log kept in {log_path}\n")
     if result.ok:
         shutil.rmtree(out, ignore_errors=True)
-    if bracket:  # before the swap files go: the disk as the step left it, a minute or two after the step
+    if bracket:  # the disk as the attempt left it: its ranks have just ended, their last step seconds before
         result.disk_rates.append({"when": "right after the attempt", **disk_rates(args.nvme_dir)})
     if nvme:
         shutil.rmtree(nvme, ignore_errors=True)
