@@ -82,13 +82,18 @@ def start(
     return PendingReduce(comm.reduce_scatter(row, data, async_op=True, key=key, accumulate=written, group=group), None)
 
 
+def store_nothing(row: torch.Tensor, values: torch.Tensor) -> bool:
+    """finish()'s default `store`: every row is stored into with row.copy_(values)."""
+    return False
+
+
 def finish(
     pending: PendingReduce,
     row: torch.Tensor,
     *,
     written: bool,
     what: str,
-    store: Callable[[torch.Tensor, torch.Tensor], bool] = lambda row, values: False,
+    store: Callable[[torch.Tensor, torch.Tensor], bool] = store_nothing,
 ) -> None:
     """Wait for the reduction (failing with `what` if the ranks diverged) and fold it into the row.
     `store(row, values)`: row.copy_(values) by other means where it returns True (a memory-mapped row:

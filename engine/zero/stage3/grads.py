@@ -55,7 +55,7 @@ class UnitGradients:
         rows_mapped: bool = False,
         before_reduce: Callable[[], None] = lambda: None,
         norm_pieces: Callable[[TrainableGroup, torch.Tensor], list[torch.Tensor]] | None = None,
-        store: Callable[[torch.Tensor, torch.Tensor], bool] = lambda row, values: False,
+        store: Callable[[torch.Tensor, torch.Tensor], bool] = shard_reduce.store_nothing,
     ) -> None:
         self.units = units
         self._memory = memory

@@ -164,7 +164,7 @@ class Stage3:
             rows_mapped=swap is not None and swap.settings.grads,
             before_reduce=swap.finish if swap is not None else lambda: None,
             norm_pieces=self._counted_pieces if swap is not None and swap.settings.grads else None,
-            store=swap.store_grad if swap is not None else lambda row, values: False,
+            store=swap.store_grad if swap is not None else shard_reduce.store_nothing,
         )
         self._gathers = UnitGathers(
             self.units,
