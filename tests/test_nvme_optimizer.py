@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from aio_bytes import aio_bytes
 from distributed import run_distributed
 from models import global_batches, make_model, rank_micro_batch
 
@@ -213,37 +214,13 @@ def test_sub_groups_cover_each_element_once_on_the_4k_grid(pieces: list[int], si
         assert all(at % 1024 == 0 for _, lo, _, at in cuts if lo != 0), cuts
 
 
-@contextlib.contextmanager
-def _aio_bytes(path_part: str = "") -> Iterator[dict[str, list[int]]]:
-    """{"read"/"write": [bytes, of them through O_DIRECT]} of the aio transfers waited for inside the block,
-    of files whose path contains `path_part`."""
-    from engine.ops import aio
-
-    moved: dict[str, list[int]] = {"read": [0, 0], "write": [0, 0]}
-    wait = aio.IOHandle.wait
-
-    def counted(handle: aio.IOHandle) -> int:
-        n = wait(handle)
-        if path_part in handle.path and not getattr(handle, "counted", False):
-            handle.counted = True  # type: ignore[attr-defined]
-            moved[handle.op][0] += handle.nbytes
-            moved[handle.op][1] += handle.direct_bytes
-        return n
-
-    aio.IOHandle.wait = counted  # type: ignore[method-assign]
-    try:
-        yield moved
-    finally:
-        aio.IOHandle.wait = wait  # type: ignore[method-assign]
-
-
 def _direct_share(nvme_path: str) -> dict[str, float]:
     """The share of the bytes of the swapped steps' transfers (2 steps, one target of 16,897 elements cut
     into sub-groups of at most 3000) that went through O_DIRECT, per direction; -1 where the folder
     refuses O_DIRECT."""
     from engine.ops import aio
 
-    with _aio_bytes() as moved:
+    with aio_bytes() as moved:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
         config = _config(1, False, "nvme", nvme_path, True) | {"gradient_accumulation_steps": 1}
@@ -731,7 +708,7 @@ def test_the_step_behind_the_forward_hands_every_gather_its_values(tmp_path: Pat
 def _grad_transfers(nvme_path: str) -> dict[str, Any]:
     """Bytes of the stage-3 gradient files moved by aio over 2 steps (GAS 1), per direction, how many went
     through O_DIRECT, and the gradient bytes of a step; whether the folder takes O_DIRECT."""
-    with _aio_bytes("/grad.") as moved:
+    with aio_bytes("/grad.") as moved:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
         config = _config(3, False, "nvme", nvme_path, True) | {"gradient_accumulation_steps": 1}

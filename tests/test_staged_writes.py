@@ -7,39 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from aio_bytes import aio_bytes
 
 from engine.offload.staged_writes import StagedWriter
 from engine.ops.aio import DIRECT_ALIGN, AioConfig, AioContext, AioError, OpenFile, open_file
-
-
-def _counting(context: AioContext) -> dict[str, int]:
-    """Bytes the context's writes moved, and through O_DIRECT, as their handles are waited."""
-    moved = {"bytes": 0, "direct": 0}
-    submit = context._submit
-
-    def counted(*args: object) -> object:
-        handle = submit(*args)  # type: ignore[arg-type]
-        wait = handle.wait
-
-        def waited() -> int:
-            n = wait()
-            moved["bytes"] += handle.nbytes
-            moved["direct"] += handle.direct_bytes
-            return n
-
-        handle.wait = waited  # type: ignore[method-assign]
-        return handle
-
-    context._submit = counted  # type: ignore[method-assign]
-    return moved
 
 
 def test_writes_land_bitwise_at_their_offsets_through_o_direct(tmp_path: Path) -> None:
     path = tmp_path / "grad.swp"
     path.write_bytes(b"\xff" * (1 << 20))
     file = open_file(path)
-    with AioContext(AioConfig(block_size=DIRECT_ALIGN * 2, thread_count=2)) as context:
-        moved = _counting(context)
+    with AioContext(AioConfig(block_size=DIRECT_ALIGN * 2, thread_count=2)) as context, aio_bytes() as moved:
         writer = StagedWriter(context, chunk_bytes=3 * DIRECT_ALIGN, buffers=2)  # more chunks than buffers
         a = torch.randn(10_000)  # 40,000 bytes: 4 chunks, the last not a whole number of 4 KiB
         b = torch.randn(3 * DIRECT_ALIGN // 2, dtype=torch.bfloat16)
@@ -55,8 +33,9 @@ def test_writes_land_bitwise_at_their_offsets_through_o_direct(tmp_path: Path) -
     assert data[16 * DIRECT_ALIGN : 16 * DIRECT_ALIGN + 3 * DIRECT_ALIGN] == b.view(torch.uint8).numpy().tobytes()
     assert len(data) == 1 << 20
     if file.direct_fd >= 0:  # all but the partial last 4 KiB block of the first write went direct
-        assert moved["bytes"] == 16_000 + 3 * DIRECT_ALIGN
-        assert moved["direct"] == moved["bytes"] - 16_000 % DIRECT_ALIGN, moved
+        written, direct = moved["write"]
+        assert written == 16_000 + 3 * DIRECT_ALIGN
+        assert direct == written - 16_000 % DIRECT_ALIGN, moved
     file.close()
 
 
