@@ -388,12 +388,12 @@ def fastest(rates: list[dict[str, Any]], kind: str) -> float:
 
 
 def run_rates(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every disk_rates record of the run: before and after the ladder, and the bracket of the bound's step."""
-    bracket = data.get("bound", {}).get("disk_rates", [])
-    return [{"dd_write": data["dd_write"], "dd_read": data["dd_read"], "aio_write": 0, "aio_read": 0}] + [
-        *data.get("disk_rates", []),
-        *bracket,
+    """Every disk_rates record of the run: before and after the ladder, and the bracket of the bound's step
+    (runs older than the records: the dd rates measured at the start)."""
+    ladder = data.get("disk_rates") or [
+        {"dd_write": data["dd_write"], "dd_read": data["dd_read"], "aio_write": 0, "aio_read": 0}
     ]
+    return [*ladder, *data.get("bound", {}).get("disk_rates", [])]
 
 
 def step_rates(data: dict[str, Any]) -> list[dict[str, Any]]:
