@@ -32,7 +32,6 @@ from engine.profiling.step_profile import StepProfile
 from engine.saving import SavingMixin
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
-from engine.zero.master_step import swap_of
 from engine.zero.stage3.unit_plan import full_numel
 from engine.zero_optimizer import ZeroOptimizer
 
@@ -430,11 +429,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         """Bytes held on this rank per category: the model states (params, master, gradients,
         optimizer_state; `python -m engine.estimate` predicts them) and the stage's buffers; with NVMe
         offload, "nvme": the bytes in this rank's swap files."""
-        report = self._require_alive().memory_report()
-        swap = swap_of(self._stage)
-        if swap is not None:
-            report["nvme"] = swap.disk_bytes()
-        return report
+        return self._require_alive().memory_report()
 
     def _trainable_numel(self) -> int:
         """Psi: elements of the trainable parameters (whole ones, also when stage 3 holds them empty)."""
@@ -465,12 +460,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         engine created. Idempotent."""
         if self._stage is None:
             return
-        swap = swap_of(self._stage)
-        if swap is not None:
-            swap.finish()  # a step still running behind the forward: its error, if any, is raised here
         self._stage.destroy()  # stage 3 gathers every unit back into the module first (not from NVMe: see there)
-        if swap is not None:
-            swap.close()  # the NVMe swap files and folder removed
         self._stage = None
         if self.basic_optimizer is not None:
             self.basic_optimizer.state.clear()

@@ -7,6 +7,7 @@ the Engine is declared below, and a checkpoint sees the Engine only as the Train
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,6 @@ from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
-from engine.zero.master_step import optimizer_state_resident
 
 if TYPE_CHECKING:
     from engine.zero.base import ZeroStage
@@ -124,7 +124,7 @@ class SavingMixin:
         needs load_module_strict=False and keeps the model's own). Every rank must call it. Returns the
         tag directory. See engine/checkpoint/."""
         state = self._training_state()
-        with optimizer_state_resident(state.stage):  # an NVMe run's swapped state, for the save's duration
+        with _resident(state.stage):  # an NVMe run's swapped state, for the save's duration
             return store.save(state, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
@@ -139,7 +139,7 @@ class SavingMixin:
         """DeepSpeed's load_checkpoint -> (checkpoint path, client_state). tag None reads `latest`.
         Loads at any world size and ZeRO stage: every piece is found by parameter name and offset."""
         state = self._training_state()
-        with optimizer_state_resident(state.stage):  # loaded into memory, then written to the swap files
+        with _resident(state.stage):  # loaded into memory, then written to the swap files
             loaded = restore.load(
                 state,
                 load_dir,
@@ -187,3 +187,9 @@ class SavingMixin:
             ),
             parallel=self.parallel,
         )
+
+
+def _resident(stage: ZeroStage) -> contextlib.AbstractContextManager[None]:
+    """The stage's whole optimizer state in memory for the duration (a checkpoint's save or load): its
+    offload tier's swapped state read in and written back after; nothing to do without one."""
+    return stage.offload.resident() if stage.offload is not None else contextlib.nullcontext()

@@ -130,12 +130,11 @@ def test_no_import_cycle_between_modules() -> None:
 LAYERS: list[tuple[str, ...]] = [
     # imports nothing of engine/
     ("engine.accelerator", "engine.auto_cast", "engine.config", "engine.ops", "engine.unsupported"),
-    # NVMe offload's swap folders and files, over engine/ops/aio.py
-    ("engine.offload",),
     # the logger and monitors, flops profiling, optimizers and schedules, process groups and collectives
     ("engine.comm", "engine.monitor", "engine.optim", "engine.profiling"),
-    # tensor-parallel groups and layers; dtypes, loss scaling and the gradient norm
-    ("engine.parallel", "engine.precision"),
+    # tensor-parallel groups and layers; dtypes and loss scaling; NVMe offload (the swap files and the
+    # swapped optimizer step), which every stage holds as its offload tier or not at all
+    ("engine.offload", "engine.parallel", "engine.precision"),
     # activation checkpointing; what the ZeRO stages share (layout, flat groups, the master step, zero.Init)
     ("engine.checkpointing", "engine.zero"),
     # the stages

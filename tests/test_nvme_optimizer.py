@@ -1,6 +1,6 @@
 """ZeRO-Infinity's optimizer offload to NVMe (offload_optimizer.device "nvme"), on real processes.
 
-The swapped step (engine/zero/optimizer_swap.py) runs the same fused Adam kernel as the in-memory
+The swapped step (engine/offload/optimizer_swap.py) runs the same fused Adam kernel as the in-memory
 offload (device "cpu") on sub-groups streamed through a few buffers, so the two runs must be bitwise
 equal: weights after 10 steps at stages 1-3, fp32 and bf16, world sizes 1 and 2, with tiny
 sub-groups (several per shard, so the pipeline's buffer reuse is exercised). A checkpoint of an NVMe
@@ -30,7 +30,7 @@ from models import global_batches, make_model, rank_micro_batch
 import engine
 from engine.ops.overflow import KnownSquares, sum_squares_and_overflow, sum_squares_of
 from engine.zero.norm_scope import counted_rows
-from engine.zero.optimizer_swap import sub_group_cuts
+from engine.offload.sub_groups import sub_group_cuts
 
 STEPS, MICRO, GAS = 10, 2, 2
 
@@ -83,7 +83,7 @@ def _run(
     eng, *_ = engine.initialize(model=model, config=_config(stage, bf16, device, nvme_path, pipeline, params))
     dtype = torch.bfloat16 if bf16 else torch.float32
     losses = _steps(eng, range(STEPS), dtype)
-    swap = eng._stage.master_step.swap
+    swap = eng._stage.offload
     # Between steps a swapped master holds no memory (its values are in the file).
     in_memory = sum(s.master.numel() for s in swap.by_master.values()) if swap is not None else None
     folder = str(swap.dir.path) if swap is not None else None
@@ -226,7 +226,7 @@ def _direct_share(nvme_path: str) -> dict[str, float]:
         config = _config(1, False, "nvme", nvme_path, True) | {"gradient_accumulation_steps": 1}
         config["zero_optimization"]["sub_group_size"] = 3000  # 12,000 bytes: off the 4 KiB grid
         eng, *_ = engine.initialize(model=model, config=config)
-        probe = aio.open_file(next(iter(eng._stage.master_step.swap.by_master.values())).files["exp_avg"].path)
+        probe = aio.open_file(next(iter(eng._stage.offload.by_master.values())).files["exp_avg"].path)
         direct = probe.direct_fd >= 0
         probe.close()
         moved.update(read=[0, 0], write=[0, 0])  # the steps' transfers only (initialize writes unaligned tensors)
@@ -299,7 +299,7 @@ def _refused(config_change: str, nvme_path: str) -> str:
         eng, *_ = engine.initialize(model=model, config=config)
         _steps(eng, range(1), torch.float32)
         if config_change == "truncate":
-            swap = eng._stage.master_step.swap
+            swap = eng._stage.offload
             victim = next(
                 f for name, f in swap.by_master[next(iter(swap.by_master))].files.items() if name == "exp_avg"
             )
@@ -477,7 +477,7 @@ def _hf_zero3_on_nvme(nvme_path: str) -> str:
         eng.backward(torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y))
         eng.step()
     after = eng.consolidated_state_dict()
-    on_disk = eng._stage.master_step.swap.disk_bytes()
+    on_disk = eng._stage.offload.disk_bytes()
     eng.destroy()
     moved = max((float((after[k].float() - v.float()).abs().max()) for k, v in before.items()), default=None)
     return f"moved {moved}, {on_disk} bytes on disk"
@@ -547,7 +547,9 @@ def _train_until_killed(nvme_path: str, save_dir: str) -> None:
     eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", nvme_path, True, True))
     _steps(eng, range(2), torch.float32)
     eng.save_checkpoint(save_dir, tag="before")
-    Path(save_dir, "saved").write_text(str(eng._stage.master_step.swap.dir.path))
+    Path(save_dir, "saved").write_text(str(eng._stage.offload.dir.path))
+    _steps(eng, range(2), torch.float32)
+    Path(save_dir, "training").touch()  # the parent kills it from here: swap reads and writes under way
     while True:
         _steps(eng, range(2), torch.float32)
 
@@ -579,10 +581,9 @@ def test_a_rank_killed_mid_swap_leaves_the_checkpoint_loadable_and_its_files_are
     child = ctx.Process(target=_train_until_killed, args=(str(tmp_path), str(save_dir)))
     child.start()
     deadline = time.monotonic() + 120
-    while not (save_dir / "saved").exists() and time.monotonic() < deadline and child.is_alive():
-        time.sleep(0.2)
-    time.sleep(1.0)  # into the training loop: swap reads and writes under way
-    assert child.is_alive() and child.pid is not None
+    while not (save_dir / "training").exists() and time.monotonic() < deadline and child.is_alive():
+        time.sleep(0.05)
+    assert (save_dir / "training").exists() and child.is_alive() and child.pid is not None
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     dead = (save_dir / "saved").read_text()
@@ -605,7 +606,7 @@ def _behind_the_forward(save_dir: str, nvme_path: str, delay: float) -> dict[str
         config = _config(3, False, device, nvme_path, True, params=device == "nvme")
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}}
         eng, *_ = engine.initialize(model=make_model(3), config=config)
-        swap = eng._stage.master_step.swap
+        swap = eng._stage.offload
         if swap is not None:
             run = swap._run
 
@@ -664,7 +665,7 @@ def _step_fails_behind_the_forward(nvme_path: str) -> dict[str, str]:
     which runs in its thread, fail; the next forward raises that error, and destroy still cleans up."""
     eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", nvme_path, True, params=True))
     _steps(eng, range(1), torch.float32)
-    swap = eng._stage.master_step.swap
+    swap = eng._stage.offload
     swap.finish()
     os.truncate(next(iter(swap.by_master.values())).files["exp_avg"].path, 100)
     _steps(eng, range(1, 2), torch.float32)  # its step plans and starts; the thread finds the file cut
@@ -689,19 +690,19 @@ def _gathers_take_the_stepped_values(nvme_path: str) -> dict[str, Any]:
     """Stage 3, parameters on NVMe, the step not held back: it waits for the next forward's gathers to ask
     for each target, so it never writes one back before its gather asks (which would read it again)."""
     eng, *_ = engine.initialize(model=make_model(3), config=_config(3, False, "nvme", nvme_path, True, params=True))
-    swap = eng._stage.master_step.swap
+    swap = eng._stage.offload
     _steps(eng, range(1), torch.float32)
-    time.sleep(0.3)  # what the step may do before anything reads it
+    held = swap.held.wait(timeout=120)  # the step went as far as it may before anything reads it
     begun_before_the_forward = len(swap._begun)
     _steps(eng, range(1, 4), torch.float32)
-    out = {"begun": begun_before_the_forward, "handed": swap.handed, "reread": swap.reread}
+    out = {"held": held, "begun": begun_before_the_forward, "handed": swap.handed, "reread": swap.reread}
     eng.destroy()
     return out
 
 
 def test_the_step_behind_the_forward_hands_every_gather_its_values(tmp_path: Path) -> None:
     for got in run_distributed(_gathers_take_the_stepped_values, 2, args=(str(tmp_path),)):
-        assert got["begun"] == 0, got
+        assert got["held"] and got["begun"] == 0, got
         assert got["handed"] > 0 and got["reread"] == 0, got
 
 
@@ -715,7 +716,7 @@ def _grad_transfers(nvme_path: str) -> dict[str, Any]:
         config["zero_optimization"]["sub_group_size"] = 4096
         eng, *_ = engine.initialize(model=model, config=config)
         grads = [g.shard_grad for u in eng._stage.units for g in u.trainable]
-        direct = all(m.file.direct_fd >= 0 for m in eng._stage.master_step.swap.dir.mapped_files.values())
+        direct = all(m.file.direct_fd >= 0 for m in eng._stage.offload.dir.mapped_files.values())
         for _ in range(2):
             eng.backward(eng(torch.randn(MICRO, 64)).square().mean())
             eng.step()

@@ -51,7 +51,7 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "files under nvme_path (one folder per run and rank, removed at exit and by the next start after a "
         "crash); the fused CPU Adam steps them sub_group_size elements at a time through buffer_count host "
         "buffers, with pipeline_read / pipeline_write overlapping the reads and writes "
-        "(engine/zero/optimizer_swap.py, engine/offload/); Adam-family optimizers only",
+        "(engine/offload/); Adam-family optimizers only",
     ),
     Entry(
         "zero_optimization.offload_optimizer.ratio",
@@ -84,7 +84,7 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "ZeRO-Infinity's parameter offload at stage 3 with offload_optimizer.device nvme, CPU training: every "
         "trainable fp32 master shard (the only persistent copy of a parameter at stage 3) lives in its swap "
         "file, read by each gather of its unit and by the optimizer step, written by the step "
-        "(engine/zero/optimizer_swap.py); frozen parameters' shards stay in memory; buffer_count: the units "
+        "(engine/offload/optimizer_swap.py); frozen parameters' shards stay in memory; buffer_count: the units "
         "whose shards are read ahead of their gathers along the recorded order (default 4); buffer_size and "
         "max_in_cpu accepted without effect (the gathered units are bounded by stage3_max_live_parameters); "
         "another stage or optimizer offload is refused at initialize",

@@ -66,7 +66,7 @@ class OffloadConfig:
     ratio: float = 1.0
     """offload_optimizer only: fraction of optimizer state offloaded (stage 3 only below 1.0)."""
     nvme_path: str | None = None
-    """device "nvme": the folder the swap files go in (engine/offload/, engine/zero/optimizer_swap.py)."""
+    """device "nvme": the folder the swap files go in (engine/offload/)."""
     buffer_count: int = 4
     """device "nvme": host buffers the swapped state streams through (DeepSpeed's default 4)."""
     pipeline_read: bool = False

@@ -314,7 +314,7 @@ def estimate_memory(
 
 
 def on_nvme(e: MemoryEstimate, optimizer: bool, params: bool) -> MemoryEstimate:
-    """`e` with what ZeRO-Infinity keeps in swap files moved to `disk` (engine/zero/optimizer_swap.py):
+    """`e` with what ZeRO-Infinity keeps in swap files moved to `disk` (engine/offload/optimizer_swap.py):
     with the optimizer on NVMe (stages 1-3) its state, and the fp32 master where it is a copy of a
     low-precision shard (stages 1-2); with parameters on NVMe too (stage 3) the fp32 shard, which is
     the master (fp32: `params`; bf16/fp16: `master`). At stage 3 the shard gradients too (mapped swap

@@ -1,7 +1,20 @@
-"""NVMe offload's storage layer (ZeRO-Infinity, issue 33): a swap folder per rank and run, swap files of
-a fixed size, and asynchronous, checked reads and writes of element ranges between them and tensors.
-It sits above engine/ops (whose aio.py moves the bytes) and below engine/zero (which decides what to
-swap and when).
+"""NVMe offload, whole (ZeRO-Infinity): the optimizer state, fp32 masters and stage 3's gradients in
+swap files, and the swapped optimizer step over them. It sits above engine/ops (whose aio.py moves the
+bytes and whose fused Adam computes) and engine/comm (every rank sets up or refuses together), and
+below engine/zero, whose stages hold one OptimizerSwap as their offload tier (or none) and call it.
+
+The swap (what a stage holds):
+- optimizer_swap.py: OptimizerSwap, the swapped state of the step's targets, the step over it (in line,
+  or behind the next forward), the reads of stage 3's gathers, resident() for a checkpoint;
+  see [Note: the swapped step] and [Note: the step behind the next forward].
+- sub_groups.py: where each target's sub-groups lie in its files (pure bookkeeping).
+- swapped_run.py: one step's loop over the sub-groups through the host buffers.
+- step_thread.py: the thread a step runs in behind the forward, with an event per target.
+- nvme_setup.py: the settings read from the config, the rank's swap folder and stage 3's mapped
+  gradients, each made on every rank or refused on all.
+- staged_writes.py: stage 3's gradient writes with O_DIRECT through a few staging buffers.
+
+The storage under it:
 
     from engine.offload import AioConfig, AioContext, SwapDir
     context = AioContext(AioConfig.from_section(ds_config.get("aio", {})))

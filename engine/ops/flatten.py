@@ -75,3 +75,16 @@ def _copy(out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         out.copy_(inp).mul_(scale)
     else:
         out.copy_(inp.float() * scale)  # out of place: inp.float() is inp itself for a float32 input
+
+
+def contiguous_pieces(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors of one shape as contiguous 1-D pieces, split alike and without copying: each whole, or
+    row by row when one is a shard's strided (num_buckets, slice) view of a flat buffer."""
+    if all(t.is_contiguous() for t in tensors):
+        return [[t.reshape(-1)] for t in tensors]
+    if all(t.dim() == 2 and t.stride(1) == 1 for t in tensors):
+        return [list(t.unbind(0)) for t in tensors]
+    raise ValueError(
+        f"tensors of shape {tuple(tensors[0].shape)} and strides {[t.stride() for t in tensors]} have "
+        "no contiguous rows"
+    )

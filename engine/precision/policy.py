@@ -1,5 +1,6 @@
-"""Mixed precision shared by every stage: the model's dtype, the wire and accumulation dtypes, loss
-scaling, and the global-norm / overflow computation over gradient shards.
+"""Mixed precision shared by every stage: the model's dtype, the wire and accumulation dtypes, and loss
+scaling. It answers precision questions only; the step that uses them (the global norm, the vote on
+an inf/nan norm, clipping) is engine/zero/shard_step.py's.
 
 bf16 and fp16 configs cast the model to that dtype; the stages keep an fp32 master copy for every
 flat group whose dtype is not fp32 (fp32 groups need none: the optimizer updates them in place).
@@ -11,20 +12,10 @@ when the config sets check_for_nan_in_loss_and_grad.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from engine import comm
 from engine.config.types import EngineConfig
-from engine.ops.overflow import KnownSquares, sum_squares_of
 from engine.precision.loss_scaler import LossScaler
-
-if TYPE_CHECKING:
-    from engine.zero.norm_scope import NormScope
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -43,15 +34,6 @@ _DTYPES = {
 
 def dtype_from_name(name: str | None) -> torch.dtype | None:
     return None if name is None else _DTYPES[name.lower()]
-
-
-@dataclass(frozen=True)
-class GradNorm:
-    """The result of one global gradient-norm reduction."""
-
-    norm: float
-    """Global L2 norm of the averaged, unscaled gradient (inf/nan on overflow)."""
-    overflow: bool
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -107,53 +89,8 @@ class Precision:
     def grad_accum_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.accum_dtype or param_dtype
 
-    def global_norm(self, rows: Sequence[torch.Tensor | KnownSquares], *, factor: float, scope: NormScope) -> GradNorm:
-        """Global L2 norm of `factor x` the gradients whose pieces this rank counts are `rows` (1-D,
-        contiguous; engine/zero/norm_scope.py says which, and over which ranks they add up), or partial
-        sums of some taken earlier (KnownSquares, engine/ops/overflow.py: the same norm, bitwise).
-
-        Local sums of squares are summed by one all-reduce over `scope` (never a gather). An inf or
-        nan anywhere makes the sum non-finite on every rank, so the same collective is the overflow
-        check all ranks agree on.
-        """
-        # One fused pass over every row (engine/ops/overflow.py), in the rows' own dtype: the sum of
-        # squares in float64 and whether any element is inf/nan, which makes the sum nan (a nan element)
-        # or inf so the all-reduce carries it, and the norm says which.
-        local, overflow = sum_squares_of(rows)
-        if overflow:
-            local = math.nan if math.isnan(local) else math.inf
-        sumsq = torch.tensor([local], dtype=torch.float32)
-        if scope.reduce and comm.group_size(scope.group) > 1:
-            comm.all_reduce(sumsq, group=scope.group)
-        total = float(sumsq) ** 0.5 * abs(factor)
-        return GradNorm(total, overflow=not math.isfinite(total))
-
-    def step_shards(
-        self,
-        rows: Sequence[torch.Tensor | KnownSquares],
-        update: Callable[[float], None],
-        *,
-        max_grad_norm: float,
-        average: float,
-        scope: NormScope,
-    ) -> tuple[float, bool]:
-        """The shared end of every sharded step: the global norm (one all-reduce, also the overflow
-        vote), a skip on an inf/nan norm (the loss scaler's overflow in fp16; in fp32 and bf16 the Engine
-        warns or raises NonFiniteGradientError), then `update(coef)` (engine/zero/master_step.py), where coef
-        folds averaging, unscaling and clipping (like torch.nn.utils.clip_grad_norm_) into the one
-        factor the optimizer step applies to each gradient as it reads it, and the loss-scale update.
-        Returns (global norm before clipping, whether the step was applied)."""
-        factor = average / self.loss_scale
-        norm = self.global_norm(rows, factor=factor, scope=scope)
-        if norm.overflow and self.scaler is not None:
-            self.scaler.update(overflow=True)
-            return norm.norm, False
-        if norm.overflow:  # fp32/bf16: the norm is global, so every rank skips together (the Engine says so)
-            return norm.norm, False
-        coef = factor
-        if max_grad_norm > 0 and norm.norm + 1e-6 > max_grad_norm:
-            coef *= max_grad_norm / (norm.norm + 1e-6)
-        update(coef)
+    def after_step(self, *, overflow: bool) -> None:
+        """The loss scale follows a step's outcome (fp16's dynamic scaling: down on an overflow, up after
+        a clean window); nothing to do without a scaler."""
         if self.scaler is not None:
-            self.scaler.update(overflow=False)
-        return norm.norm, True
+            self.scaler.update(overflow=overflow)

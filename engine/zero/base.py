@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from engine.offload.optimizer_swap import OptimizerSwap
 from engine.zero.records import ShardRecord
 
 
@@ -34,6 +35,12 @@ class ZeroStage(Protocol):
     def optimizer(self) -> torch.optim.Optimizer | None:
         """None for an evaluation-only engine (the Engine refuses backward and step before they get here)."""
 
+    @property
+    def offload(self) -> OptimizerSwap | None:
+        """The stage's offload tier: the NVMe swap of its optimizer state (engine/offload/), or None when
+        everything is in memory. A checkpoint's save or load holds `offload.resident()` around it; the
+        stage itself finishes and closes it in destroy() and counts its files in memory_report()["nvme"]."""
+
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
         """Called before each backward: is this micro-step an accumulation boundary, and may it
         communicate (False inside engine.no_sync())?"""
@@ -50,7 +57,8 @@ class ZeroStage(Protocol):
         """Zero the accumulated gradients (start a new accumulation window)."""
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held by this stage per buffer kind, for logs and benchmarks."""
+        """Bytes held by this stage per buffer kind, for logs and benchmarks; with an offload tier, "nvme":
+        the bytes in this rank's swap files."""
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """What this rank saves and loads: its fp32 masters (with their optimizer state) and frozen
@@ -61,7 +69,9 @@ class ZeroStage(Protocol):
         tensor lives). Every rank must call it."""
 
     def destroy(self) -> None:
-        """Remove hooks and release every buffer the stage allocated; the module keeps whole parameters."""
+        """Remove hooks and release every buffer the stage allocated; the module keeps whole parameters.
+        An offload tier is finished first (a step still running behind the forward: its error is raised
+        here) and closed last (its swap files and folder removed)."""
 
 
 class MasterOwner(Protocol):

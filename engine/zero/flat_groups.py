@@ -12,10 +12,10 @@ import torch
 
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
+from engine.offload.nvme_setup import nvme_settings
 from engine.ops.flatten import copy_into
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
-from engine.zero.nvme_setup import nvme_settings
 
 logger = get_logger()
 

@@ -15,7 +15,7 @@
 # DeepSpeed's 12 Psi/N bytes), and after the step each bucket is all-gathered in place. A
 # parameter may straddle a bucket boundary; the stages handle a gradient that spans buckets.
 #
-# Everything here is pure arithmetic on shapes (contiguous_pieces only views tensors): no tensors
+# Everything here is pure arithmetic on shapes: no tensors
 # are allocated, so checkpoint tools can rebuild any rank's layout from a manifest.
 """
 
@@ -25,8 +25,6 @@ import bisect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 ALIGN_BYTES = 128
 """Slices start on 128-byte boundaries (cache lines, vector loads, NCCL's preferred alignment)."""
@@ -186,19 +184,6 @@ class GroupLayout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} out of range for world size {self.world_size}")
-
-
-def contiguous_pieces(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors of one shape as contiguous 1-D pieces, split alike and without copying: each whole, or
-    row by row when one is a shard's strided (num_buckets, slice) view of a flat buffer."""
-    if all(t.is_contiguous() for t in tensors):
-        return [[t.reshape(-1)] for t in tensors]
-    if all(t.dim() == 2 and t.stride(1) == 1 for t in tensors):
-        return [list(t.unbind(0)) for t in tensors]
-    raise ValueError(
-        f"tensors of shape {tuple(tensors[0].shape)} and strides {[t.stride() for t in tensors]} have "
-        "no contiguous rows"
-    )
 
 
 def align_elements(element_size: int) -> int:

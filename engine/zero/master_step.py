@@ -37,8 +37,7 @@ Optimizer state stays in `optimizer.state[master]` under torch's AdamW keys ("st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +46,11 @@ import torch
 from engine.config.errors import ConfigError
 from engine.config.types import EngineConfig
 from engine.offload import SwapDir
+from engine.offload.nvme_setup import NvmeSettings
+from engine.offload.optimizer_swap import OptimizerSwap
 from engine.ops.adam import AdamEntry, CPUAdam, adam_state, adam_step_entries
+from engine.ops.flatten import contiguous_pieces
 from engine.optim.adam import ReferenceAdam
-from engine.zero.layout import contiguous_pieces
-from engine.zero.nvme_setup import NvmeSettings
-from engine.zero.optimizer_swap import OptimizerSwap
 
 _STEPPING = "_zero_engine_stepping"
 """Set in the optimizer's __dict__ while MasterStep runs its step(): the guard lets that one through."""
@@ -83,23 +82,6 @@ def guard_direct_step(optimizer: torch.optim.Optimizer) -> None:
 def offload_enabled(config: EngineConfig) -> bool:
     """The step runs as one fused CPU pass over the masters: ZeRO-Offload to host memory or to NVMe."""
     return config.zero.offload_optimizer.device in ("cpu", "nvme")
-
-
-def swap_of(stage: Any) -> OptimizerSwap | None:
-    """A stage's NVMe swap (an NVMe run's), or None."""
-    return getattr(getattr(stage, "master_step", None), "swap", None)
-
-
-@contextmanager
-def optimizer_state_resident(stage: Any) -> Iterator[None]:
-    """A stage's whole optimizer state in memory for the duration (a checkpoint's save or load): the
-    swapped state of an NVMe run is read in and written back after; nothing to do otherwise."""
-    swap = swap_of(stage)
-    if swap is None:
-        yield
-        return
-    with swap.resident():
-        yield
 
 
 @dataclass
@@ -144,7 +126,7 @@ class MasterStep:
     ) -> None:
         """`refresh`: after the plain path, write the updated masters into the low-precision parameters
         (the stage's own cast, one call per group); None when no target has a low-precision copy.
-        `nvme`: the optimizer state lives in swap files (engine/zero/optimizer_swap.py), in `swap_dir`
+        `nvme`: the optimizer state lives in swap files (engine/offload/optimizer_swap.py), in `swap_dir`
         when the stage opened it already."""
         self.optimizer = optimizer
         self._refresh = refresh

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.comm import ProcessGroup
+from engine.ops.flatten import contiguous_pieces
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.layers import is_tensor_parallel
-from engine.zero.layout import GroupLayout, contiguous_pieces
+from engine.zero.layout import GroupLayout
 
 
 @dataclass(frozen=True)

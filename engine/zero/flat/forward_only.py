@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.offload.optimizer_swap import OptimizerSwap
 from engine.parallel.groups import ParallelGroups
 from engine.zero.base import StepOutcome
 from engine.zero.records import NamedPiece, ShardRecord
@@ -21,6 +22,7 @@ class ForwardOnly:
     def __init__(self, module: torch.nn.Module, stage: int, parallel: ParallelGroups | None = None) -> None:
         self.stage = stage
         self.optimizer: torch.optim.Optimizer | None = None
+        self.offload: OptimizerSwap | None = None
         self._module = module
         self.parallel = parallel or ParallelGroups.data_parallel_only()
 

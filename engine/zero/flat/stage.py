@@ -35,6 +35,7 @@ import torch
 from engine import comm
 from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
+from engine.offload.optimizer_swap import OptimizerSwap
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 from engine.zero import owners, shard_reduce, shard_step
@@ -120,6 +121,8 @@ class FlatStage:
         )
         self._allocate_gradients()
         self._bind_optimizer(config)
+        self.offload: OptimizerSwap | None = self.master_step.swap
+        """The NVMe swap of the optimizer state and masters (engine/offload/), or None."""
         self._norm_scope = NormScope.of(self.parallel, partitioned=shards > 1)
         self._norm_runs = [counted_runs(g.layout, g.rank, g.params, self.parallel) for g in self.groups]
         """Per group, the runs of its gradient shard this rank counts in the global norm (norm_scope.py)."""
@@ -409,12 +412,15 @@ class FlatStage:
             "gradients": nbytes(self._gradient_buffers() + [g.shard_grad for g in self.groups]),
             "optimizer_state": nbytes(state),
             "buckets": self.pool.allocated_bytes,
+            **({"nvme": self.offload.disk_bytes()} if self.offload is not None else {}),
         }
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def destroy(self) -> None:
+        if self.offload is not None:
+            self.offload.finish()
         self._reset_reduction()
         for handle in self._hooks:
             handle.remove()
@@ -431,3 +437,5 @@ class FlatStage:
         self._late.clear()
         self.pool.clear()
         comm.free_buffers()
+        if self.offload is not None:
+            self.offload.close()  # the swap files and folder removed

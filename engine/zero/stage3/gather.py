@@ -82,7 +82,7 @@ class UnitGathers:
     ) -> None:
         self.read_stored: Callable[[torch.Tensor], StoredRead] = lambda stored: (stored, None)
         """What a group keeps, as the all-gather sends it: itself, or (parameters on NVMe) a read of its
-        values from the swap file started now (engine/zero/optimizer_swap.py's start_read_master)."""
+        values from the swap file started now (engine/offload/optimizer_swap.py's start_read_master)."""
         self.units = units
         self.grads_sent = grads_sent
         """Whether a unit's gradients of this backward were sent (grads.UnitGradients.sent): its outputs'

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.comm import ProcessGroup
+from engine.offload.optimizer_swap import OptimizerSwap
 from engine.ops.overflow import KnownSquares, chunk_sum_squares
 from engine.precision import Precision
 from engine.zero import shard_reduce
@@ -51,11 +52,8 @@ class UnitGradients:
         release: Callable[[Unit], None],
         where: Callable[[], str],
         group: ProcessGroup | None = None,
-        reduced: Callable[[torch.Tensor], None] = lambda shard_grad: None,
-        rows_mapped: bool = False,
-        before_reduce: Callable[[], None] = lambda: None,
-        norm_pieces: Callable[[TrainableGroup, torch.Tensor], list[torch.Tensor]] | None = None,
-        store: Callable[[torch.Tensor, torch.Tensor], bool] = shard_reduce.store_nothing,
+        offload: OptimizerSwap | None = None,
+        counted_pieces: Callable[[TrainableGroup, torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> None:
         self.units = units
         self._memory = memory
@@ -66,18 +64,18 @@ class UnitGradients:
         self._group = group
         self._release = release
         """Release a unit whose gradients were sent (its parameters are not needed in this backward)."""
-        self._reduced = reduced
-        """Told each shard gradient a reduction has just written (NVMe: its pages leave memory)."""
-        self._rows_mapped = rows_mapped
-        """The shard gradients are memory-mapped swap files: reduce in the bucket, store into them once."""
-        self._before_reduce = before_reduce
-        """Called before a reduction writes shard gradients (NVMe: waits for a step still reading them)."""
-        self._store = store
+        self._offload = offload
+        """The stage's NVMe swap, or None. With it, a reduction first waits for a step still reading the shard
+        gradients (finish), and each shard gradient a reduction wrote leaves memory (release_grad)."""
+        self._grads_on_disk = offload is not None and offload.settings.grads
+        """The shard gradients are memory-mapped swap files: reduce in the bucket, store into them once, with
+        O_DIRECT (store_grad), waited for at the end of the backward (wait_stored_grads)."""
+        self._store = offload.store_grad if offload is not None else shard_reduce.store_nothing
         """row.copy_(values) by other means where it returns True (shard_reduce.finish: NVMe, O_DIRECT)."""
         self.window_ends = True
         """This backward ends the accumulation window (set by the stage): only its rows' partial sums are
         the ones the step adds, so earlier micro-steps take none (an added-to row would be read back)."""
-        self._norm_pieces = norm_pieces
+        self._norm_pieces = counted_pieces if self._grads_on_disk else None
         """Given a group and its reduced values, the pieces the norm counts: where set (rows on NVMe), each
         group's partial sums are taken from its bucket as the reduction lands ([Note: the norm's partial
         sums] in engine/ops/overflow.py), so the step's norm reads no gradient back from disk."""
@@ -163,7 +161,8 @@ class UnitGradients:
 
     def _launch(self, unit: Unit) -> None:
         """Start reduce-scattering the unit's buckets, then release the unit."""
-        self._before_reduce()
+        if self._offload is not None:
+            self._offload.finish()
         for g in unit.trainable:
             bucket = g.grad_bucket
             if not g.filling:  # no gradient on this rank: contribute zeros
@@ -182,7 +181,7 @@ class UnitGradients:
                 bucket,
                 g.shard_grad,
                 written=written,
-                in_bucket=self._rows_mapped,
+                in_bucket=self._grads_on_disk,
                 rank=self._rank,
                 averaging=self._averaging,
                 key=unit.index,
@@ -219,7 +218,8 @@ class UnitGradients:
         g.slotted.clear()
         self._recycle_bucket(g)
         g.move_grads(GradState.REDUCED)
-        self._reduced(g.shard_grad)
+        if self._offload is not None:
+            self._offload.release_grad(g.shard_grad)  # its pages leave memory (its values are in its file)
 
     def _recycle_bucket(self, g: TrainableGroup) -> None:
         if g.grad_bucket is not None:
@@ -231,7 +231,7 @@ class UnitGradients:
 
     def flush(self) -> None:
         """End of a backward (or a step): reduce every unit not reduced yet in this backward, wait for
-        all, release every unit."""
+        all (and for their stores to disk, where the shard gradients are), release every unit."""
         if self._order.started or self._pending():
             self._order.launch_rest()
         for unit in self.units:
@@ -240,6 +240,8 @@ class UnitGradients:
             self._release(unit)
         self._reducing.clear()
         self._order.restart()
+        if self._offload is not None:
+            self._offload.wait_stored_grads()
 
     def shard_grads(self) -> list[torch.Tensor]:
         """Every fp32 shard gradient, in the order the optimizer's masters were bound."""

@@ -30,14 +30,18 @@ recycles blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine import comm
+from engine.config.types import ARENA_AUTO
 from engine.monitor.log import get_logger
 from engine.ops.arena import BLOCK_ALIGN, Arena, block_bytes
 from engine.zero.bucket_pool import BucketPool
+from engine.zero.stage3.prefetch import PrefetchPlan
+from engine.zero.stage3.units import Unit
 
 logger = get_logger()
 
@@ -163,3 +167,33 @@ class Stage3Memory:
     def clear(self) -> None:
         self._pool.clear()
         self.arena = None
+
+
+def build_memory(
+    units: Sequence[Unit],
+    plan: PrefetchPlan,
+    wire_dtype: Callable[[torch.dtype], torch.dtype],
+    requested: int,
+    reduces_in_flight: int,
+) -> Stage3Memory:
+    """Gathered buffers and gradient buckets: an arena of `requested` bytes
+    (zero_optimization.stage3_arena_bytes; ARENA_AUTO: sized from the units), or the default allocator
+    (0, the default, or not a CPU model)."""
+    groups = [g for u in units for g in u.groups]
+    device = groups[0].device if groups else torch.device("cpu")
+    needs = [
+        UnitBytes(
+            gathered=sum(g.layout.padded_numel * g.dtype.itemsize for g in u.groups),
+            buckets=sum(g.layout.padded_numel * wire_dtype(g.dtype).itemsize for g in u.trainable),
+            persistent=plan.persistent(u.index),
+            root=not u.modules,
+        )
+        for u in units
+    ]
+    widest = max((g.dtype.itemsize for g in groups), default=4)
+    auto = requested == ARENA_AUTO
+    capacity = auto_capacity(needs, plan.max_live_numel * widest, reduces_in_flight) if auto else requested
+    # Without the arena, gradient buckets are recycled by a pool whose buffers all have the size
+    # of the largest block, so units of any size share them.
+    blocks = [u for u in units if u.modules] or units
+    return Stage3Memory(capacity, device, max((u.numel for u in blocks), default=0), comm.get_rank(), auto=auto)

@@ -26,7 +26,9 @@ from torch.utils.hooks import RemovableHandle
 
 from engine import comm
 from engine.config.errors import ConfigError
-from engine.config.types import ARENA_AUTO, EngineConfig
+from engine.config.types import EngineConfig
+from engine.offload.nvme_setup import NvmeSettings, map_gradients, nvme_settings, open_swap_dir
+from engine.offload.swap_dir import SwapDir
 from engine.ops.overflow import KnownSquares
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
@@ -36,13 +38,12 @@ from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
-from engine.zero.nvme_setup import map_gradients, nvme_settings, open_swap_dir
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3 import memory_efficient_linear
 from engine.zero.stage3.gather import UnitGathers
 from engine.zero.stage3.grads import MAX_REDUCES_IN_FLIGHT, UnitGradients
-from engine.zero.stage3.memory import Stage3Memory, UnitBytes, auto_capacity
+from engine.zero.stage3.memory import build_memory
 from engine.zero.stage3.prefetch import PrefetchPlan
 from engine.zero.stage3.units import TrainableGroup, Unit, UnitState, build_units
 from engine.zero.tp_state import whole_state_dict
@@ -74,14 +75,7 @@ class Stage3:
         self.steps = 0  # optimizer steps and backwards so far, to say where in training an error happened
         self.backwards = 0
 
-        nvme = nvme_settings(config)
-        if nvme is not None and nvme.params and optimizer is None:
-            raise ConfigError(
-                'zero_optimization.offload_param.device "nvme" without an optimizer (evaluation or ZeRO-Inference): '
-                "parameters go to NVMe here only with the optimizer state (training); use offload_param "
-                '"cpu"/"none" for an engine without optimizer'
-            )
-        nvme = nvme if optimizer is not None else None
+        nvme = self._nvme_settings(config, optimizer)
         self.units: list[Unit] = build_units(
             module,
             optimizer,
@@ -92,48 +86,12 @@ class Stage3:
             grad_dtype=precision.grad_accum_dtype,
             allocate_grads=nvme is None,
         )
-        swap_dir = None
-        if nvme is not None:  # ZeRO-Infinity keeps the shard gradients on NVMe too (as DeepSpeed's swapper does)
-            swap_dir = open_swap_dir(nvme)
-            to_map = [t for u in self.units for t in u.trainable]
-            sizes = [(t.layout.slice_numel, t.shard_grad.dtype) for t in to_map]
-            try:
-                grads = map_gradients(swap_dir, sizes)
-            except BaseException:
-                swap_dir.close()  # a failed start leaves no folder behind, so the next one starts clean
-                raise
-            for t, grad in zip(to_map, grads):
-                t.shard_grad = grad
-        for unit in self.units:
-            handle = owners.UnitHandle(
-                gather=partial(self.gather_for_user, unit),
-                release=partial(self.release_for_user, unit),
-                scatter_from=partial(self.scatter_from, unit),
-                status=unit.ds_status,
-                grad_slot=lambda param, dtype: self._grads.slot(param, dtype),
-            )
-            for g in unit.groups:
-                for p in g.params:
-                    owners.set_unit(p, handle)  # for engine.zero.GatheredParameters
+        swap_dir = self._map_gradients(nvme) if nvme is not None else None
+        self._register_owners()
         trainable = [g for u in self.units for g in u.trainable]
-        if optimizer is not None:
-            bind_shards(
-                optimizer,
-                [[g.master for g in trainable if g.opt_group == gi] for gi in range(len(optimizer.param_groups))],
-            )
-        # The masters are the only persistent copy of trainable parameters (or the fp32 shard itself):
-        # gathering casts, so the step has no low-precision copy to write.
-        self.master_step = (
-            MasterStep(
-                optimizer,
-                [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
-                offload=offload_enabled(config),
-                nvme=dataclasses.replace(nvme, grads=True) if nvme is not None else None,
-                swap_dir=swap_dir,
-            )
-            if optimizer is not None
-            else None
-        )
+        self.master_step = self._bind_optimizer(config, trainable, nvme, swap_dir)
+        self.offload = self.master_step.swap if self.master_step is not None else None
+        """The NVMe swap of the optimizer state, masters and gradients (engine/offload/), or None."""
         self._norm_scope = NormScope.of(self.parallel, partitioned=True)
         self._norm_runs = [(g, counted_runs(g.layout, self._rank, g.params, self.parallel)) for g in trainable]
         """Each trainable group with the runs of its gradient shard this rank counts in the global norm."""
@@ -149,8 +107,9 @@ class Stage3:
             max_reuse_numel=zero.stage3_max_reuse_distance,
             persist_below=zero.stage3_param_persistence_threshold,
         )
-        self._memory = self._build_memory(config)
-        swap = self.master_step.swap if self.master_step is not None else None
+        self._memory = build_memory(
+            self.units, self._plan, precision.wire_dtype, zero.stage3_arena_bytes, MAX_REDUCES_IN_FLIGHT
+        )
         self._grads = UnitGradients(
             self.units,
             self._memory,
@@ -160,13 +119,47 @@ class Stage3:
             release=lambda unit: self._gathers.release(unit),
             where=self._where_in_training,
             group=self._group,
-            reduced=swap.release_grad if swap is not None else lambda g: None,
-            rows_mapped=swap is not None and swap.settings.grads,
-            before_reduce=swap.finish if swap is not None else lambda: None,
-            norm_pieces=self._counted_pieces if swap is not None and swap.settings.grads else None,
-            store=swap.store_grad if swap is not None else shard_reduce.store_nothing,
+            offload=self.offload,
+            counted_pieces=self._counted_pieces,
         )
-        self._gathers = UnitGathers(
+        self._gathers = self._build_gathers(zero.offload_param.buffer_count)
+        self._handles = self._register_hooks(module)
+        self._linear_installed = zero.memory_efficient_linear
+        if self._linear_installed:
+            memory_efficient_linear.install()
+
+    # ----------------------------------------------------------------------------- building
+    @staticmethod
+    def _nvme_settings(config: EngineConfig, optimizer: torch.optim.Optimizer | None) -> NvmeSettings | None:
+        """ZeRO-Infinity's settings when this stage trains with NVMe offload, else None."""
+        nvme = nvme_settings(config)
+        if nvme is not None and nvme.params and optimizer is None:
+            raise ConfigError(
+                'zero_optimization.offload_param.device "nvme" without an optimizer (evaluation or ZeRO-Inference): '
+                "parameters go to NVMe here only with the optimizer state (training); use offload_param "
+                '"cpu"/"none" for an engine without optimizer'
+            )
+        return nvme if optimizer is not None else None
+
+    def _map_gradients(self, nvme: NvmeSettings) -> SwapDir:
+        """ZeRO-Infinity keeps the shard gradients on NVMe too (as DeepSpeed's swapper does): each a mapped
+        swap file in this rank's new swap folder, which is returned."""
+        swap_dir = open_swap_dir(nvme)
+        to_map = [t for u in self.units for t in u.trainable]
+        sizes = [(t.layout.slice_numel, t.shard_grad.dtype) for t in to_map]
+        try:
+            grads = map_gradients(swap_dir, sizes)
+        except BaseException:
+            swap_dir.close()  # a failed start leaves no folder behind, so the next one starts clean
+            raise
+        for t, grad in zip(to_map, grads):
+            t.shard_grad = grad
+        return swap_dir
+
+    def _build_gathers(self, read_ahead_units: int) -> UnitGathers:
+        """The units' gathers; with the masters on NVMe, each gather reads its unit's from the swap files,
+        `read_ahead_units` (offload_param.buffer_count, >= 0 by the schema) units ahead."""
+        gathers = UnitGathers(
             self.units,
             self._plan,
             self._memory,
@@ -175,40 +168,51 @@ class Stage3:
             grads_sent=self._grads.sent,
             group=self._group,
         )
-        if swap is not None and swap.settings.params:  # the masters are on NVMe: each gather reads its unit's
-            self._gathers.read_stored = swap.start_read_master
-            self._gathers.read_ahead_units = config.zero.offload_param.buffer_count  # the schema's count: >= 0
-        self._handles = self._register_hooks(module)
-        self._linear_installed = zero.memory_efficient_linear
-        if self._linear_installed:
-            memory_efficient_linear.install()
+        if self.offload is not None and self.offload.settings.params:  # masters on NVMe: each gather reads its unit's
+            gathers.read_stored = self.offload.start_read_master
+            gathers.read_ahead_units = read_ahead_units
+        return gathers
+
+    def _register_owners(self) -> None:
+        """Every parameter's unit handle, for engine.zero.GatheredParameters and the stage-3 linear."""
+        for unit in self.units:
+            handle = owners.UnitHandle(
+                gather=partial(self.gather_for_user, unit),
+                release=partial(self.release_for_user, unit),
+                scatter_from=partial(self.scatter_from, unit),
+                status=unit.ds_status,
+                grad_slot=lambda param, dtype: self._grads.slot(param, dtype),
+            )
+            for g in unit.groups:
+                for p in g.params:
+                    owners.set_unit(p, handle)
+
+    def _bind_optimizer(
+        self,
+        config: EngineConfig,
+        trainable: list[TrainableGroup],
+        nvme: NvmeSettings | None,
+        swap_dir: SwapDir | None,
+    ) -> MasterStep | None:
+        """Point the optimizer at the trainable groups' fp32 masters and set up the step over them; None
+        without an optimizer. The masters are the only persistent copy of trainable parameters (or the
+        fp32 shard itself): gathering casts, so the step has no low-precision copy to write."""
+        optimizer = self.optimizer
+        if optimizer is None:
+            return None
+        bind_shards(
+            optimizer,
+            [[g.master for g in trainable if g.opt_group == gi] for gi in range(len(optimizer.param_groups))],
+        )
+        return MasterStep(
+            optimizer,
+            [MasterTarget(g.master, g.shard_grad, None) for g in trainable],
+            offload=offload_enabled(config),
+            nvme=dataclasses.replace(nvme, grads=True) if nvme is not None else None,
+            swap_dir=swap_dir,
+        )
 
     # ----------------------------------------------------------------------------- building
-    def _build_memory(self, config: EngineConfig) -> Stage3Memory:
-        """Gathered buffers and gradient buckets: an arena sized by zero_optimization.stage3_arena_bytes
-        ("auto": from the units), or the default allocator (0, the default, or not a CPU model)."""
-        groups = [g for u in self.units for g in u.groups]
-        device = groups[0].device if groups else torch.device("cpu")
-        needs = [
-            UnitBytes(
-                gathered=sum(g.layout.padded_numel * g.dtype.itemsize for g in u.groups),
-                buckets=sum(g.layout.padded_numel * self.precision.wire_dtype(g.dtype).itemsize for g in u.trainable),
-                persistent=self._plan.persistent(u.index),
-                root=not u.modules,
-            )
-            for u in self.units
-        ]
-        widest = max((g.dtype.itemsize for g in groups), default=4)
-        requested = config.zero.stage3_arena_bytes
-        auto = requested == ARENA_AUTO
-        capacity = (
-            auto_capacity(needs, self._plan.max_live_numel * widest, MAX_REDUCES_IN_FLIGHT) if auto else requested
-        )
-        # Without the arena, gradient buckets are recycled by a pool whose buffers all have the size
-        # of the largest block, so units of any size share them.
-        blocks = [u for u in self.units if u.modules] or self.units
-        return Stage3Memory(capacity, device, max((u.numel for u in blocks), default=0), comm.get_rank(), auto=auto)
-
     def _register_hooks(self, module: torch.nn.Module) -> list[RemovableHandle]:
         gathers = self._gathers
         root = next((u for u in self.units if not u.modules), None)
@@ -243,14 +247,8 @@ class Stage3:
                 "to accumulate micro-batches"
             )
 
-    def _flush_grads(self) -> None:
-        """Every gradient of the backward reduced into the shard gradients, and on disk where they are."""
-        self._grads.flush()
-        if self.master_step is not None and self.master_step.swap is not None:
-            self.master_step.swap.wait_stored_grads()
-
     def finish_backward(self) -> None:
-        self._flush_grads()
+        self._grads.flush()
         self._gathers.end_micro_step()
         self.backwards += 1
 
@@ -258,12 +256,11 @@ class Stage3:
         if self.optimizer is None:
             raise RuntimeError("stage 3 was built without an optimizer (evaluation only): it has nothing to step")
         # Every gradient of the window reduced into the shard gradients, nothing left gathered.
-        self._flush_grads()
+        self._grads.flush()
         self._gathers.drop_prefetched()
-        swap = self.master_step.swap if self.master_step is not None else None
-        if swap is not None:  # the last step, if it still runs behind the forward, first; this one's order
-            swap.finish()
-            swap.order = self._forward_order()
+        if self.offload is not None:  # the last step, if it still runs behind the forward, first; this one's order
+            self.offload.finish()
+            self.offload.order = self._forward_order()
         # Norm, clipping, the optimizer step on the shards (rows no reduction wrote are zeroed first).
         assert self.master_step is not None
         outcome = step_on_gradients(
@@ -312,8 +309,7 @@ class Stage3:
         groups = [g for u in self.units for g in u.groups]
         trainable = [g for u in self.units for g in u.trainable]
         opt_state = self.optimizer.state if self.optimizer is not None else {}
-        swap = self.master_step.swap if self.master_step is not None else None
-        grads_on_disk = swap is not None and swap.settings.grads  # counted in memory_report()["nvme"]
+        grads_on_disk = self.offload is not None and self.offload.settings.grads  # counted in "nvme"
         state = sum(
             nbytes(v)
             for g in trainable
@@ -328,6 +324,7 @@ class Stage3:
             **self._memory.report(),
             "gathered": self._gathers.gathered_bytes,
             "peak_gathered": self._gathers.peak_gathered_bytes,
+            **({"nvme": self.offload.disk_bytes()} if self.offload is not None else {}),
         }
 
     @property
@@ -406,8 +403,9 @@ class Stage3:
         that need not fit in memory) the module is not given back: whole, it would need the full model in
         every rank's RAM (a 2.3B-parameter model: 9.3 GB a rank). Its parameters stay released (empty,
         ds_shape kept); save a checkpoint, consolidated_state_dict() or save_16bit_model() before."""
-        swap = self.master_step.swap if self.master_step is not None else None
-        give_back_whole = swap is None or not swap.settings.params
+        if self.offload is not None:
+            self.offload.finish()  # a step still running behind the forward: its error, if any, is raised here
+        give_back_whole = self.offload is None or not self.offload.settings.params
         self._gathers.drop_prefetched()
         self._plan.forget()
         self.zero_grad()
@@ -439,3 +437,5 @@ class Stage3:
         self._memory.clear()
         self._gathers.gathered_bytes = 0
         comm.free_buffers()
+        if self.offload is not None:
+            self.offload.close()  # the swap files and folder removed

@@ -1,4 +1,4 @@
-"""What a run with NVMe offload sets up before its optimizer swap (engine/zero/optimizer_swap.py): the
+"""What a run with NVMe offload sets up before its optimizer swap (engine/offload/optimizer_swap.py): the
 settings read from the config, this rank's swap folder, and stage 3's memory-mapped gradients. Each is
 made on every rank or refused on all: a failure on one rank is raised on every rank, so none waits in
 a collective for a rank that stopped."""

@@ -1,5 +1,5 @@
 """A step running in its own thread, with one event per key (a target) that its readers wait for: the
-NVMe optimizer step behind the next forward (engine/zero/optimizer_swap.py, [Note: the step behind the
+NVMe optimizer step behind the next forward (engine/offload/optimizer_swap.py, [Note: the step behind the
 next forward])."""
 
 from __future__ import annotations

@@ -45,81 +45,23 @@ every rank, so none waits in a collective for a rank that stopped.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from engine.offload import AioContext, MappedFile, SwapDir, SwapFile, SwapHandle, aligned_empty
+from engine.offload.mapped_file import MappedFile
+from engine.offload.nvme_setup import NvmeSettings, agreed, open_swap_dir
 from engine.offload.staged_writes import StagedWriter
-from engine.ops.adam import AdamScalars, AdamTensors, adam_step
-from engine.ops.aio import DIRECT_ALIGN, IOHandle
-from engine.zero.nvme_setup import NvmeSettings, agreed, open_swap_dir
-from engine.zero.step_thread import StepThread
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def sub_group_cuts(piece_numels: list[int], sub_group_size: int) -> list[tuple[int, int, int, int]]:
-    """The sub-groups of a target laid out as pieces end to end in its swap files: (piece, lo, n, file
-    offset) each, in file order, covering every element once, each at most sub_group_size elements.
-    A cut falls at every file offset that is a multiple of the step (sub_group_size rounded down to a
-    multiple of 4 KiB of fp32 elements, when it is at least that), and at piece boundaries: every
-    sub-group that does not start a piece then starts on the 4 KiB grid, and each whole step of them
-    is a whole number of 4 KiB blocks."""
-    grid = DIRECT_ALIGN // 4  # fp32 elements per 4 KiB
-    step = sub_group_size - sub_group_size % grid if sub_group_size >= grid else sub_group_size
-    cuts, offset = [], 0
-    for piece, numel in enumerate(piece_numels):
-        lo = 0
-        while lo < numel:
-            n = min(step - offset % step, numel - lo)
-            cuts.append((piece, lo, n, offset))
-            lo += n
-            offset += n
-    return cuts
-
-
-class _Part(NamedTuple):
-    """One sub-group: elements [lo, lo + n) of a target's pieces laid end to end."""
-
-    target: int
-    master: torch.Tensor | None
-    """The master's elements (a view); None when the master is swapped (its buffer holds them)."""
-    grad: torch.Tensor
-    lp: torch.Tensor | None
-    offset: int
-
-
-@dataclass
-class _Swapped:
-    master: torch.Tensor
-    shape: torch.Size
-    files: dict[str, SwapFile]
-    """exp_avg, exp_avg_sq, and "master" when the master is swapped."""
-    parts: list[_Part]
-    state: dict[str, Any]
-    grad_file: MappedFile | None
-    """The mapped swap file holding the gradient (NvmeSettings.grads), else None."""
-
-
-def _grad_buffer(buffers: dict[str, torch.Tensor], part: _Part) -> torch.Tensor:
-    """The sub-group buffer a part's gradient is read into, in the gradient's dtype."""
-    nbytes = part.grad.numel() * part.grad.element_size()
-    return buffers["grad"].view(torch.uint8)[:nbytes].view(part.grad.dtype)
-
-
-class _Job(NamedTuple):
-    """One sub-group of one step, with that step's scalars."""
-
-    swapped: _Swapped
-    part: _Part
-    scalars: AdamScalars
+from engine.offload.step_thread import StepThread
+from engine.offload.sub_groups import MOMENTS, Job, Swapped, SwapTarget, swapped_target
+from engine.offload.swap_dir import SwapDir
+from engine.offload.swap_file import SwapHandle
+from engine.offload.swapped_run import SwappedRun
+from engine.ops.adam import AdamScalars
+from engine.ops.aio import AioContext, aligned_empty
 
 
 class _AfterStep:
@@ -127,7 +69,7 @@ class _AfterStep:
     itself (`filled`: registered before the step began the target), or read from the file once the step
     has written it back (a read ahead of the gather must not wait for the step when it is made)."""
 
-    def __init__(self, swap: OptimizerSwap, s: _Swapped, out: torch.Tensor, filled: bool) -> None:
+    def __init__(self, swap: OptimizerSwap, s: Swapped, out: torch.Tensor, filled: bool) -> None:
         self._swap, self._s, self._out, self._filled = swap, s, out, filled
 
     def wait(self) -> int:
@@ -143,19 +85,17 @@ class OptimizerSwap:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        targets: list[Any],
+        targets: Sequence[SwapTarget],
         settings: NvmeSettings,
         swap_dir: SwapDir | None = None,
     ) -> None:
         """`swap_dir`: the folder already opened (stage 3 maps the gradients into it first), else a new one."""
-        from engine.zero.layout import contiguous_pieces
-
         self.settings = settings
         self.dir: SwapDir = swap_dir if swap_dir is not None else open_swap_dir(settings)
         self.context = AioContext(settings.aio)
         self._grad_writes = StagedWriter(self.context) if settings.grads else None
         """Stage 3's reductions write the mapped gradients through it ([Note: gradients past the page cache])."""
-        self.by_master: dict[int, _Swapped] = {}
+        self.by_master: dict[int, Swapped] = {}
         self._mapped_grads: dict[int, MappedFile] = {}
         """id(gradient) -> the mapped swap file that holds it (settings.grads)."""
         self.background = settings.params and all(t.lp is None for t in targets)
@@ -172,6 +112,9 @@ class OptimizerSwap:
         self.reread = 0
         """Gathers that came after the running step had begun their target, and so read it back from disk."""
         self._lock = threading.Lock()
+        self.held = threading.Event()
+        """Set when a running step first waits for a gather to ask for a target: a test's sign that the step
+        got as far as it may on its own (see `_may_begin`)."""
         self._asked = threading.Condition(self._lock)
         """Notified when a reader asks for a target or lets the step run on (see `_may_begin`)."""
         self._position: dict[int, int] = {}
@@ -186,33 +129,16 @@ class OptimizerSwap:
         """id(master) -> where a gather wants its updated values, registered before the step began it: the
         step copies each updated sub-group there, and the gather reads nothing from disk (under _lock)."""
         mapped_at = {m.tensor.data_ptr(): m for m in self.dir.mapped_files.values()}
-        size = settings.sub_group_size
 
         def build() -> None:
             for i, t in enumerate(targets):
                 # A copy of a low-precision parameter is swapped; the parameter's own fp32 storage only when
                 # parameters go to NVMe too (stage 3, whose gathers then read it from the file).
-                swap_master = t.lp is not None or settings.params
+                names = [*MOMENTS, *(["master"] if t.lp is not None or settings.params else [])]
+                files = {k: self.dir.file(f"{k}.{i}", t.master.numel(), torch.float32, self.context) for k in names}
                 grad_file = self._mapped_grad(t.grad, mapped_at) if settings.grads else None
-                lp = [t.lp] if t.lp is not None else []
-                master, grad, *lp_lists = contiguous_pieces([t.master, t.grad, *lp])
-                lp_pieces = lp_lists[0] if lp_lists else None
-                numel = t.master.numel()
-                names = [*_MOMENTS, *(["master"] if swap_master else [])]
-                files = {k: self.dir.file(f"{k}.{i}", numel, torch.float32, self.context) for k in names}
-                parts = [
-                    _Part(
-                        i,
-                        None if swap_master else master[j][lo : lo + n],
-                        grad[j][lo : lo + n],
-                        lp_pieces[j][lo : lo + n] if lp_pieces is not None else None,
-                        offset,
-                    )
-                    for j, lo, n, offset in sub_group_cuts([m.numel() for m in master], size)
-                ]
                 state = optimizer.state[t.master]
-                state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-                self.by_master[id(t.master)] = _Swapped(t.master, t.master.shape, files, parts, state, grad_file)
+                self.by_master[id(t.master)] = swapped_target(i, t, files, state, grad_file, settings.sub_group_size)
             self._write_out(initial=True)
 
         try:
@@ -222,7 +148,7 @@ class OptimizerSwap:
             raise
         # Sized to the largest sub-group there is: sub_group_size is a bound (transformers' configs write 1e14).
         largest = max((p.grad.numel() for sw in self.by_master.values() for p in sw.parts), default=0)
-        names = (*_MOMENTS, "master", *(["grad"] if settings.grads else []))
+        names = (*MOMENTS, "master", *(["grad"] if settings.grads else []))
         self._buffers = [
             {k: aligned_empty(largest, torch.float32) for k in names} for _ in range(settings.buffer_count)
         ]
@@ -276,112 +202,41 @@ class OptimizerSwap:
         jobs.sort(key=lambda job: position.get(id(job.swapped.master), len(position)))  # stable: parts in file order
         self.steps_behind += 1
         self._begun, self._fill = set(), {}
+        self.held.clear()
         self._position = {t: k for k, t in enumerate(dict.fromkeys(id(job.swapped.master) for job in jobs))}
         self._asked_upto, self._run_on = -1, False
         self._running = StepThread(lambda written: self._run(jobs, written), [id(job.swapped.master) for job in jobs])
 
-    def _plan(self, group: dict[str, Any], coef: float, adamw_mode: bool, bias_correction: bool) -> list[_Job]:
+    def _plan(self, group: dict[str, Any], coef: float, adamw_mode: bool, bias_correction: bool) -> list[Job]:
         """The group's sub-groups, each with the scalars of this step (its learning rate now: a scheduler
         may change the group's before the step has run)."""
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         for p in group["params"]:
             s = self.by_master[id(p)]
             s.state["step"] += 1.0
             scalars = AdamScalars.of_group(
                 group, int(s.state["step"]), adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=coef
             )
-            jobs.extend(_Job(s, part, scalars) for part in s.parts)
+            jobs.extend(Job(s, part, scalars) for part in s.parts)
         return jobs
 
-    def _run(self, jobs: list[_Job], written: Callable[[int], None]) -> None:
-        """The swapped step over `jobs` through the buffers; `written(id(master))` once a target's parts
-        are all written back. Returns with no transfer in flight, raised or not (the buffers are reused)."""
-        left = Counter(id(job.swapped.master) for job in jobs)
-        fill: dict[int, torch.Tensor | None] = {}
-        """Target -> where its updated values go (a gather's buffer), while the step is on that target."""
-        free = list(range(len(self._buffers)))
-        writing: deque[tuple[int, list[SwapHandle], int]] = deque()
-        reading: dict[int, tuple[int, list[SwapHandle | IOHandle]]] = {}
+    def _run(self, jobs: list[Job], written: Callable[[int], None]) -> None:
+        """The step over `jobs`, in line or in the step's thread; `written(id(master))` once a target's
+        parts are all written back (a test holds the thread back by wrapping this method)."""
+        SwappedRun(jobs, self._buffers, self.context, self.settings, self._begin, written).run()
 
-        def wrote(b: int, handles: list[SwapHandle], target: int) -> None:
-            for h in handles:
-                h.wait()
-            free.append(b)
-            left[target] -= 1
-            if not left[target]:
-                fill.pop(target, None)  # the gather holds it now: memory of one unit, not of every unit stepped
-                written(target)
-
-        def drain() -> None:
-            """Wait for every write in flight and tell the waiters of each target written."""
-            while writing:
-                wrote(*writing.popleft())
-
-        def take_buffer() -> int:
-            if not free:
-                wrote(*writing.popleft())
-            return free.pop()
-
-        def start_read(k: int) -> None:
-            s, part = jobs[k].swapped, jobs[k].part
-            b = take_buffer()
-            buf = self._buffers[b]
-            n = part.grad.numel()
-            reads: list[SwapHandle | IOHandle] = [f.read(buf[name][:n], part.offset) for name, f in s.files.items()]
-            if s.grad_file is not None:  # with O_DIRECT, past the page cache ([Note: gradients past the page cache])
-                reads.append(
-                    self.context.read(s.grad_file.file, _grad_buffer(buf, part), s.grad_file.offset(part.grad))
-                )
-            reading[k] = (b, reads)
-
-        def destination(target: int) -> torch.Tensor | None:
-            if target not in fill:
-                with self._lock:
-                    ready = self._may_begin(target)
-                if not ready:  # the gathers that would ask may be waiting for the targets written so far
-                    drain()
-                with self._lock:
-                    self._asked.wait_for(lambda: self._may_begin(target))
-                    self._begun.add(target)
-                    fill[target] = self._fill.pop(target, None)
-            return fill[target]
-
-        try:
-            for k, (s, part, scalars) in enumerate(jobs):
-                out = destination(id(s.master))
-                if k not in reading:
-                    start_read(k)
-                if self.settings.pipeline_read and k + 1 < len(jobs) and k + 1 not in reading and (free or writing):
-                    start_read(k + 1)
-                b, handles = reading.pop(k)
-                for h in handles:
-                    h.wait()
-                buf, n = self._buffers[b], part.grad.numel()
-                master = buf["master"][:n] if part.master is None else part.master
-                adam_step(
-                    AdamTensors(
-                        [master],
-                        [_grad_buffer(buf, part) if s.grad_file is not None else part.grad],
-                        [buf["exp_avg"][:n]],
-                        [buf["exp_avg_sq"][:n]],
-                        [part.lp] if part.lp is not None else None,
-                    ),
-                    scalars,
-                )
-                if out is not None:  # a gather waits for these values: from here, not from the file
-                    out[part.offset : part.offset + n].copy_(master)
-                if s.grad_file is not None:  # read for the last time: zeros on disk, out of memory (not read back)
-                    s.grad_file.discard(part.grad)
-                writing.append((b, [f.write(buf[name][:n], part.offset) for name, f in s.files.items()], id(s.master)))
-                if not self.settings.pipeline_write:
-                    wrote(*writing.pop())
-                while writing and all(h.done() for h in writing[0][1]):  # tell waiters as soon as it is on disk
-                    wrote(*writing.popleft())
+    def _begin(self, target: int, drain: Callable[[], None]) -> torch.Tensor | None:
+        """The running step's wait before it begins `target` (see `_may_begin`); where a gather wants the
+        target's updated values, or None."""
+        with self._lock:
+            ready = self._may_begin(target)
+        if not ready:  # the gathers that would ask may be waiting for the targets written so far
             drain()
-        finally:  # after a failure: nothing may still move data into or out of the buffers
-            for h in [h for _, hs in reading.values() for h in hs] + [h for _, hs, _ in writing for h in hs]:
-                with contextlib.suppress(Exception):
-                    h.wait()
+            self.held.set()
+        with self._lock:
+            self._asked.wait_for(lambda: self._may_begin(target))
+            self._begun.add(target)
+            return self._fill.pop(target, None)
 
     def _may_begin(self, target: int) -> bool:
         """Whether the running step may begin `target` (under _lock): once a gather has asked for it or for a
@@ -441,7 +296,7 @@ class OptimizerSwap:
             if "master" in s.files:
                 s.master.data = torch.empty(s.shape, dtype=torch.float32)
                 s.files["master"].read(s.master.data.view(-1)).wait()
-            for name in _MOMENTS:
+            for name in MOMENTS:
                 s.state[name] = torch.empty(s.shape, dtype=torch.float32)
                 s.files[name].read(s.state[name].view(-1)).wait()
         try:
@@ -453,8 +308,8 @@ class OptimizerSwap:
         """Write every swapped tensor to its file and drop it from memory (initial: zero moments, or the
         optimizer's own state if it already has some)."""
         for s in self.by_master.values():
-            values = {name: s.state.get(name) for name in _MOMENTS}
-            for name in _MOMENTS:
+            values = {name: s.state.get(name) for name in MOMENTS}
+            for name in MOMENTS:
                 value = values[name]
                 if not (torch.is_tensor(value) and value.numel() == s.master.numel()):
                     value = torch.zeros(s.master.numel(), dtype=torch.float32)
