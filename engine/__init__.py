@@ -4,13 +4,15 @@ features it supports.
     engine, optimizer, loader, scheduler = engine.initialize(model=model, config="configs/zero0.json")
 """
 
-from engine import checkpointing, zero
+import sys
+
+from engine import activation_checkpointing, zero
 from engine.comm import comm_stats, init_distributed
 from engine.config import ConfigError, EngineConfig, load_config
-from engine.engine import Engine
 from engine.initialize import add_config_arguments, initialize
 from engine.parallel.autotp import tp_model_init
 from engine.precision import NonFiniteGradientError
+from engine.runtime.engine import Engine
 
 __all__ = [
     "ConfigError",
@@ -28,6 +30,12 @@ __all__ = [
     "zero",
 ]
 __version__ = "0.1.0"
+
+# DeepSpeed's name for activation checkpointing is `deepspeed.checkpointing`, and `import engine as
+# deepspeed` must keep `deepspeed.checkpointing.checkpoint` and `import engine.checkpointing` working; the
+# package itself is named for what it holds (engine/checkpoint/ is the model checkpoints).
+checkpointing = activation_checkpointing
+sys.modules[f"{__name__}.checkpointing"] = activation_checkpointing
 
 
 def __getattr__(name: str) -> object:  # lazy: training never needs the estimator, so `import engine` skips it

@@ -12,7 +12,7 @@ import torch
 from models import make_model
 
 import engine
-from engine.engine import DestroyedEngineError
+from engine.runtime.engine import DestroyedEngineError
 
 CONFIG = {
     "train_batch_size": 4,
@@ -226,7 +226,7 @@ def test_objects_given_to_initialize_take_precedence_over_the_config_sections() 
 
 
 class _Clock:
-    """A stand-in for engine.engine's `time`: perf_counter() advances 1 ms per call, and `stall` seconds
+    """A stand-in for the reporter's `time`: perf_counter() advances 1 ms per call, and `stall` seconds
     more at once when asked (no wall time, so the test holds on any machine)."""
 
     def __init__(self) -> None:
@@ -256,7 +256,7 @@ class _SlowFirstForward(torch.nn.Module):
 def test_progress_rate_does_not_count_the_first_steps_one_time_costs(capsys, monkeypatch) -> None:
     """Issue 32: the progress line reported 9.1 samples/s at step 50 of a run going at 66, the first
     step's build counted in; the rate now counts from the end of the first step."""
-    import engine.engine as engine_module
+    import engine.monitor.reporter as engine_module
 
     clock = _Clock()
     monkeypatch.setattr(engine_module, "time", clock)

@@ -17,13 +17,13 @@ import torch
 from hf_clients import EXAMPLE, ROOT, client_env, free_port, write_config
 
 import engine
-from engine.engine import NoOptimizerError
+from engine.runtime.engine import NoOptimizerError
 from engine.optim import Lion
 from engine.optim.deepspeed_classes import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion, FusedAdam
 
 ALIASES = """
 import importlib, importlib.metadata, json
-import deepspeed, engine, engine.engine, engine.zero, engine.zero.partitioned_init, engine.comm, engine.accelerator
+import deepspeed, engine, engine.runtime.engine, engine.zero, engine.zero.partitioned_init, engine.comm, engine.accelerator
 import engine.zero.clone, engine.optim.deepspeed_classes as classes
 from transformers.integrations import is_deepspeed_available
 from accelerate.utils import compare_versions, is_deepspeed_available as accelerate_sees
@@ -33,8 +33,8 @@ checks = {
     "transformers_sees": is_deepspeed_available(),
     "accelerate_sees": accelerate_sees() and compare_versions("deepspeed", ">=", "0.16.4"),
     "initialize": deepspeed.initialize is engine.initialize,
-    "engine": deepspeed.DeepSpeedEngine is engine.engine.Engine
-        and importlib.import_module("deepspeed.runtime.engine").DeepSpeedEngine is engine.engine.Engine,
+    "engine": deepspeed.DeepSpeedEngine is engine.runtime.engine.Engine
+        and importlib.import_module("deepspeed.runtime.engine").DeepSpeedEngine is engine.runtime.engine.Engine,
     "comm": all(getattr(deepspeed.comm, n) is getattr(engine.comm, n)
                 for n in ("init_distributed", "is_initialized", "get_rank", "get_world_size", "barrier")),
     "zero": deepspeed.zero.Init is engine.zero.Init and deepspeed.zero.GatheredParameters is engine.zero.GatheredParameters,

@@ -331,7 +331,7 @@ def test_zero_gather_16bit_flag_and_stage_check() -> None:
 
 
 def _evaluate_without_optimizer(stage: int, build_under_init: bool, bf16: bool) -> dict[str, object]:
-    from engine.engine import NoOptimizerError
+    from engine.runtime.engine import NoOptimizerError
 
     rank = torch.distributed.get_rank()
     ids = torch.tensor([[1, 5, 2, 7], [0, 3, 3, 6]])

@@ -1,4 +1,4 @@
-"""The loop shapes users write, with the optimizer engine.initialize returns (engine/zero_optimizer.py).
+"""The loop shapes users write, with the optimizer engine.initialize returns (engine/runtime/zero_optimizer.py).
 
 Before, a loop that called optimizer.zero_grad() trained nothing in fp32 at every stage (the masters'
 .grad binding was dropped; weights moved 0.0, no error), and optimizer.step() called instead of

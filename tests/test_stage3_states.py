@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.zero.stage3.units import GradState, IllegalStateMove, TrainableGroup, Unit, UnitState, build_units
+from engine.zero.stage3.units import GradState, TrainableGroup, Unit, UnitState, build_units
+from engine.zero.state_moves import IllegalStateMove
 
 
 def _one_unit() -> tuple[Unit, TrainableGroup]:

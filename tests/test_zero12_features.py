@@ -182,7 +182,7 @@ def test_parameter_without_gradient_in_some_steps(stage: int) -> None:
 
 def test_client_optimizer_object_is_rebound_to_flat_shards() -> None:
     results = _check_reference({"stage": 2, "optimizer": "sgd"}, 2)
-    # initialize() returns DeepSpeed's kind of optimizer (engine/zero_optimizer.py) over the user's object,
+    # initialize() returns DeepSpeed's kind of optimizer (engine/runtime/zero_optimizer.py) over the user's object,
     # sharing its param groups (issue 30); the user's object itself is rebound in place.
     assert results[0]["same_optimizer"], "initialize() must return an optimizer wrapping the user's object"
     assert all(len(shape) == 2 for shape in results[0]["opt_params"]), "the optimizer steps flat shards"

@@ -35,7 +35,7 @@ from engine.checkpoint.zero_to_fp32 import (
     get_optim_files,
     load_state_dict_from_zero_checkpoint,
 )
-from engine.zero_optimizer import DeepSpeedOptimizer
+from engine.runtime.zero_optimizer import DeepSpeedOptimizer
 
 FROZEN = {"2.weight", "2.bias"}
 

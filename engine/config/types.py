@@ -185,7 +185,7 @@ class FlopsProfilerConfig:
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """`activation_checkpointing`: how engine.checkpointing.checkpoint keeps a checkpoint's inputs until
-    its recompute (ZeRO-R, paper section 6; engine/checkpointing). DeepSpeed's keys and defaults."""
+    its recompute (ZeRO-R, paper section 6; engine/activation_checkpointing/). DeepSpeed's keys and defaults."""
 
     partition_activations: bool = False
     """P_a: each tensor-parallel rank keeps 1/TP of every checkpointed input, all-gathered before the

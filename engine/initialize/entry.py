@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 
-from engine import checkpointing, comm
+from engine import activation_checkpointing, comm
 from engine.accelerator import get_accelerator
 from engine.config import EngineConfig, load_config, run_checks
-from engine.engine import Engine
 from engine.initialize import parallel_setup, rank_agreement
 from engine.initialize.data import build_dataloader
 from engine.initialize.param_groups import normalize_param_groups
@@ -20,6 +19,7 @@ from engine.monitor.log import get_logger
 from engine.optim import build_optimizer, build_scheduler
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision, cpu_precision
+from engine.runtime.engine import Engine
 from engine.zero import owners, partitioned_init
 from engine.zero.base import ZeroStage
 from engine.zero.flat import ForwardOnly, Stage0, Stage1, Stage2
@@ -159,13 +159,13 @@ def initialize(
             run_checks.check_offload(cfg, device.type)
             run_checks.check_stage(cfg, _STAGES)
             owners.check_not_held(model)
-            checkpointing.check_engine_options(cfg)
+            activation_checkpointing.check_engine_options(cfg)
             monitors.check_packages(cfg)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
         parallel = parallel_setup.resolve_groups(known_groups, cfg.autotp_size, model, cfg)
-        checkpointing.configure_from_engine(cfg, parallel)
+        activation_checkpointing.configure_from_engine(cfg, parallel)
         if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
             logger.info(
                 "stage %d: %d parameters built under engine.zero.Init were gathered whole again "
@@ -217,5 +217,5 @@ def initialize(
         owns_process_group=owns_group,
         parallel=parallel,
     )
-    # DeepSpeed returns its ZeRO optimizer, not the torch one it was given (engine/zero_optimizer.py).
+    # DeepSpeed returns its ZeRO optimizer, not the torch one it was given (engine/runtime/zero_optimizer.py).
     return engine, engine.optimizer, loader, scheduler

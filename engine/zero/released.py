@@ -135,3 +135,8 @@ def give_back(param: torch.nn.Parameter) -> None:
     for attr in (_NAME, _RELEASED, _PARTITION_NUMEL):
         if attr in param.__dict__:
             delattr(param, attr)
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter, also when it is already partitioned (engine.zero.Init)."""
+    return getattr(param, "ds_numel", None) or param.numel()

@@ -114,7 +114,7 @@ class Loop:
         self.grad_norms: list[float] = []
 
     def describe(self) -> dict[str, Any]:
-        from engine.engine import Engine  # deepspeed.DeepSpeedEngine is this class
+        from engine.runtime.engine import Engine  # deepspeed.DeepSpeedEngine is this class
 
         params = list(self.model.module.parameters())
         return {

@@ -13,7 +13,7 @@ except ImportError as _err:  # the engine is installed from its repository, not 
 
 from deepspeed import accelerator, checkpoint, checkpointing, comm, ops, runtime, utils, zero
 from engine import add_config_arguments, init_distributed, initialize
-from engine.engine import Engine as DeepSpeedEngine
+from engine.runtime.engine import Engine as DeepSpeedEngine
 from engine.unsupported import tp_model_init
 
 __version__ = "0.19.8+zeroengine"

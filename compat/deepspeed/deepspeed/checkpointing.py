@@ -5,6 +5,6 @@ get_cuda_rng_tracker / model_parallel_cuda_manual_seed."""
 
 import sys
 
-import engine.checkpointing as _checkpointing
+import engine.activation_checkpointing as _checkpointing
 
 sys.modules[__name__] = _checkpointing

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.zero.flat.stage import Bucket, FlatStage
+from engine.zero.flat.bucket import Bucket, Reduction
+from engine.zero.flat.stage import FlatStage
 
 
 class BoundaryReducedStage(FlatStage):
     _grad_flat: dict[int, torch.Tensor]  # group index -> full-size flat gradient buffer (accumulation dtype)
     _view: dict[int, torch.Tensor]  # id(param) -> its view in the flat gradient buffer
     _written: set[int]  # id() of params whose view holds this window's gradient
-    _pending: bool  # gradients written that no reduction has consumed
 
     def _allocate_gradients(self) -> None:
-        self._grad_flat, self._view, self._written, self._pending = {}, {}, set(), False
+        self._grad_flat, self._view, self._written = {}, {}, set()
         for g in self.groups:
             flat = torch.zeros(
                 g.layout.padded_numel, dtype=self.precision.grad_accum_dtype(g.dtype), device=g.flat.device
@@ -43,7 +43,8 @@ class BoundaryReducedStage(FlatStage):
         if grad is None:
             return
         buckets = [self._bucket[(g.index, b)] for b in g.layout.buckets_of(i)]
-        if self._reduce_in_backward and any(self._launcher.launched(bk.order) for bk in buckets):
+        reducing = self.reduction is Reduction.REDUCING
+        if reducing and any(self._launcher.launched(bk.order) for bk in buckets):
             for bk in buckets:  # accumulated again after its bucket was sent; see stage.py's Note
                 self._add_late(bk, i, grad)
             param.grad = None
@@ -59,8 +60,7 @@ class BoundaryReducedStage(FlatStage):
                 view.copy_(grad)
             param.grad = view if view.dtype == grad.dtype else None
         self._written.add(id(param))
-        if not self._reduce_in_backward:
-            self._pending = True
+        if not reducing:
             return
         for bk in buckets:
             self._mark_ready(bk, i)
@@ -82,26 +82,24 @@ class BoundaryReducedStage(FlatStage):
             self._acquire(bk).copy_(source)
 
     def _has_unreduced(self) -> bool:
-        return self._pending
+        """Gradients were written this window and its one reduction has not run (it runs at the boundary)."""
+        return bool(self._written) and not self._reduced_window()
+
+    def _reduced_window(self) -> bool:
+        return any(any(g.grad_written) for g in self.groups)
 
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
-        if any(any(g.grad_written) for g in self.groups):  # this window was reduced already
+        if self._reduced_window():
             raise RuntimeError(
                 "backward() ran again at an accumulation boundary whose gradients were already reduced; call "
                 "engine.step() after each boundary backward (or raise gradient_accumulation_steps to accumulate "
                 "more micro-batches)"
             )
-        self._reduce_in_backward = boundary and sync
-
-    def finish_backward(self) -> None:
-        if self._reduce_in_backward:
-            self._pending = False
-        super().finish_backward()
+        self._begin_backward(reducing=boundary and sync)
 
     def zero_grad(self) -> None:
         super().zero_grad()
         self._written.clear()
-        self._pending = False
 
     def _gradient_buffers(self) -> list[torch.Tensor]:
         return list(self._grad_flat.values())

@@ -4,7 +4,7 @@ Without an optimizer there is nothing to partition (no optimizer state, no gradi
 the parameters are whole on every rank at these stages, so the stage holds nothing and installs no
 hooks: the engine only runs forward (evaluation, as HF's ZeRO inference does). Stage 3 keeps its
 own class without an optimizer, because its parameters stay partitioned. The Engine refuses
-backward and step before they reach a stage (engine.engine.NoOptimizerError).
+backward and step before they reach a stage (engine.runtime.engine.NoOptimizerError).
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ they hold (so the first complete buckets go first); see [Note: launch order] in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -42,44 +41,16 @@ from engine.zero import owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
 from engine.zero.flat import bucket_sizes
+from engine.zero.flat.bucket import REDUCTION_MOVES, Bucket, Reduction
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
 from engine.zero.master_step import MasterStep
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
 from engine.zero.ordered_launch import LaunchInOrder
 from engine.zero.records import ShardRecord, layout_pieces
+from engine.zero.state_moves import check_move
 from engine.zero.tp_state import whole_state_dict
 
 logger = get_logger()
-
-
-@dataclass(eq=False)
-class Bucket:
-    """One bucket of one flat group, in the global launch order."""
-
-    order: int
-    group: FlatGroup
-    b: int
-    params: list[int]
-    """Indices (in the group) of the parameters with elements in this bucket."""
-    ready: set[int] = field(default_factory=set)
-    """Parameters whose gradient for this reduction has been written."""
-    pending: shard_reduce.PendingReduce | None = None
-    """The reduction in flight, waited for in _finish."""
-    data: torch.Tensor | None = None
-    """The bucket_numel elements being reduced (wire dtype)."""
-    pooled: bool = False
-    """`data` came from the bucket pool and goes back to it when the reduction finishes."""
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ready) == len(self.params)
-
-    def portion(self, i: int) -> tuple[slice, slice]:
-        """(range in the bucket, range in the flattened parameter) of parameter i's elements here."""
-        span = self.group.layout.params[i]
-        start, end = self.group.layout.bucket_range(self.b)
-        lo, hi = max(start, span.offset), min(end, span.end)
-        return slice(lo - start, hi - start), slice(lo - span.offset, hi - span.offset)
 
 
 class FlatStage:
@@ -142,7 +113,8 @@ class FlatStage:
         for g in self.groups:
             for p in g.params:
                 owners.set_masters(p, self)  # GatheredParameters(modifier_rank=...) refreshes masters through it
-        self._reduce_in_backward = False
+        self.reduction = Reduction.IDLE
+        """What the running backward does with its gradients (see Reduction)."""
         self._late: dict[int, torch.Tensor] = {}  # bucket order -> late gradient parts; see the Note
         self.pool = BucketPool(max(g.layout.bucket_numel for g in self.groups) if self.groups else 0)
         self._max_buffers = 2 if zero.overlap_comm else 1
@@ -202,7 +174,7 @@ class FlatStage:
                     )
                     self._grew = True
                 break
-            self._finish(in_flight)
+            self._wait_reduction(in_flight)
         g = bk.group
         bk.data = self.pool.acquire(g.layout.bucket_numel, self.wire_dtype(g), g.flat.device)
         bk.pooled = True
@@ -210,7 +182,7 @@ class FlatStage:
 
     def _mark_ready(self, bk: Bucket, i: int) -> None:
         bk.ready.add(i)
-        if bk.complete and self._reduce_in_backward:
+        if bk.complete and self.reduction is Reduction.REDUCING:
             self.launched_from_hooks += self._launcher.launch_ready()
 
     def _launch(self, bk: Bucket) -> None:
@@ -233,7 +205,8 @@ class FlatStage:
             group=self._group,
         )
 
-    def _finish(self, bk: Bucket) -> None:
+    def _wait_reduction(self, bk: Bucket) -> None:
+        """Wait for bk's reduction, if one is in flight, and give its pooled buffer back."""
         if bk.pending is None:
             return
         g = bk.group
@@ -250,13 +223,14 @@ class FlatStage:
             self.pool.release(bk.data)
             bk.data, bk.pooled = None, False
 
-    def _finish_all(self) -> None:
+    def _wait_reductions(self) -> None:
         for bk in self.buckets:
-            self._finish(bk)
+            self._wait_reduction(bk)
 
-    def _reset_reduction(self) -> None:
-        """Ready for the next reduction round (the next backward, or the next window)."""
-        self._finish_all()
+    def _end_round(self) -> None:
+        """Every reduction of this round waited for; ready for the next round (the next backward, or the
+        next window)."""
+        self._wait_reductions()
         for bk in self.buckets:
             bk.ready.clear()
         self._launcher.restart()
@@ -290,27 +264,44 @@ class FlatStage:
                 )
             bk.data, bk.pooled = late, False
             self._start_reduction(bk)
-            self._finish(bk)
+            self._wait_reduction(bk)
             bk.data = None
         self._late.clear()
 
     # ------------------------------------------------------------------------ stage interface
-    def finish_backward(self) -> None:
-        if self._reduce_in_backward:
-            self._launcher.launch_rest()
-            self._reset_reduction()
-        self._reduce_in_backward = False
+    def _begin_backward(self, reducing: bool) -> None:
+        """prepare_backward's move: this backward reduces its buckets as they complete, or keeps its
+        gradients local."""
+        self.move_reduction(Reduction.REDUCING if reducing else Reduction.LOCAL)
 
-    def _flush(self) -> None:
-        """Before a step: reduce whatever local gradient no backward has reduced yet."""
+    def finish_backward(self) -> None:
+        if self.reduction is Reduction.REDUCING:
+            self._launcher.launch_rest()
+            self._end_round()
+            self._consumed_local()
+        if self.reduction is not Reduction.IDLE:
+            self.move_reduction(Reduction.IDLE)
+
+    def _consumed_local(self) -> None:
+        """A reduction round ended that took in every local gradient kept so far (no_sync's, or the
+        non-boundary micro-steps'): a subclass drops what held them."""
+
+    def _reduce_leftovers(self) -> None:
+        """Before a step: reduce whatever local gradient no backward has reduced yet, wait for every
+        reduction, reduce the late gradient parts."""
         if self._has_unreduced():
-            self._reduce_in_backward = True
+            self.move_reduction(Reduction.REDUCING)
             self.finish_backward()
-        self._finish_all()
+        self._wait_reductions()
         self._reduce_late()
 
+    def move_reduction(self, to: Reduction) -> None:
+        """Take a transition of REDUCTION_MOVES (engine/zero/flat/bucket.py); anything else is a bug, refused."""
+        check_move(f"stage {self.stage}: the gradient reduction", self.reduction, to, REDUCTION_MOVES)
+        self.reduction = to
+
     def step(self, max_grad_norm: float) -> StepOutcome:
-        self._flush()
+        self._reduce_leftovers()
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
         outcome = shard_step.step_on_gradients(
             self.precision,
@@ -370,7 +361,8 @@ class FlatStage:
             work.wait()
 
     def zero_grad(self) -> None:
-        self._reset_reduction()
+        self._end_round()
+        self.reduction = Reduction.IDLE  # from any state: a backward that raised is abandoned with its gradients
         self._late.clear()
         for g in self.groups:
             g.grad_written = [False] * g.layout.num_buckets
@@ -421,7 +413,7 @@ class FlatStage:
     def destroy(self) -> None:
         if self.offload is not None:
             self.offload.finish()
-        self._reset_reduction()
+        self._end_round()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -15,7 +15,7 @@ import torch
 
 from engine.config.types import EngineConfig
 from engine.zero.flat.boundary_reduced import BoundaryReducedStage
-from engine.zero.flat.stage import Bucket
+from engine.zero.flat.bucket import Bucket
 from engine.zero.flat_groups import bind_optimizer_per_parameter
 from engine.zero.records import NamedPiece, ShardRecord
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.zero.flat.stage import Bucket, FlatStage
+from engine.zero.flat.bucket import Bucket, Reduction
+from engine.zero.flat.stage import FlatStage
 
 
 class Stage2(FlatStage):
@@ -42,7 +43,7 @@ class Stage2(FlatStage):
         if grad is None:
             return
         param.grad = None
-        if not self._reduce_in_backward:
+        if self.reduction is not Reduction.REDUCING:
             self._accumulate_unsynced(g.index, i, grad)
             return
         flat_grad = grad.reshape(-1)
@@ -96,13 +97,10 @@ class Stage2(FlatStage):
         return bool(self._unsynced)
 
     def prepare_backward(self, *, boundary: bool, sync: bool) -> None:
-        self._reduce_in_backward = sync  # every synchronised micro-step reduces
+        self._begin_backward(reducing=sync)  # every synchronised micro-step reduces
 
-    def finish_backward(self) -> None:
-        reducing = self._reduce_in_backward
-        super().finish_backward()
-        if reducing:
-            self._unsynced.clear()  # consumed by this reduction
+    def _consumed_local(self) -> None:
+        self._unsynced.clear()  # consumed by this reduction
 
     def zero_grad(self) -> None:
         super().zero_grad()

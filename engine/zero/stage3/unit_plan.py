@@ -21,10 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-def full_numel(param: torch.Tensor) -> int:
-    """Elements of the whole parameter, also when it is already partitioned (engine.zero.Init)."""
-    return getattr(param, "ds_numel", None) or param.numel()
+from engine.zero.released import full_numel
 
 
 @dataclass

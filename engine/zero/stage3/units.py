@@ -19,7 +19,6 @@ import enum
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -28,6 +27,7 @@ from engine.ops.overflow import KnownSquares
 from engine.zero import partitioned_init, released, shard_reduce
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.stage3.unit_plan import leaf_test, plan_units
+from engine.zero.state_moves import check_move
 
 
 class UnitState(enum.Enum):
@@ -85,18 +85,6 @@ _GRAD_MOVES: dict[GradState, frozenset[GradState]] = {
 _IN_BUCKET = frozenset({GradState.FILLING, GradState.ACCUMULATING})
 _IN_FLIGHT = frozenset({GradState.REDUCING, GradState.ADDING})
 _WRITTEN = frozenset({GradState.REDUCED, GradState.ACCUMULATING, GradState.ADDING})
-
-
-class IllegalStateMove(RuntimeError):
-    """An internal error: stage 3 tried a state transition its tables do not allow."""
-
-
-def _check_move(what: str, old: enum.Enum, new: enum.Enum, legal: frozenset[Any]) -> None:
-    if new not in legal:
-        raise IllegalStateMove(
-            f"stage 3: {what} cannot move from {old.name} to {new.name} (allowed: "
-            f"{', '.join(sorted(s.name for s in legal)) or 'none'}); this is a bug in the engine, please report it"
-        )
 
 
 _DS_STATUS = {
@@ -160,7 +148,7 @@ class TrainableGroup(ShardedGroup):
     def move_grads(self, to: GradState) -> None:
         """Take a transition of `_GRAD_MOVES` (or zero_grad's to EMPTY); anything else is a bug, refused."""
         if to is not GradState.EMPTY:
-            _check_move(f"the gradients of unit {self.unit_name!r}", self.grad_state, to, _GRAD_MOVES[self.grad_state])
+            check_move(f"stage 3: the gradients of unit {self.unit_name!r}", self.grad_state, to, _GRAD_MOVES)
         self.grad_state = to
 
     @property
@@ -194,7 +182,7 @@ class Unit:
 
     def move(self, to: UnitState) -> None:
         """Take a transition of `_UNIT_MOVES`; anything else is a bug in the engine, refused by name."""
-        _check_move(f"unit {self.name!r}", self.state, to, _UNIT_MOVES[self.state])
+        check_move(f"stage 3: unit {self.name!r}", self.state, to, _UNIT_MOVES)
         self.state = to
 
     def ds_status(self) -> released.ZeroParamStatus:

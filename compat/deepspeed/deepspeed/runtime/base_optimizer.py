@@ -1,7 +1,7 @@
-"""`deepspeed.runtime.base_optimizer` -> engine.zero_optimizer: the optimizer engine.initialize returns is
+"""`deepspeed.runtime.base_optimizer` -> engine.runtime.zero_optimizer: the optimizer engine.initialize returns is
 an instance of DeepSpeedOptimizer (Lightning Fabric's load_checkpoint checks
 `isinstance(item, (Optimizer, DeepSpeedOptimizer))`)."""
 
-from engine.zero_optimizer import DeepSpeedOptimizer
+from engine.runtime.zero_optimizer import DeepSpeedOptimizer
 
 __all__ = ["DeepSpeedOptimizer"]

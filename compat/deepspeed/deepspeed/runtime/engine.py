@@ -1,5 +1,5 @@
 """`deepspeed.runtime.engine` -> engine.engine (isinstance checks against DeepSpeedEngine)."""
 
-from engine.engine import Engine as DeepSpeedEngine
+from engine.runtime.engine import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine"]

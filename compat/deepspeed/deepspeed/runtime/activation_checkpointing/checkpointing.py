@@ -3,6 +3,6 @@ deepspeed/checkpointing.py)."""
 
 import sys
 
-import engine.checkpointing as _checkpointing
+import engine.activation_checkpointing as _checkpointing
 
 sys.modules[__name__] = _checkpointing

@@ -1,9 +1,10 @@
-"""The Engine: forward / backward / step with gradient accumulation, logging and accessors.
+"""The Engine: forward / backward / step with gradient accumulation.
 
 It knows no stage details: it asks a `ZeroStage` (engine/zero/base.py) to prepare and finish each
-backward and to take the optimizer step, and it owns the counters, the LR schedule and the logs.
-Its save and load methods (checkpoints, the 16-bit model, the consolidated state dict) are
-SavingMixin's, in engine/saving.py.
+backward and to take the optimizer step. It owns the LR schedule and the accumulation window
+(engine/runtime/window.py: the state, the counters), and hands each step's facts to its reporter
+(engine/monitor/reporter.py). Its save and load methods (checkpoints, the 16-bit model, the consolidated
+state dict) are SavingMixin's, in engine/runtime/saving.py; DeepSpeed's accessors are AccessorsMixin's.
 """
 
 from __future__ import annotations
@@ -16,24 +17,23 @@ from typing import Any
 
 import torch
 
-from engine import checkpointing, comm
-from engine.accessors import AccessorsMixin
-from engine.auto_cast import to_half
+from engine import activation_checkpointing, comm
 from engine.config.types import EngineConfig
-from engine.monitor.events import StepRecord, achieved, step_events
 from engine.monitor.log import get_logger
-from engine.monitor.memory import memory_line
-from engine.monitor.monitors import Monitors
+from engine.monitor.reporter import StepFacts, StepReporter
 from engine.monitor.timers import WallClockTimers
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.same_inputs import check_same_inputs
 from engine.precision import NonFiniteGradientError, Precision
 from engine.profiling.step_profile import StepProfile
-from engine.saving import SavingMixin
+from engine.runtime.accessors import AccessorsMixin
+from engine.runtime.auto_cast import to_half
+from engine.runtime.saving import SavingMixin
+from engine.runtime.window import TrainingWindow, WindowState
+from engine.runtime.zero_optimizer import ZeroOptimizer
 from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
-from engine.zero.stage3.unit_plan import full_numel
-from engine.zero_optimizer import ZeroOptimizer
+from engine.zero.released import full_numel
 
 logger = get_logger()
 
@@ -117,44 +117,26 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         self.parallel = parallel or ParallelGroups.data_parallel_only()
         """The tensor- and data-parallel groups (engine/parallel/): ZeRO partitions over the data-parallel one."""
         self._auto_cast = config.fp16.enabled and config.fp16.auto_cast
-        """fp16.auto_cast: floating positional inputs are cast to fp16 in forward (engine/auto_cast.py)."""
+        """fp16.auto_cast: floating positional inputs are cast to fp16 in forward (engine/runtime/auto_cast.py)."""
         self._inputs_checked = False
         """The first forward's check that a tensor-parallel group's ranks got one batch (same_inputs.py) ran."""
 
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._boundary_override: bool | None = None
-        self._in_no_sync = False
-        self._step_applied = False
+        self._window = TrainingWindow(config.gradient_accumulation_steps)
+        """The accumulation window's state and the step counters (engine/runtime/window.py)."""
         self._global_grad_norm: float | None = None
-        self._window_loss: torch.Tensor | float = (
-            0.0  # sum of unscaled micro-batch losses since the last optimizer step
-        )
-        self._window_micro = 0
-        self._last_loss: float | None = None
         self._last_backward: tuple[weakref.ref[torch.Tensor], bool] | None = None
         """The last loss backpropagated, and whether its graph was retained: backpropagating it again is
         refused by name before any stage state moves, at every stage (stage 2 summed it in silently,
         stage 3 failed inside torch)."""
 
         self._timers = WallClockTimers(device) if config.wall_clock_breakdown else None
-        self._report_started = time.perf_counter()
-        self._report_steps = 0
-        self._rate_warm = False
-        """The first optimizer step of this engine ended: the progress line's samples/s counts from there."""
-        self._comm_at_step = comm.comm_stats()
-        self._last_step_comm: dict[str, dict[str, int]] = {"bytes_sent": {}, "calls": {}}
-        # Rank 0 writes the monitors, as DeepSpeed's; the packages were checked at initialize.
-        self._monitors = Monitors(config) if self.global_rank == 0 else None
-        self._step_ended: float | None = None
-        """perf_counter() when the last optimizer step ended: the next step's wall time starts there."""
         self._profile = (
             StepProfile(self, config.flops_profiler, self.precision.model_dtype or torch.float32, device)
             if config.flops_profiler.enabled and self.global_rank == 0
             else None
         )
+        self._reporter = StepReporter(config, self.global_rank, comm.comm_stats(), self._timers, self._profile)
+        """Monitors, the progress line and the step's comm bytes (engine/monitor/reporter.py)."""
 
     # ------------------------------------------------------------------------ fall-through
     def __getattr__(self, name: str) -> Any:
@@ -186,7 +168,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         if self._timers:
             self._timers.start("forward")
         if self._profile is not None:
-            self._profile.before_forward(self.global_steps, self.micro_steps % self.gradient_accumulation_steps() == 0)
+            self._profile.before_forward(self.global_steps, self._window.first_micro_step())
         try:
             out = self.module(*args, **kwargs)
         finally:
@@ -194,7 +176,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
                 self._profile.after_forward()
         if self._timers:
             self._timers.stop("forward")
-        checkpointing.after_forward()  # number_checkpoints too small: named, before any gradient moves
+        activation_checkpointing.after_forward()  # number_checkpoints too small: named, before any gradient moves
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -218,7 +200,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
             self._timers.start("backward")
         if self._profile is not None:
             self._profile.before_backward()
-        stage.prepare_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._in_no_sync)
+        stage.prepare_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._window.unsynced)
         try:
             self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
         except RuntimeError as err:
@@ -231,9 +213,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         if self._timers:
             self._timers.stop("backward")
         self._last_backward = (weakref.ref(user_loss), retain_graph)
-        # Kept as a tensor: converting here would synchronise a GPU on every micro-step.
-        self._window_loss = self._window_loss + unscaled
-        self._window_micro += 1
+        self._window.add_backward(unscaled)
         return loss
 
     def step(self) -> None:
@@ -242,27 +222,26 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         stage = self._require_alive()
         if self.optimizer is None:
             raise NoOptimizerError("step", self.zero_optimization_stage())
-        if self._in_no_sync:
+        if self._window.unsynced:
             raise RuntimeError(
                 "engine.step() inside engine.no_sync(): gradients there are not reduced "
                 "across ranks; leave the no_sync() block before calling step()"
             )
-        self._step_applied = False
+        self._window.last_step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step(stage)
-        self.micro_steps += 1
-        self._boundary_override = None
+        self._window.end_micro_step()
 
     def step_from_optimizer(self) -> None:
         """optimizer.step() on the optimizer initialize returned (Lightning Fabric's loop): the boundary
         step now, wherever the window is; the next micro-step starts a new window."""
         stage = self._require_alive()
-        if self._in_no_sync:
+        if self._window.unsynced:
             raise RuntimeError(
                 "optimizer.step() inside engine.no_sync(): gradients there are not reduced "
                 "across ranks; leave the no_sync() block before stepping"
             )
-        if self._window_micro == 0:
+        if self._window.state is WindowState.EMPTY:
             # engine.step() already took this window's step (a loop calling both), or no backward ran:
             # a second update from zero gradients would still move Adam's weights.
             if not self._warned_empty_step and self.global_rank == 0:
@@ -273,37 +252,54 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
                 )
                 self._warned_empty_step = True
             return
-        self._step_applied = False
+        self._window.last_step_applied = False
         self._optimizer_step(stage)
-        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
-        self._boundary_override = None
+        self._window.restart()
 
     def _optimizer_step(self, stage: ZeroStage) -> None:
         """The step at an accumulation boundary: clip, update, zero gradients, LR schedule, counters, logs."""
         assert self.optimizer is not None
-        if self._timers:
-            self._timers.start("step")
-        step_started = time.perf_counter() if self._profile is not None else 0.0
-        outcome = stage.step(self.engine_config.gradient_clipping)
-        if not outcome.applied and self.precision.scaler is None:
-            self._non_finite_step(outcome.grad_norm)  # fp32/bf16: an inf/nan norm skipped the step
-        if self._profile is not None:
-            self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
-        self._global_grad_norm = outcome.grad_norm
-        # DeepSpeed: a skipped (overflowed) step does not advance the LR schedule, but counts.
-        if outcome.applied and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        if not outcome.applied:
-            self.skipped_steps += 1
-        if self._timers:
-            self._timers.stop("step")
-        self._step_applied = outcome.applied
-        self.optimizer.overflow = not outcome.applied
-        if outcome.applied:  # a schedule built on the returned optimizer sees the step engine.step() took
-            vars(self.optimizer)["_opt_called"] = True
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-        self._after_optimizer_step()
+        window = self._window
+        with window.stepping():
+            if self._timers:
+                self._timers.start("step")
+            step_started = time.perf_counter() if self._profile is not None else 0.0
+            outcome = stage.step(self.engine_config.gradient_clipping)
+            if not outcome.applied and self.precision.scaler is None:
+                self._non_finite_step(outcome.grad_norm)  # fp32/bf16: an inf/nan norm skipped the step
+            if self._profile is not None:
+                self._profile.after_step(time.perf_counter() - step_started, self.gradient_accumulation_steps())
+            self._global_grad_norm = outcome.grad_norm
+            # DeepSpeed: a skipped (overflowed) step does not advance the LR schedule, but counts.
+            if outcome.applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if not outcome.applied:
+                window.skipped_steps += 1
+            if self._timers:
+                self._timers.stop("step")
+            window.last_step_applied = outcome.applied
+            self.optimizer.overflow = not outcome.applied
+            if outcome.applied:  # a schedule built on the returned optimizer sees the step engine.step() took
+                vars(self.optimizer)["_opt_called"] = True
+            window.global_steps += 1
+            window.global_samples += self.train_batch_size()
+        assert window.last_loss is not None  # the window just stepped
+        scaler = self.precision.scaler
+        self._reporter.after_step(
+            StepFacts(
+                global_steps=window.global_steps,
+                global_samples=window.global_samples,
+                samples=self.train_batch_size(),
+                loss=window.last_loss,
+                lrs=self.get_lr(),
+                grad_norm=self._global_grad_norm,
+                loss_scale=scaler.scale if scaler is not None else None,
+                skipped_steps=window.skipped_steps,
+                comm=comm.comm_stats(),
+                memory=self.memory_report,
+                trainable_numel=self._trainable_numel,
+            )
+        )
 
     def _non_finite_step(self, norm: float) -> None:
         """An fp32/bf16 step whose global norm was inf/nan: the stage updated nothing and dropped its gradients
@@ -311,9 +307,7 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         started again so the step can be rerun, or say on rank 0 that it is skipped. Every rank sees the same
         all-reduced norm, so every rank takes the same branch."""
         if self.engine_config.check_for_nan_in_loss_and_grad:
-            self._window_loss, self._window_micro = 0.0, 0
-            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
-            self._boundary_override = None
+            self._window.drop()
             if self._timers:
                 self._timers.stop("step")
             raise NonFiniteGradientError(self.global_steps + 1, norm, self.global_rank)
@@ -324,106 +318,56 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
                 '"check_for_nan_in_loss_and_grad": true to stop training at such a step instead',
                 self.global_steps + 1,
                 norm,
-                self.skipped_steps + 1,
+                self._window.skipped_steps + 1,
             )
-
-    def _after_optimizer_step(self) -> None:
-        self._record_step_comm()
-        self._last_loss = float(self._window_loss) / max(self._window_micro, 1)
-        self._window_loss, self._window_micro = 0.0, 0
-        self._report_steps += 1
-        now = time.perf_counter()
-        if self._monitors:
-            scale = self.precision.scaler.scale if self.precision.scaler is not None else None
-            self._monitors.write_events(
-                step_events(
-                    StepRecord(
-                        global_samples=self.global_samples,
-                        loss=self._last_loss,
-                        lr=self.get_lr()[0],
-                        loss_scale=scale,
-                        grad_norm=self._global_grad_norm,
-                        samples=self.train_batch_size(),
-                        seconds=now - self._step_ended if self._step_ended is not None else None,
-                        flops=self._profile.flops_per_step if self._profile else None,
-                        peak_flops=self._profile.peak_flops if self._profile else None,
-                        comm_bytes=sum(self._last_step_comm["bytes_sent"].values()),
-                        memory=self.memory_report(),
-                        phase_ms=self._timers.take_step() if self._timers else {},
-                    )
-                )
-            )
-        self._step_ended = now
-        every = self.engine_config.steps_per_print
-        if every and self.global_steps % every == 0:
-            elapsed = time.perf_counter() - self._report_started
-            rate = self._report_steps * self.train_batch_size() / max(elapsed, 1e-9)
-            if self.global_rank == 0:
-                lr = ", ".join(f"{x:.3e}" for x in self.get_lr())
-                logger.info(
-                    "step %d | loss %.4f | lr [%s] | grad norm %.3f | %.1f samples/s%s | skipped %d",
-                    self.global_steps,
-                    self._last_loss,
-                    lr,
-                    self._global_grad_norm or 0.0,
-                    rate,
-                    self._flops_text(elapsed / max(self._report_steps, 1)),
-                    self.skipped_steps,
-                )
-                if self._timers:
-                    logger.info(self._timers.report())
-                if self.engine_config.memory_breakdown:
-                    logger.info(memory_line(self.memory_report(), self._trainable_numel(), self.global_rank))
-                if self.engine_config.comms_logger:
-                    sent, calls = self._last_step_comm["bytes_sent"], self._last_step_comm["calls"]
-                    logger.info(
-                        "comm last step: %s",
-                        ", ".join(
-                            f"{op} {sent.get(op, 0) / 2**20:.2f} MiB in {calls[op]} calls" for op in sorted(calls)
-                        )
-                        or "nothing sent",
-                    )
-            self._report_started = time.perf_counter()
-            self._report_steps = 0
-        if not self._rate_warm:
-            # The first step pays one-time costs (the C++ extension's first build, first-touch allocations,
-            # stage 3's trace): a rate counting it understated a 66 samples/s run as 9.1 at step 50.
-            self._rate_warm = True
-            self._report_started = time.perf_counter()
-            self._report_steps = 0
-
-    def _flops_text(self, step_seconds: float) -> str:
-        """ " | 0.063 TFLOPs/rank (MFU 68.2% of 0.09)" once the flops profiler measured a step; else nothing."""
-        if self._profile is None or not self._profile.flops_per_step:
-            return ""
-        peak = self._profile.peak_flops
-        rate, mfu = achieved(self._profile.flops_per_step, step_seconds, peak)
-        share = f" (MFU {mfu:.1%} of {peak / 1e12:.2f})" if mfu is not None and peak else ""
-        return f" | {rate / 1e12:.3f} TFLOPs/rank{share}"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients accumulated since the last optimizer step (start the window again).
-        The optimizer's zero_grad() never does this (engine/zero_optimizer.py)."""
+        The optimizer's zero_grad() never does this (engine/runtime/zero_optimizer.py)."""
         self._require_alive().zero_grad()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally without communication; the next
         reduction (a boundary backward outside the block, or step()) averages the sum."""
-        previous, self._in_no_sync = self._in_no_sync, True
-        try:
+        with self._window.no_sync():
             yield
-        finally:
-            self._in_no_sync = previous
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self._window.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary for the current micro-step (frameworks that manage accumulation)."""
-        self._boundary_override = is_boundary
+        self._window.boundary_override = is_boundary
+
+    # DeepSpeedEngine's counters, kept by the window (a checkpoint's load sets the first three).
+    @property
+    def micro_steps(self) -> int:
+        return self._window.micro_steps
+
+    @property
+    def global_steps(self) -> int:
+        return self._window.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self._window.global_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        return self._window.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self._window.global_samples = value
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._window.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._window.skipped_steps = value
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank per category: the model states (params, master, gradients,
@@ -438,34 +382,25 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
     def comm_stats(self) -> dict[str, Any]:
         """Bytes this rank sent and calls made per collective type: cumulative ("bytes_sent",
         "calls") and for the last optimizer step ("last_step": the same two dicts)."""
-        return {**comm.comm_stats(), "last_step": self._last_step_comm}
-
-    def _record_step_comm(self) -> None:
-        now = comm.comm_stats()
-        before = self._comm_at_step
-        self._last_step_comm = {
-            kind: {op: n - before[kind].get(op, 0) for op, n in now[kind].items() if n - before[kind].get(op, 0)}
-            for kind in ("bytes_sent", "calls")
-        }
-        self._comm_at_step = now
+        return {**comm.comm_stats(), "last_step": self._reporter.last_step_comm}
 
     # ------------------------------------------------------------------------------ teardown
     def _require_alive(self) -> ZeroStage:
-        if self._stage is None:
+        if self._window.destroyed or self._stage is None:
             raise DestroyedEngineError()
         return self._stage
 
     def destroy(self) -> None:
         """Release hooks, gradient buffers, optimizer state, monitors and the process group this
         engine created. Idempotent."""
-        if self._stage is None:
+        if self._window.destroyed or self._stage is None:
             return
         self._stage.destroy()  # stage 3 gathers every unit back into the module first (not from NVMe: see there)
-        self._stage = None
+        self._window.destroy()
+        self._stage = None  # the stage's memory goes with it
         if self.basic_optimizer is not None:
             self.basic_optimizer.state.clear()
-        if self._monitors is not None:
-            self._monitors.close()
+        self._reporter.close()
         self.training_dataloader = None
         if self._owns_process_group:
             comm.release_process_group()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine import comm
-from engine.checkpointing import contiguous, ledger
+from engine.activation_checkpointing import contiguous, ledger
 from engine.comm import ProcessGroup
 from engine.config.errors import ConfigError
 from engine.config.types import ActivationCheckpointingConfig, EngineConfig

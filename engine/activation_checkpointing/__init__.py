@@ -1,5 +1,5 @@
-"""engine.checkpointing: DeepSpeed's deepspeed.checkpointing, with ZeRO-R's activation options (paper
-section 6): partitioned checkpoints over the tensor-parallel group (P_a), in host memory (P_a+cpu) and
+"""Activation checkpointing, public as engine.checkpointing (DeepSpeed's deepspeed.checkpointing), with
+ZeRO-R's activation options (paper section 6): partitioned checkpoints over the tensor-parallel group (P_a), in host memory (P_a+cpu) and
 in one contiguous arena (M_D).
 
     engine.checkpointing.configure(engine.parallel, deepspeed_config="ds.json")   # or the config section
@@ -12,9 +12,9 @@ configure, checkpoint, get_cuda_rng_tracker and model_parallel_cuda_manual_seed 
 
 from __future__ import annotations
 
-from engine.checkpointing import contiguous, ledger
-from engine.checkpointing.function import checkpoint, non_reentrant_checkpoint
-from engine.checkpointing.settings import (
+from engine.activation_checkpointing import contiguous, ledger
+from engine.activation_checkpointing.function import checkpoint, non_reentrant_checkpoint
+from engine.activation_checkpointing.settings import (
     check_engine_options,
     check_options,
     configure,
@@ -27,7 +27,7 @@ from engine.checkpointing.settings import (
 from engine.parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 stats = ledger.stats
-"""Checkpoints and bytes kept now and at peak (engine/checkpointing/ledger.py LedgerStats)."""
+"""Checkpoints and bytes kept now and at peak (engine/activation_checkpointing/ledger.py LedgerStats)."""
 reset_peak = ledger.reset_peak
 arena_stats = contiguous.stats
 after_forward = contiguous.check

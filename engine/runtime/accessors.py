@@ -1,6 +1,6 @@
 """The Engine's read-only accessors under DeepSpeedEngine's names (batch sizes, stage, precision flags,
 learning rates, the last step's norm and loss, the parallel sizes), which HF Trainer, Accelerate, Lightning
-and users' loops call. A mixin of engine.engine.Engine: what it reads of the Engine is declared below.
+and users' loops call. A mixin of engine.runtime.engine.Engine: what it reads of the Engine is declared below.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from engine.config.types import EngineConfig
 from engine.parallel.groups import ParallelGroups
 
 if TYPE_CHECKING:
-    from engine.zero_optimizer import ZeroOptimizer
+    from engine.runtime.window import TrainingWindow
+    from engine.runtime.zero_optimizer import ZeroOptimizer
 
 
 class AccessorsMixin:
@@ -22,8 +23,7 @@ class AccessorsMixin:
     parallel: ParallelGroups
     optimizer: ZeroOptimizer | None
     _global_grad_norm: float | None
-    _step_applied: bool
-    _last_loss: float | None
+    _window: TrainingWindow
 
     @property
     def dp_world_size(self) -> int:
@@ -69,8 +69,8 @@ class AccessorsMixin:
         return self._global_grad_norm
 
     def was_step_applied(self) -> bool:
-        return self._step_applied
+        return self._window.last_step_applied
 
     def get_loss(self) -> float | None:
         """Mean unscaled loss of the last accumulation window on this rank."""
-        return self._last_loss
+        return self._window.last_loss

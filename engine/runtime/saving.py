@@ -1,7 +1,7 @@
 """The Engine's save and load methods, DeepSpeedEngine's names: sharded checkpoints (engine/checkpoint/),
 the whole model's 16-bit state dict (save_16bit_model, HF's stage-3 save) and the consolidated state dict.
 
-A mixin of engine.engine.Engine, kept apart from the training loop it does not touch: what it reads of
+A mixin of engine.runtime.engine.Engine, kept apart from the training loop it does not touch: what it reads of
 the Engine is declared below, and a checkpoint sees the Engine only as the TrainingState it builds.
 """
 
@@ -22,6 +22,7 @@ from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
 
 if TYPE_CHECKING:
+    from engine.runtime.window import TrainingWindow
     from engine.zero.base import ZeroStage
 
 logger = get_logger()
@@ -38,10 +39,7 @@ class SavingMixin:
     precision: Precision
     parallel: ParallelGroups
     global_rank: int
-    global_steps: int
-    global_samples: int
-    skipped_steps: int
-    micro_steps: int
+    _window: TrainingWindow
 
     if TYPE_CHECKING:  # the Engine's own methods, declared for the type checker only (the Engine's stay in the MRO)
 
@@ -150,21 +148,22 @@ class SavingMixin:
                 load_module_only,
             )
         if loaded.counters is not None:
-            self.global_steps = loaded.counters.global_steps
-            self.global_samples = loaded.counters.global_samples
-            self.skipped_steps = loaded.counters.skipped_steps
+            window = self._window
+            window.global_steps = loaded.counters.global_steps
+            window.global_samples = loaded.counters.global_samples
+            window.skipped_steps = loaded.counters.skipped_steps
             # A checkpoint holds no partly accumulated gradients, and this run's gradient_accumulation_steps
             # may differ from the saving run's: resume at the start of an accumulation window, as DeepSpeed
             # does (it does not restore micro_steps), with micro_steps consistent with global_steps.
-            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
-            if self.micro_steps != loaded.counters.micro_steps and self.global_rank == 0:
+            window.restart()
+            if window.micro_steps != loaded.counters.micro_steps and self.global_rank == 0:
                 logger.info(
                     "resumed at step %d at the start of an accumulation window of %d micro-steps "
                     "(micro_steps %d; the checkpoint had %d: saved inside a window, or with another "
                     "gradient_accumulation_steps; partial windows are not saved)",
-                    self.global_steps,
+                    window.global_steps,
                     self.gradient_accumulation_steps(),
-                    self.micro_steps,
+                    window.micro_steps,
                     loaded.counters.micro_steps,
                 )
         return loaded.path, loaded.client_state
@@ -180,10 +179,10 @@ class SavingMixin:
             stage=stage,
             model_dtype=self.precision.model_dtype,
             counters=Counters(
-                global_steps=self.global_steps,
-                global_samples=self.global_samples,
-                skipped_steps=self.skipped_steps,
-                micro_steps=self.micro_steps,
+                global_steps=self._window.global_steps,
+                global_samples=self._window.global_samples,
+                skipped_steps=self._window.skipped_steps,
+                micro_steps=self._window.micro_steps,
             ),
             parallel=self.parallel,
         )

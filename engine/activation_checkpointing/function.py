@@ -9,7 +9,7 @@ again in the backward to get them. DeepSpeed's two forms:
   is recomputed once and the recomputed tensors are handed out by index. Gradients reach parameters
   even when no input requires grad (a frozen embedding feeding checkpointed layers).
 
-Both keep the inputs with engine/checkpointing/store.py (whole, partitioned over the tensor-parallel
+Both keep the inputs with engine/activation_checkpointing/store.py (whole, partitioned over the tensor-parallel
 group, in host memory, in the arena) and replay the forward's randomness exactly: the default
 generators and every stream of the tensor-parallel RNG tracker are put back to their state at the
 forward for the recompute, and afterwards to where the backward had them, so dropout masks are the
@@ -31,9 +31,9 @@ import torch
 
 from engine import comm
 from engine.accelerator import get_accelerator
-from engine.checkpointing import contiguous
-from engine.checkpointing.settings import current, say_once
-from engine.checkpointing.store import KeptInputs
+from engine.activation_checkpointing import contiguous
+from engine.activation_checkpointing.settings import current, say_once
+from engine.activation_checkpointing.store import KeptInputs
 from engine.parallel.random import AllRNGStates, get_all_states, set_all_states
 
 logger = logging.getLogger("engine.checkpointing")

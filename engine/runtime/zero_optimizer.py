@@ -31,7 +31,7 @@ import torch
 from engine.unsupported import refuse_zero3_hook_internals
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
 
 class DeepSpeedOptimizer:

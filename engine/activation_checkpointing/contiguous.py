@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from engine.checkpointing import ledger
+from engine.activation_checkpointing import ledger
 from engine.config.errors import ConfigError
 from engine.ops.arena import Arena, ArenaStats, block_bytes
 

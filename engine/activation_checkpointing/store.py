@@ -10,7 +10,7 @@ anything else (masks, ints, Python values) is kept as it is. Each floating input
   the gather rebuilds it bit for bit;
 - in pinned host memory (P_a+cpu) when it is on a CUDA device and cpu_checkpointing is set;
 - in the contiguous arena (M_D) when it is kept in host memory and contiguous_memory_optimization is
-  set (engine/checkpointing/contiguous.py).
+  set (engine/activation_checkpointing/contiguous.py).
 
 A kept reference is checked at restore against the tensor's version counter: an input modified in
 place after the forward would be recomputed from other values, so that is refused by name.
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from engine import comm
-from engine.checkpointing import contiguous, ledger
-from engine.checkpointing.settings import SECTION, Settings, say_once
+from engine.activation_checkpointing import contiguous, ledger
+from engine.activation_checkpointing.settings import SECTION, Settings, say_once
 
 
 @dataclass
