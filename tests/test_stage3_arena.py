@@ -50,7 +50,7 @@ def _train(zero: dict[str, Any], dtype: str) -> dict[str, Any]:
             stats = arena.stats()
             after_steps.append((stats["in_use"], stats["free_blocks"], stats["allocations"]))
     report = eng.memory_report()
-    state = eng._stage.consolidated_state_dict()
+    state = eng.consolidated_state_dict()
     eng.destroy()
     return {
         "losses": losses,
@@ -185,7 +185,7 @@ def _in_use_after_forward(linear: bool) -> dict[str, Any]:
         eng.backward(loss)
         eng.step()
         out["losses"].append(loss.item())
-    out["state"] = eng._stage.consolidated_state_dict()
+    out["state"] = eng.consolidated_state_dict()
     eng.destroy()
     return out
 
