@@ -56,7 +56,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from machine import machine_facts
+from machine import in_repo, machine_facts
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MIB = 2**20
@@ -336,7 +336,7 @@ def _bench_world(sizes_mib: list[float], repeats: int | None) -> dict[str, Any]:
         "has_wire": has_wire,
         "selection": _selection(comm),
         "torch_fns": f"{torch_rs.__name__}, {torch_ag.__name__}",
-        "comm_file": inspect.getsourcefile(comm),
+        "comm_file": in_repo(inspect.getsourcefile(comm) or "n/a"),
         "sizes": [],
     }
 

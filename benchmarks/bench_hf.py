@@ -2,7 +2,7 @@
 compatibility package) and on the real DeepSpeed: step time, peak RSS per rank and the loss curve.
 
     python benchmarks/bench_hf.py [--stages 1,2,3] [--precisions fp32,bf16] [--repeats 2] [--steps 30] [--warmup 3]
-                                  [--deepspeed_python /work/dsvenv/bin/python]
+                                  [--deepspeed_python PYTHON]
 
 Every run is examples/hf_trainer.py at 2 ranks (gloo, CPU, OMP_NUM_THREADS=1) from the same saved initial
 model (`--save_init_to` once, then `--init_from` in every run; a stage-3 run loads it partitioned), with
@@ -10,8 +10,9 @@ the configs HF users write (configs/hf/zero2.json, zero3.json: optimizer, schedu
 Engine: this interpreter, `python -m launcher.zrun`, compat/deepspeed pip-installed into a temporary folder
 on PYTHONPATH (as tests/hf_clients.py does; this environment is untouched). DeepSpeed: torchrun from
 --deepspeed_python's environment with DS_ACCELERATOR=cpu and no PYTHONPATH, so `import deepspeed` there is
-the real one. When that interpreter is missing or cannot import deepspeed, only the engine is measured
-and the report says so.
+the real one; it defaults to $DEEPSPEED_PYTHON, the interpreter of a venv with the real DeepSpeed, since
+where such a venv lives is the machine's business, not the repository's. When no interpreter is given, or
+it is missing or cannot import deepspeed, only the engine is measured and the report says so.
 
 Step time: rank 0's wall time from one optimizer step's end to the next (a Trainer callback, the
 example's --metrics_file), median over the steps after --warmup; peak RSS: ru_maxrss of each rank at exit
@@ -35,14 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import machine_facts
+from machine import in_repo, machine_facts
 
 from launcher.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "hf_trainer.py")
 COMPAT = os.path.join(ROOT, "compat", "deepspeed")
-DEFAULT_DS_PYTHON = "/work/dsvenv/bin/python"
+DS_PYTHON_ENV = "DEEPSPEED_PYTHON"
 SYSTEMS = ("engine", "deepspeed")
 PRECISIONS = ("fp32", "bf16")
 WORLD = 2
@@ -515,9 +516,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     p.add_argument(
         "--deepspeed_python",
-        default=DEFAULT_DS_PYTHON if os.path.exists(DEFAULT_DS_PYTHON) else "",
+        default=os.environ.get(DS_PYTHON_ENV, ""),
         help="the interpreter of a venv with the real DeepSpeed, transformers and accelerate "
-        "(default: /work/dsvenv/bin/python when it exists; '' = engine only)",
+        f"(default: ${DS_PYTHON_ENV}, else ''; '' = engine only)",
     )
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args()
@@ -545,7 +546,11 @@ def main() -> None:
             + (" and AMX." if "amx_bf16" in flags else ", no AMX.")
             + " bf16 losses differ by bf16 rounding, not fp32 noise."
         )
-    ds, why = versions(args.deepspeed_python, deepspeed_env()) if args.deepspeed_python else ([], "not asked")
+    ds, why = (
+        versions(args.deepspeed_python, deepspeed_env())
+        if args.deepspeed_python
+        else ([], f"not asked (no --deepspeed_python, no ${DS_PYTHON_ENV})")
+    )
     if ds and "zeroengine" in ds[0]:
         ds, why = [], f"{args.deepspeed_python} imports the engine's compat package ({ds[0]}), not DeepSpeed"
     ds_version = ds[0] if ds else ""
@@ -561,12 +566,12 @@ def main() -> None:
         eng, _ = versions(sys.executable, engine_env(compat_dir))
         if eng:
             notes.append(
-                f"Engine side: {sys.executable}, `deepspeed` = compat {eng[0]}, transformers {eng[1]}, "
+                f"Engine side: {in_repo(sys.executable)}, `deepspeed` = compat {eng[0]}, transformers {eng[1]}, "
                 f"accelerate {eng[2]}, torch {eng[3]}, launched with `python -m launcher.zrun`."
             )
         if ds:
             notes.append(
-                f"DeepSpeed side: {args.deepspeed_python}, deepspeed {ds[0]}, transformers {ds[1]}, "
+                f"DeepSpeed side: its own venv (--deepspeed_python), deepspeed {ds[0]}, transformers {ds[1]}, "
                 f"accelerate {ds[2]}, torch {ds[3]}, launched with `python -m torch.distributed.run`, "
                 "DS_ACCELERATOR=cpu."
             )

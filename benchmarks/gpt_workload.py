@@ -1,5 +1,7 @@
-"""The benchmarks' shared workload: the GPT sizes of ../shared/reference/deepspeed-compat.md's
-measurements and the random batches every variant trains on (same on every run, per rank)."""
+"""The benchmarks' shared workload: two GPT-style decoders, S and M (vocab 8192, sequences of 128, micro
+batch 8), the sizes at which DeepSpeed's, DDP's and FSDP2's step times were measured on a 2-core CPU
+machine, so the engine's numbers compare with theirs; and the random batches every variant trains on
+(same on every run, per rank)."""
 
 from __future__ import annotations
 

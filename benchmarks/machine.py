@@ -61,3 +61,11 @@ def machine_facts(root: str, load_before: tuple[float, ...], busy_cores: int) ->
             "timings are noisier)"
         ),
     ]
+
+
+def in_repo(path: str) -> str:
+    """`path` relative to the repository when it lies inside it (a report names no folder of the machine
+    it was run on, only the checkout's own files); otherwise as given."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = os.path.abspath(path)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else path

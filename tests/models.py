@@ -28,6 +28,38 @@ def make_model(seed: int = 0, width: int = 16) -> MLP:
     return MLP(width)
 
 
+class Block(torch.nn.Module):
+    """A residual Linear + LayerNorm block: one gather unit at stage 3."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.lin(x)))
+
+
+class TiedBlocks(torch.nn.Module):
+    """An input layer, `blocks` Blocks (the second one's norm frozen: frozen parameters inside a unit)
+    and an output layer tied to the input's weight (one Parameter in two modules, in stage 3's root
+    unit, whose gradient bucket fills first and last)."""
+
+    def __init__(self, blocks: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(blocks))
+        self.blocks[1].norm.requires_grad_(False)
+        self.out = torch.nn.Linear(width, width, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
 def global_batches(
     steps: int, global_batch: int, width: int = 16, seed: int = 1234
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:

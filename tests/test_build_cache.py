@@ -136,10 +136,28 @@ def test_a_killed_builders_lock_is_taken_over_at_once(tmp_path, capsys) -> None:
     assert not (build_dir / "owner").exists()
 
 
-def test_a_live_builder_is_waited_for_by_name(tmp_path, capsys) -> None:
+def test_a_live_builder_is_waited_for_by_name(monkeypatch, tmp_path, capsys) -> None:
     build_dir, release = tmp_path / "ext", tmp_path / "release"
     holder = _start_holder(build_dir, release)
     acquired = threading.Event()
+    # Every poll of a waiter judges the owner once; counting the judgements lets the test wait for the
+    # polls themselves rather than for a time that may hold fewer of them on a loaded machine.
+    judged: list[str] = []
+    polled = threading.Condition()
+    stale_reason = build_lock._stale_reason
+
+    def counted(owner: build_lock.Owner) -> str:
+        reason = stale_reason(owner)
+        with polled:
+            judged.append(reason)
+            polled.notify_all()
+        return reason
+
+    def polls_reach(count: int) -> bool:
+        with polled:
+            return polled.wait_for(lambda: len(judged) >= count, timeout=60)
+
+    monkeypatch.setattr(build_lock, "_stale_reason", counted)
 
     def acquire() -> None:
         build_lock.acquire(build_dir, "the test extension")
@@ -147,15 +165,14 @@ def test_a_live_builder_is_waited_for_by_name(tmp_path, capsys) -> None:
 
     waiter = threading.Thread(target=acquire, daemon=True)
     waiter.start()
-    err, deadline = "", time.monotonic() + 60
-    while f"waiting for pid {holder.pid}" not in err and time.monotonic() < deadline:
-        time.sleep(0.1)
-        err += capsys.readouterr().err
+    assert polls_reach(2), "the waiter never polled"  # the first poll wrote the message, before its sleep
+    err = capsys.readouterr().err
     assert (
         f"waiting for pid {holder.pid} on {socket.gethostname()}, which is building the test extension in {build_dir}"
     ) in err, err
     assert f"if that process is gone, delete {build_dir / 'owner'}" in err
-    time.sleep(1.0)  # several polls: the waiter must neither proceed nor repeat itself while the holder lives
+    # several polls: the waiter must neither proceed nor repeat itself while the holder lives
+    assert polls_reach(len(judged) + 5), f"the waiter stopped polling after {len(judged)} polls"
     assert not acquired.is_set() and holder.poll() is None
     release.touch()
     assert acquired.wait(timeout=60), "the waiter must proceed once the holder releases"

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 from distributed import free_port, run_distributed
-from test_stage3 import WIDTH, Block
+from models import TiedBlocks
+from test_stage3 import WIDTH
 
 import engine
 from engine.checkpoint import CheckpointError
@@ -25,15 +26,12 @@ GLOBAL_BATCH = 8
 STEPS = 6  # resume tests: 3 steps, save, load into a fresh engine, 3 more
 
 
-class Net(torch.nn.Module):
+class Net(TiedBlocks):
+    """Three blocks, with dropout before the output and a buffer counting the forwards: both must resume."""
+
     def __init__(self, dropout: float = 0.1) -> None:
-        super().__init__()
+        super().__init__(3, WIDTH)
         self.dropout = dropout
-        self.inp = torch.nn.Linear(WIDTH, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
-        self.blocks[1].norm.requires_grad_(False)  # frozen parameters
-        self.out = torch.nn.Linear(WIDTH, WIDTH, bias=False)
-        self.out.weight = self.inp.weight  # tied
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The support table: refused keys, warned-once keys, and the frozen config surface (STYLE item 8)."""
+"""The support table: refused keys, warned-once keys, and the frozen config surface (every config key
+mapped to one typed field or to a row of the table)."""
 
 from __future__ import annotations
 
@@ -286,7 +287,7 @@ def test_warnings_not_spent_on_a_failed_load() -> None:
     assert sum("trackio.enabled" in str(w.message) for w in caught) == 1
 
 
-# --- surface freeze (STYLE item 8) ---------------------------------------------------------------
+# --- surface freeze: keys, schema, table and dataclass fields stay in step -------------------------------
 
 
 def test_every_top_level_schema_key_is_mapped_or_in_the_table() -> None:

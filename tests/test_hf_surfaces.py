@@ -1,6 +1,6 @@
 """What HF Trainer and Accelerate call of DeepSpeed beyond initialize/backward/step, under DeepSpeed's
-names, so an alias package named `deepspeed` can re-export them (see
-/work/shared/reference/hf-integration.md): clone_tensors_for_torch_save, the accelerator object,
+names, so an alias package named `deepspeed` can re-export them (the Hugging Face integration surfaces
+DeepSpeed users rely on): clone_tensors_for_torch_save, the accelerator object,
 Init's tensor-constructor wrappers, optimizer.overflow, the 16-bit consolidated state dict and
 ZeRO inference (initialize without an optimizer)."""
 

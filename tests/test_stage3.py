@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_distributed
+from models import TiedBlocks
 
 import engine
 
@@ -23,24 +24,11 @@ DECAY = 0.05
 ATOL = 1e-5  # fp32: only summation order differs (see test_stage0.py)
 
 
-class Block(torch.nn.Module):
+class Net(TiedBlocks):
+    """Three blocks; the forward's options make a unit run twice, see an input without grad, or sit out."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(WIDTH, WIDTH)
-        self.norm = torch.nn.LayerNorm(WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.norm(self.lin(x)))
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(WIDTH, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
-        self.blocks[1].norm.requires_grad_(False)  # frozen parameters inside a unit
-        self.out = torch.nn.Linear(WIDTH, WIDTH, bias=False)
-        self.out.weight = self.inp.weight  # tied across the model: lives in the root unit
+        super().__init__(3, WIDTH)
 
     def forward(
         self, x: torch.Tensor, twice: bool = False, raw_input: bool = False, skip_block: int | None = None

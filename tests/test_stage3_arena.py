@@ -12,7 +12,8 @@ import pytest
 import torch
 from distributed import run_distributed
 from log_records import EngineWarnings
-from test_stage3 import LR, MICRO, WIDTH, Block, batches, param_groups
+from models import TiedBlocks
+from test_stage3 import LR, MICRO, WIDTH, batches, param_groups
 
 import engine
 
@@ -20,25 +21,9 @@ STEPS = 4
 BLOCKS = 8  # enough units that a bound under stage3_max_live_parameters is below the whole model
 
 
-class Deep(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(WIDTH, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.blocks[1].norm.requires_grad_(False)  # frozen parameters inside a unit
-        self.out = torch.nn.Linear(WIDTH, WIDTH, bias=False)
-        self.out.weight = self.inp.weight  # tied: the root's gradient bucket fills first and last
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
-
-
-def make_net(seed: int) -> Deep:
+def make_net(seed: int) -> TiedBlocks:
     torch.manual_seed(seed)
-    return Deep()
+    return TiedBlocks(BLOCKS, WIDTH)
 
 
 def _train(zero: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -65,7 +50,7 @@ def _train(zero: dict[str, Any], dtype: str) -> dict[str, Any]:
             stats = arena.stats()
             after_steps.append((stats["in_use"], stats["free_blocks"], stats["allocations"]))
     report = eng.memory_report()
-    state = eng._stage.consolidated_state_dict()
+    state = eng.consolidated_state_dict()
     eng.destroy()
     return {
         "losses": losses,
@@ -200,7 +185,7 @@ def _in_use_after_forward(linear: bool) -> dict[str, Any]:
         eng.backward(loss)
         eng.step()
         out["losses"].append(loss.item())
-    out["state"] = eng._stage.consolidated_state_dict()
+    out["state"] = eng.consolidated_state_dict()
     eng.destroy()
     return out
 

@@ -5,8 +5,9 @@ runs the phases): reading it (source.py, hjson_decoder.py, nesting.py), checking
 finite.py, validate.py with schema.json, aliases.py, auto.py, batch.py; run_checks.py for the checks that
 need the model or device; paths.py names keys in messages), the support table of what the engine does
 with each key (support.py, rows in support_read.py and support_refused.py; docs/config-keys.md is
-generated from it), and the frozen dataclasses (types.py) built from the key table (build.py). Config
-problems raise ConfigError (errors.py); keys without effect warn once (warn.py, ConfigWarning).
+generated from it), and the frozen dataclasses (types.py) built from the key table (build.py); what
+engine.tp_model_init reads of a config given before initialize (tp_model_init.py). Config problems raise
+ConfigError (errors.py); keys without effect warn once (warn.py, ConfigWarning).
 """
 
 from engine.config.errors import ConfigError
@@ -20,6 +21,7 @@ from engine.config.types import (
     OffloadConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TensorParallelConfig,
     ZeroConfig,
 )
 from engine.config.warn import ConfigWarning
@@ -49,6 +51,7 @@ __all__ = [
     "OffloadConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "TensorParallelConfig",
     "ZeroConfig",
     "load_config",
     "zero_stage",

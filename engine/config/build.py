@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from engine.config.autotp_specs import read_specs
 from engine.config.batch import BatchSizes
-from engine.config.types import EngineConfig, OptimizerConfig, SchedulerConfig
+from engine.config.types import EngineConfig, OptimizerConfig, SchedulerConfig, TensorParallelConfig
 
 # Top-level key -> EngineConfig field it is read into: the one key -> field mapping, which the build
 # follows (the surface-freeze tests check it against the schema, the support table and the dataclass).
@@ -49,7 +50,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "seed": "seed",
     "collectives": "collectives",
     "aio": "aio",
-    "tensor_parallel": "autotp_size",
+    "tensor_parallel": "tensor_parallel",
     "activation_checkpointing": "activation_checkpointing",
 }
 
@@ -77,8 +78,11 @@ _READ_FIELD: dict[str, Callable[[Any], Any]] = {
     "communication_data_type": _dtype_name,
     "grad_accum_dtype": lambda section: _dtype_name(section.get("grad_accum_dtype")),
     "comms_logger": lambda section: bool(section.get("enabled", False)),
-    # DeepSpeed's autotp_size 0 (its default) means off, as our 1 does.
-    "autotp_size": lambda section: max(int(section.get("autotp_size") or 0), 1),
+    "tensor_parallel": lambda section: TensorParallelConfig(
+        # DeepSpeed's autotp_size 0 (its default) means off, as our 1 does.
+        autotp_size=max(int(section.get("autotp_size") or 0), 1),
+        specs=read_specs(section),
+    ),
     "aio": freeze,
 }
 
@@ -119,6 +123,8 @@ def _hints(cls: type) -> dict[str, Any]:
 def _value(value: Any, hint: Any, annotation: Any) -> Any:
     """`value` as the field of type `hint` holds it: a section dataclass from a dict, numbers coerced."""
     section = _section_class(hint)
+    if section is not None and isinstance(value, section):  # built whole by its _READ_FIELD reader
+        return value
     if section in (OptimizerConfig, SchedulerConfig):
         return _named(section, value)
     if section is not None:

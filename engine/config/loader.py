@@ -52,12 +52,8 @@ def load_config(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r} (from {world_size_source})")
-    raw, where = read_source(source)
-    overridden: list[str] = []
-    if isinstance(raw, dict) and any(name in raw for name in given_objects):
-        overridden = [name for name in ("optimizer", "scheduler") if name in given_objects and name in raw]
-        kept = raw
-        raw = {k: v for k, v in raw.items() if k not in overridden}
+    kept, where = read_source(source)
+    raw, overridden = _set_aside_given_sections(kept, given_objects)
     # First: keys DeepSpeed ignores are ignored here too, whatever they hold (see engine/config/unknown_keys.py).
     ignored = drop_ignored_keys(raw, top_level_keys()) if isinstance(raw, dict) else Ignored()
     # Before the schema: NaN passes its range checks, and Infinity's documented meanings must be in place.
@@ -98,6 +94,24 @@ def load_config(
         warn_once(key, message)
     for key, message in ignored.warnings:
         warn_once(key, message, rank_zero_only=True)
+    _warn_given_sections(overridden, kept)
+    if overridden:
+        raw = {**raw, **{name: kept[name] for name in overridden}}  # engine.config shows the user's whole config
+    dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
+    return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
+
+
+def _set_aside_given_sections(raw: dict[str, Any], given_objects: frozenset[str]) -> tuple[dict[str, Any], list[str]]:
+    """(`raw` without the sections engine.initialize was given an object for, their names): those go
+    unchecked, as in DeepSpeed, where the object takes precedence."""
+    if not isinstance(raw, dict) or not any(name in raw for name in given_objects):
+        return raw, []
+    overridden: list[str] = [name for name in ("optimizer", "scheduler") if name in given_objects and name in raw]
+    return {k: v for k, v in raw.items() if k not in overridden}, overridden
+
+
+def _warn_given_sections(overridden: list[str], kept: dict[str, Any]) -> None:
+    """Once per section set aside: the user's config has it (`kept`: as written), and it is ignored."""
     for name in overridden:
         kind = "lr_scheduler" if name == "scheduler" else name
         warn_once(
@@ -107,10 +121,6 @@ def load_config(
             "them to silence this",
             rank_zero_only=True,
         )
-    if overridden:
-        raw = {**raw, **{name: kept[name] for name in overridden}}  # engine.config shows the user's whole config
-    dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
-    return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
 
 
 def _autotp_spec_problems(config: dict[str, Any]) -> list[str]:

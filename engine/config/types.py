@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from engine.config.autotp_specs import AutoTPSpecs
+
 
 def _frozen_mapping(data: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     return MappingProxyType(dict(data or {}))
@@ -204,6 +206,17 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class TensorParallelConfig:
+    """`tensor_parallel` section: what AutoTP training reads of it (engine.tp_model_init)."""
+
+    autotp_size: int = 1
+    """`autotp_size`: the tensor-parallel size; 1 = off (DeepSpeed's 0, its default, is read as 1)."""
+    specs: AutoTPSpecs | None = None
+    """The layer specs of `partition_config` / `preset_model` (engine/config/autotp_specs.py); None when
+    the section has neither, and the engine's own name rules decide what is sharded."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole validated config with batch sizes resolved against the data-parallel world size."""
 
@@ -253,9 +266,7 @@ class EngineConfig:
     dataloader_drop_last: bool = False
     seed: int | None = None
     """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""
-    autotp_size: int = 1
-    """`tensor_parallel.autotp_size`: the tensor-parallel size of AutoTP training (engine.tp_model_init);
-    1 = off (DeepSpeed's 0, its default, is read as 1)."""
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     aio: Mapping[str, Any] = field(default_factory=_frozen_mapping)
     """DeepSpeed's `aio` section as written: the NVMe swap files' I/O settings (engine/ops/aio.py's
     AioConfig.from_section reads it)."""
@@ -264,3 +275,9 @@ class EngineConfig:
     a direct exchange between ranks), "ring" (pipelined rings), or "native" (torch's own collectives)."""
     raw: Mapping[str, Any] = field(default_factory=_frozen_mapping, repr=False, compare=False)
     """The validated JSON, read-only, for diagnostics and checkpoint manifests only."""
+
+    @property
+    def autotp_size(self) -> int:
+        """`tensor_parallel.autotp_size`: the tensor-parallel size of AutoTP training (engine.tp_model_init);
+        1 = off (DeepSpeed's 0, its default, is read as 1)."""
+        return self.tensor_parallel.autotp_size

@@ -115,6 +115,77 @@ def _build_scheduler(cfg: EngineConfig, optimizer: torch.optim.Optimizer | None,
     return None
 
 
+def _local_setup(
+    model: torch.nn.Module, source: Any, mpu: Any, optimizer: Any, lr_scheduler: Any
+) -> tuple[ParallelGroups | None, EngineConfig, torch.device]:
+    """(the model-parallel groups made before initialize, the config, this rank's device): this rank's
+    own work before the ranks first agree, with no collective in it, so that a rank that fails here
+    still reaches rank_agreement.agree and the others hear of its error."""
+    known_groups = parallel_setup.groups_before_config(mpu)
+    given = frozenset(name for name, obj in (("optimizer", optimizer), ("scheduler", lr_scheduler)) if obj is not None)
+    cfg = load_config(
+        source,
+        world_size=comm.get_world_size(),
+        world_size_source=comm.world_size_source(),
+        model_parallel_size=known_groups.tp_size if known_groups else None,
+        given_objects=given,
+    )
+    comm.set_collectives(cfg.collectives)
+    device = _device()
+    run_checks.check_offload(cfg, device.type)
+    run_checks.check_stage(cfg, _STAGES)
+    owners.check_not_held(model)
+    activation_checkpointing.check_engine_options(cfg)
+    monitors.check_packages(cfg)
+    return known_groups, cfg, device
+
+
+def _place_model(
+    cfg: EngineConfig, model: torch.nn.Module, device: torch.device, parallel: ParallelGroups
+) -> Precision:
+    """The model whole (below stage 3), on `device`, in the training dtype and with rank 0's initial
+    state on every rank; returns the precision it was cast by."""
+    if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
+        logger.info(
+            "stage %d: %d parameters built under engine.zero.Init were gathered whole again "
+            "(only stage 3 keeps parameters partitioned)",
+            cfg.zero.stage,
+            gathered,
+        )
+    model.to(device)
+    precision = Precision(cfg)
+    cpu_precision.warn_if_slow(precision.model_dtype, device)
+    precision.cast_module(model)
+    # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was; with tensor
+    # parallelism the first rank of each data-parallel group (its tensor-parallel slices differ).
+    comm.broadcast_coalesced(
+        [t.data for t in model.parameters()] + list(model.buffers()),
+        src=parallel.dp_src(),
+        process_group=parallel.dp_group,
+    )
+    return precision
+
+
+def _dataloader(
+    cfg: EngineConfig,
+    training_data: torch.utils.data.Dataset | None,
+    collate_fn: Callable[..., Any] | None,
+    parallel: ParallelGroups,
+) -> torch.utils.data.DataLoader | None:
+    if training_data is None:
+        return None
+    # Every rank of a tensor-parallel group reads the same samples: its data-parallel position's.
+    return build_dataloader(
+        training_data,
+        cfg.train_micro_batch_size_per_gpu,
+        parallel.dp_rank,
+        parallel.dp_size,
+        collate_fn,
+        cfg.dataloader_drop_last,
+        seed=cfg.seed if cfg.seed is not None else 0,
+    )
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -143,47 +214,13 @@ def initialize(
         # other collective (see [Note: why initialize agrees first] in engine/initialize/rank_agreement.py).
         local_error: Exception | None = None
         try:
-            known_groups = parallel_setup.groups_before_config(mpu)
-            given = frozenset(
-                name for name, obj in (("optimizer", optimizer), ("scheduler", lr_scheduler)) if obj is not None
-            )
-            cfg = load_config(
-                source,
-                world_size=comm.get_world_size(),
-                world_size_source=comm.world_size_source(),
-                model_parallel_size=known_groups.tp_size if known_groups else None,
-                given_objects=given,
-            )
-            comm.set_collectives(cfg.collectives)
-            device = _device()
-            run_checks.check_offload(cfg, device.type)
-            run_checks.check_stage(cfg, _STAGES)
-            owners.check_not_held(model)
-            activation_checkpointing.check_engine_options(cfg)
-            monitors.check_packages(cfg)
+            known_groups, cfg, device = _local_setup(model, source, mpu, optimizer, lr_scheduler)
         except Exception as err:  # noqa: BLE001 - re-raised by agree(), after the other ranks hear of it
             local_error = err
         rank_agreement.agree(model, local_error)
         parallel = parallel_setup.resolve_groups(known_groups, cfg.autotp_size, model, cfg)
         activation_checkpointing.configure_from_engine(cfg, parallel)
-        if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
-            logger.info(
-                "stage %d: %d parameters built under engine.zero.Init were gathered whole again "
-                "(only stage 3 keeps parameters partitioned)",
-                cfg.zero.stage,
-                gathered,
-            )
-        model.to(device)
-        precision = Precision(cfg)
-        cpu_precision.warn_if_slow(precision.model_dtype, device)
-        precision.cast_module(model)
-        # DeepSpeed semantics: rank 0's initial state wins, whatever each rank's seed was; with tensor
-        # parallelism the first rank of each data-parallel group (its tensor-parallel slices differ).
-        comm.broadcast_coalesced(
-            [t.data for t in model.parameters()] + list(model.buffers()),
-            src=parallel.dp_src(),
-            process_group=parallel.dp_group,
-        )
+        precision = _place_model(cfg, model, device, parallel)
         opt = _build_optimizer(cfg, model, optimizer, model_parameters)
         scheduler = _build_scheduler(cfg, opt, lr_scheduler)
         stage = _build_stage(cfg, model, opt, precision, parallel)
@@ -193,18 +230,7 @@ def initialize(
             # fresh keys (see [Note: one rendezvous store per process] in engine/comm/lifecycle.py).
             comm.release_process_group()
         raise
-    loader = None
-    if training_data is not None:
-        # Every rank of a tensor-parallel group reads the same samples: its data-parallel position's.
-        loader = build_dataloader(
-            training_data,
-            cfg.train_micro_batch_size_per_gpu,
-            parallel.dp_rank,
-            parallel.dp_size,
-            collate_fn,
-            cfg.dataloader_drop_last,
-            seed=cfg.seed if cfg.seed is not None else 0,
-        )
+    loader = _dataloader(cfg, training_data, collate_fn, parallel)
     engine = Engine(
         model,
         cfg,

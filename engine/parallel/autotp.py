@@ -26,7 +26,6 @@ whole, which would silently not shard what the rule promised.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
@@ -35,10 +34,9 @@ import torch
 from torch import nn
 
 from engine import comm
-from engine.config.autotp_specs import AutoTPSpecs, read_specs
+from engine.config.autotp_specs import AutoTPSpecs
 from engine.config.errors import ConfigError
-from engine.config.source import read_source
-from engine.config.types import EngineConfig
+from engine.config.tp_model_init import tp_model_init_config
 from engine.parallel.groups import groups, initialize_model_parallel, model_parallel_is_initialized
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -392,26 +390,9 @@ def _check_config(config: Any, tp_size: int, dtype: torch.dtype | None) -> AutoT
     precision must agree with the arguments (DeepSpeed refuses the same conflicts)."""
     if config is None:
         return None
-    sizes: dict[str, Any]
-    if isinstance(config, EngineConfig):
-        sizes = {"tensor_parallel.autotp_size": config.autotp_size}
-        section = config.raw.get("tensor_parallel")
-        wants = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
-    elif isinstance(config, (Mapping, str, os.PathLike)):
-        raw, _ = read_source(dict(config) if isinstance(config, Mapping) else config)
-        section = raw.get("tensor_parallel")
-        sizes = {
-            "tensor_parallel.autotp_size": (section or {}).get("autotp_size"),
-            "tensor_parallel.tp.tp_size": ((section or {}).get("tp") or {}).get("tp_size"),
-        }
-        bf16 = (raw.get("bf16") or raw.get("bfloat16") or {}).get("enabled") is True
-        wants = torch.bfloat16 if bf16 else torch.float16 if (raw.get("fp16") or {}).get("enabled") is True else None
-    else:
-        raise ConfigError(
-            f"tp_model_init: config must be a DeepSpeed config dict or path, or an EngineConfig; "
-            f"got {type(config).__name__}"
-        )
-    for key, size in sizes.items():
+    read = tp_model_init_config(config)
+    wants = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[read.precision]
+    for key, size in read.sizes.items():
         if size is None:
             continue
         if isinstance(size, bool) or not isinstance(size, int):
@@ -423,4 +404,4 @@ def _check_config(config: Any, tp_size: int, dtype: torch.dtype | None) -> AutoT
             f"tp_model_init(dtype={dtype}) but the config trains in {wants}; pass dtype={wants} or "
             "change the config's bf16/fp16 section"
         )
-    return read_specs(section if isinstance(section, Mapping) else None)
+    return read.specs

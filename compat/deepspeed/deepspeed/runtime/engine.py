@@ -1,4 +1,4 @@
-"""`deepspeed.runtime.engine` -> engine.engine (isinstance checks against DeepSpeedEngine)."""
+"""`deepspeed.runtime.engine` -> engine.runtime.engine (isinstance checks against DeepSpeedEngine)."""
 
 from engine.runtime.engine import Engine as DeepSpeedEngine
 
