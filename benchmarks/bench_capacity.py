@@ -7,7 +7,7 @@ For each system the GPT grows along one ladder of fixed aspect (GPT-2's: d_model
 head dim 64, GPT-2's vocabulary of 50257) by x1.5 parameters per rung until a run of 2 training steps
 fails, then once more between the last success and the first failure (the rung nearest their geometric
 mean). Each attempt runs its 2 ranks (benchmarks/capacity_workers/worker.py under the engine's .venv, or
-/tmp/dsvenv for DeepSpeed; started from here, not by torchrun, whose ranks live in sessions of their own
+$DEEPSPEED_PYTHON's venv for DeepSpeed; started from here, not by torchrun, whose ranks live in sessions of their own
 that a watchdog could not reach) each in its own process group, with oom_score_adj 1000 (so the kernel's
 OOM killer, should it ever act, picks the attempt and nothing else on the machine), watched from here:
 when MemAvailable drops under --min-available-gib (3) every rank's group is killed and the attempt
@@ -58,7 +58,19 @@ from machine import machine_facts
 WORKER = os.path.join(ROOT, "benchmarks", "capacity_workers", "worker.py")
 ENGINE_ARENA_BYTES = 0
 """zero_optimization.stage3_arena_bytes of the engine rows (--engine-arena; 0: no arena)."""
-DS_PYTHON = "/tmp/dsvenv/bin/python"
+DS_PYTHON = os.environ.get("DEEPSPEED_PYTHON", "")
+"""The interpreter of a venv with the real DeepSpeed (DEEPSPEED_PYTHON); its rows need it."""
+
+
+def _ds_python() -> str:
+    if not DS_PYTHON:
+        raise SystemExit(
+            "the DeepSpeed rows need the interpreter of a venv with deepspeed 0.19.8 and torch: set DEEPSPEED_PYTHON "
+            "(e.g. DEEPSPEED_PYTHON=/path/to/dsvenv/bin/python)"
+        )
+    return DS_PYTHON
+
+
 VOCAB, SEQ, STEPS, WORLD = 50257, 128, 2, 2
 GROWTH = 1.5
 BYTES_PER_PARAM = 16  # fp32 parameter + gradient + Adam's two moments
@@ -160,7 +172,7 @@ def _available() -> int:
 
 
 def _command(system: str, shape: Shape, out: str, nvme: str | None) -> list[str]:
-    python = DS_PYTHON if system.startswith("deepspeed") else sys.executable
+    python = _ds_python() if system.startswith("deepspeed") else sys.executable
     # oom_score_adj 1000 before exec: the kernel's OOM killer, should it ever act before the watchdog,
     # picks the attempt and nothing else on the machine.
     cmd = ["sh", "-c", 'echo 1000 > /proc/self/oom_score_adj && exec "$@"', "sh", python, WORKER]
@@ -413,6 +425,8 @@ def deepspeed_aio_status() -> str:
         "from deepspeed.ops.op_builder import AsyncIOBuilder\n"
         "print('COMPATIBLE' if AsyncIOBuilder().is_compatible(verbose=True) else 'INCOMPATIBLE')"
     )
+    if not DS_PYTHON:
+        return "not checked: DEEPSPEED_PYTHON is not set"
     try:
         done = subprocess.run(
             [DS_PYTHON, "-c", code],

@@ -14,7 +14,7 @@ bytes) and is the fastest. Results: benchmarks/results/checkpoint.md (and .png w
     python benchmarks/bench_checkpoint.py --consolidate --params 1.85e8   # ~2.2 GB engine checkpoint
 
 Consolidation: the same model (Linear layers of 4096^2 + bias, fp32 AdamW, one step, 2 ranks, ZeRO
-stage 2) saved by real DeepSpeed (its venv, /tmp/dsvenv, DS_ACCELERATOR=cpu) and by the engine, then
+stage 2) saved by real DeepSpeed (its venv, $DEEPSPEED_PYTHON, DS_ACCELERATOR=cpu) and by the engine, then
 consolidated into safetensors by DeepSpeed's zero_to_fp32 (convert_zero_checkpoint_to_fp32_state_dict,
 safe_serialization=True) and by `engine.checkpoint.consolidate`. The DeepSpeed parts run in DeepSpeed's venv (this file,
 with --ds-save / --ds-convert: nothing of the engine imported there). Results: benchmarks/results/consolidate.md and .png.
@@ -173,7 +173,19 @@ def integrity(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------- consolidation
-DS_PYTHON = "/tmp/dsvenv/bin/python"
+DS_PYTHON = os.environ.get("DEEPSPEED_PYTHON", "")
+"""The interpreter of a venv with the real DeepSpeed (DEEPSPEED_PYTHON); its rows need it."""
+
+
+def _ds_python() -> str:
+    if not DS_PYTHON:
+        raise SystemExit(
+            "the DeepSpeed rows need the interpreter of a venv with deepspeed 0.19.8 and torch: set DEEPSPEED_PYTHON "
+            "(e.g. DEEPSPEED_PYTHON=/path/to/dsvenv/bin/python)"
+        )
+    return DS_PYTHON
+
+
 WIDTH = 4096
 REPEATS = 3
 
@@ -301,7 +313,7 @@ def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, verify: b
     shutil.rmtree(out, ignore_errors=True)
     code = f"CKPT, OUT, WORKERS, VERIFY = {ckpt!r}, {out!r}, {workers}, {verify}\n"
     code += f"import torch; DTYPE = torch.{dtype}\n" + _CHILD["engine" if tool == "engine-before" else tool] + _TIMED
-    python = DS_PYTHON if tool == "deepspeed" else sys.executable
+    python = _ds_python() if tool == "deepspeed" else sys.executable
     tree = _BEFORE[0] if tool == "engine-before" else ROOT  # an earlier commit's engine, from its own files
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": tree}
     proc = psutil.Popen([python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=tree)
@@ -349,7 +361,7 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
     try:
         if not os.path.isdir(ds_ckpt):  # --keep: an earlier run's checkpoints are reused
             subprocess.run(
-                [DS_PYTHON, os.path.abspath(__file__), "--ds-save", ds_ckpt, "--params", str(params)],
+                [_ds_python(), os.path.abspath(__file__), "--ds-save", ds_ckpt, "--params", str(params)],
                 env={**os.environ, "DS_ACCELERATOR": "cpu"},
                 check=True,
             )

@@ -236,3 +236,26 @@ def test_no_function_in_engine_over_80_lines() -> None:
     assert not long, f"functions in engine/ over {MAX_FUNCTION_LINES} lines (split into named phases):\n" + "\n".join(
         long
     )
+
+
+OUTSIDE = re.compile(r"\.\./shared\b|/work/|\bSTYLE\.md\b|\bDESIGN\.md\b|/root/")
+"""Paths of one machine or of folders beside the checkout: a clone has none of them."""
+
+
+def test_no_path_outside_the_repository_is_named() -> None:
+    # A fresh clone is all a reader has: the project says what it needs in its own files and words.
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    offenders = []
+    for name in listed:
+        path = ROOT / name
+        if (
+            path.suffix not in {".py", ".md", ".json", ".toml", ".cfg", ".txt", ".sh", ".yaml", ".yml"}
+            or not path.is_file()
+        ):
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line) and "OUTSIDE = re.compile" not in line:
+                offenders.append(f"{name}:{number}: {line.strip()[:120]}")
+    assert not offenders, "paths outside the repository (say it in the project's own words):\n" + "\n".join(offenders)

@@ -2,7 +2,7 @@
 
 Started twice by benchmarks/bench_capacity.py (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment,
 as torchrun would set them), with this checkout's .venv for ddp, fsdp2 and the engine rows and
-/tmp/dsvenv (DeepSpeed 0.19.8) for the DeepSpeed rows, so it imports nothing of the engine at module
+$DEEPSPEED_PYTHON's venv (DeepSpeed 0.19.8) for the DeepSpeed rows, so it imports nothing of the engine at module
 level (DeepSpeed's venv has no engine).
 
     worker.py --system S --layers L --d-model D --heads H --vocab V --seq 128 --steps 2 --out DIR [--nvme DIR]
