@@ -95,7 +95,7 @@ def _check_optimizer_offload(cfg: EngineConfig, device_type: str) -> None:
 
 
 def _check_param_offload(cfg: EngineConfig, device_type: str) -> None:
-    """offload_param "cpu" ("nvme" is refused by the support table). DeepSpeed reads it only at stage 3 (its
+    """offload_param "cpu" ("nvme" is engine/offload/nvme_setup.py's). DeepSpeed reads it only at stage 3 (its
     stage 1-2 optimizer never sees it; runtime/zero/offload_config.py: "Valid only with stage 3"), so at
     stages 0-2 it is ignored as there, by name. At stage 3 on CPU the partitions are in host memory already."""
     if cfg.zero.offload_param.device != "cpu":

@@ -22,7 +22,7 @@ class StepOutcome:
     """Global gradient norm before clipping (unscaled; inf/nan when the step was skipped)."""
     applied: bool
     """False when the step was skipped: an inf/nan gradient on any rank (fp16's overflow, or a NaN/inf
-    loss or gradient in fp32/bf16; engine/precision/policy.py)."""
+    loss or gradient in fp32/bf16; engine/zero/shard_step.py)."""
 
 
 class ZeroStage(Protocol):

@@ -20,7 +20,7 @@ parameter's dtype), so `MasterStep.step(coef)` chooses between two paths:
   per flat group).
 
 Before either path the gradients were read once more, for the global norm and the overflow vote
-(engine/precision/policy.py): clipping needs the norm over every rank before any update, so that read
+(engine/zero/shard_step.py): clipping needs the norm over every rank before any update, so that read
 cannot join the update's pass.
 
 Optimizer state stays in `optimizer.state[master]` under torch's AdamW keys ("step", "exp_avg",
