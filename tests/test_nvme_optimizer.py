@@ -477,7 +477,7 @@ def _hf_zero3_on_nvme(nvme_path: str) -> str:
         eng.backward(torch.nn.functional.mse_loss(eng(x.to(dtype)).float(), y))
         eng.step()
     after = eng.consolidated_state_dict()
-    on_disk = eng._stage.offload.disk_bytes()
+    on_disk = eng.memory_report()["nvme"]
     eng.destroy()
     moved = max((float((after[k].float() - v.float()).abs().max()) for k, v in before.items()), default=None)
     return f"moved {moved}, {on_disk} bytes on disk"

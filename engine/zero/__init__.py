@@ -10,7 +10,7 @@
   shard_reduce.py), the gradient-norm scope over tensor x data parallelism (norm_scope.py), bucket
   buffers and launch order (bucket_pool.py, ordered_launch.py), tensor-parallel state dicts
   (tp_state.py), what a stage holds for a checkpoint (records.py, clone.py), which stage owns a
-  parameter (owners.py), and the parameters built partitioned by `engine.zero.Init`
+  parameter (owners.py), the checked moves of every state machine (state_moves.py), and the parameters built partitioned by `engine.zero.Init`
   (partitioned_init.py, released.py) or gathered by `GatheredParameters` (gathered.py) at any stage.
 """
 
