@@ -40,7 +40,27 @@ import torch
 from typing_extensions import Self
 
 from engine.ops import builder
-from engine.ops.aio_config import AioConfig
+from engine.ops.aio_config import BACKENDS, MAX_THREADS, AioConfig
+
+__all__ = [  # the I/O layer in one import: its config (aio_config.py) comes with it
+    "BACKENDS",
+    "DIRECT_ALIGN",
+    "DISK_FULL_ERRNOS",
+    "MAX_THREADS",
+    "AioConfig",
+    "AioContext",
+    "AioError",
+    "DiskFullError",
+    "IOHandle",
+    "OpenFile",
+    "Outcome",
+    "Pending",
+    "aligned_empty",
+    "free_bytes",
+    "open_file",
+    "transfer_error",
+    "wait_each",
+]
 
 DIRECT_ALIGN = 4096
 """Bytes: a block goes through O_DIRECT only when its buffer address, file offset and size are multiples
