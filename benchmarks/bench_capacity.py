@@ -53,22 +53,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch
-from machine import machine_facts
+from machine import DS_PYTHON, ds_python, machine_facts
 
 WORKER = os.path.join(ROOT, "benchmarks", "capacity_workers", "worker.py")
 ENGINE_ARENA_BYTES = 0
 """zero_optimization.stage3_arena_bytes of the engine rows (--engine-arena; 0: no arena)."""
-DS_PYTHON = os.environ.get("DEEPSPEED_PYTHON", "")
-"""The interpreter of a venv with the real DeepSpeed (DEEPSPEED_PYTHON); its rows need it."""
-
-
-def _ds_python() -> str:
-    if not DS_PYTHON:
-        raise SystemExit(
-            "the DeepSpeed rows need the interpreter of a venv with deepspeed 0.19.8 and torch: set DEEPSPEED_PYTHON "
-            "(e.g. DEEPSPEED_PYTHON=/path/to/dsvenv/bin/python)"
-        )
-    return DS_PYTHON
 
 
 VOCAB, SEQ, STEPS, WORLD = 50257, 128, 2, 2
@@ -172,7 +161,7 @@ def _available() -> int:
 
 
 def _command(system: str, shape: Shape, out: str, nvme: str | None) -> list[str]:
-    python = _ds_python() if system.startswith("deepspeed") else sys.executable
+    python = ds_python() if system.startswith("deepspeed") else sys.executable
     # oom_score_adj 1000 before exec: the kernel's OOM killer, should it ever act before the watchdog,
     # picks the attempt and nothing else on the machine.
     cmd = ["sh", "-c", 'echo 1000 > /proc/self/oom_score_adj && exec "$@"', "sh", python, WORKER]

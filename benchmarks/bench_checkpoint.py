@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import machine_facts
+from machine import ds_python, machine_facts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -173,17 +173,6 @@ def integrity(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------- consolidation
-DS_PYTHON = os.environ.get("DEEPSPEED_PYTHON", "")
-"""The interpreter of a venv with the real DeepSpeed (DEEPSPEED_PYTHON); its rows need it."""
-
-
-def _ds_python() -> str:
-    if not DS_PYTHON:
-        raise SystemExit(
-            "the DeepSpeed rows need the interpreter of a venv with deepspeed 0.19.8 and torch: set DEEPSPEED_PYTHON "
-            "(e.g. DEEPSPEED_PYTHON=/path/to/dsvenv/bin/python)"
-        )
-    return DS_PYTHON
 
 
 WIDTH = 4096
@@ -313,7 +302,7 @@ def _measure(tool: str, ckpt: str, out: str, dtype: str, workers: int, verify: b
     shutil.rmtree(out, ignore_errors=True)
     code = f"CKPT, OUT, WORKERS, VERIFY = {ckpt!r}, {out!r}, {workers}, {verify}\n"
     code += f"import torch; DTYPE = torch.{dtype}\n" + _CHILD["engine" if tool == "engine-before" else tool] + _TIMED
-    python = _ds_python() if tool == "deepspeed" else sys.executable
+    python = ds_python() if tool == "deepspeed" else sys.executable
     tree = _BEFORE[0] if tool == "engine-before" else ROOT  # an earlier commit's engine, from its own files
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": tree}
     proc = psutil.Popen([python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=tree)
@@ -361,7 +350,7 @@ def consolidate_benchmark(params: float, workdir: str | None, keep: bool = False
     try:
         if not os.path.isdir(ds_ckpt):  # --keep: an earlier run's checkpoints are reused
             subprocess.run(
-                [_ds_python(), os.path.abspath(__file__), "--ds-save", ds_ckpt, "--params", str(params)],
+                [ds_python(), os.path.abspath(__file__), "--ds-save", ds_ckpt, "--params", str(params)],
                 env={**os.environ, "DS_ACCELERATOR": "cpu"},
                 check=True,
             )

@@ -69,3 +69,18 @@ def in_repo(path: str) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full = os.path.abspath(path)
     return os.path.relpath(full, root) if full.startswith(root + os.sep) else path
+
+
+DS_PYTHON = os.environ.get("DEEPSPEED_PYTHON", "")
+"""The interpreter of a venv with the real DeepSpeed and torch (DEEPSPEED_PYTHON): the benchmarks'
+DeepSpeed rows run there, as DeepSpeed is no dependency of this project."""
+
+
+def ds_python() -> str:
+    """DS_PYTHON, or a named exit when it is not set."""
+    if not DS_PYTHON:
+        raise SystemExit(
+            "the DeepSpeed rows need the interpreter of a venv with deepspeed 0.19.8 and torch: set DEEPSPEED_PYTHON "
+            "(e.g. DEEPSPEED_PYTHON=/path/to/dsvenv/bin/python)"
+        )
+    return DS_PYTHON
