@@ -89,14 +89,42 @@ def test_warmup_lr_spot_values() -> None:
 
 
 def test_warmup_lr_defaults() -> None:
-    sched = WarmupLR(_sgd())
+    sched = WarmupLR(_sgd())  # the optimizer's lr is 0.1
     assert (sched.min_lrs, sched.max_lrs, sched.warmup_num_steps, sched.warmup_type) == (
         [0.0],
-        [1e-3],
+        [0.1],
         1000,
         "log",
     )
-    assert _curve(sched, 1001)[-1] == pytest.approx(1e-3)
+    assert _curve(sched, 1001)[-1] == pytest.approx(0.1)
+
+
+def test_warmup_lr_without_max_warms_each_group_up_to_its_own_lr() -> None:
+    # DeepSpeed: warmup_max_lr None -> [group["lr"] for group in optimizer.param_groups]. A fixed 1e-3 here
+    # trained a config that omits the key at another learning rate, silently (0.000301 against 0.0301).
+    opt = _sgd((0.03, 0.3))
+    sched = WarmupLR(opt, warmup_num_steps=10, warmup_type="linear")
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]  # warmup_min_lr, written at construction
+    for _ in range(6):
+        sched.step()  # iteration 5 of 10
+    assert sched.get_last_lr() == pytest.approx([0.015, 0.15])
+    for _ in range(6):
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.03, 0.3])
+
+
+def test_warmup_decay_lr_keeps_its_own_default_max() -> None:
+    # DeepSpeed's WarmupDecayLR passes warmup_max_lr=0.001 explicitly: its default is not the group's lr.
+    sched = WarmupDecayLR(_sgd(), total_num_steps=100)
+    assert sched.max_lrs == [1e-3]
+
+
+def test_unknown_warmup_type_is_log_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        sched = WarmupLR(_sgd(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=100, warmup_type="Linear")
+    assert sched.warmup_type == "log"
+    assert "warmup_type 'Linear'" in caplog.text and '"log"' in caplog.text
+    assert _curve(sched, 10)[10] == pytest.approx(0.5)  # log(10) / log(100), not 9 / 100
 
 
 def test_warmup_lr_per_group_lists() -> None:
@@ -295,6 +323,33 @@ def test_one_cycle_stairs() -> None:
     want = [one_cycle_scale(it, 10, 6, 2, 3) for it in range(16)]
     assert lrs == pytest.approx(want)
     assert lrs[3] == 0.0 and lrs[4] == 0.5 and lrs[9] == 1.0  # stairs of 5 steps, the peak kept
+
+
+def test_one_cycle_per_group_lists_and_get_mom_per_group() -> None:
+    opt = _adam((0.1, 0.2))
+    sched = OneCycle(
+        opt,
+        cycle_min_lr=[0.01, 0.02],
+        cycle_max_lr=[0.1, 0.4],
+        cycle_first_step_size=4,
+        cycle_min_mom=[0.8, 0.7],
+        cycle_max_mom=[0.9, 0.95],
+    )
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.02]
+    assert [g["betas"] for g in opt.param_groups] == [(0.8, 0.999), (0.7, 0.999)]
+    for _ in range(3):
+        sched.step()  # iteration 2: 3 of the 4 rising steps, scale 0.75
+    assert sched.get_last_lr() == pytest.approx([0.01 + 0.09 * 0.75, 0.02 + 0.38 * 0.75])
+    moms = sched.get_mom()
+    assert moms is not None and all(isinstance(m, tuple) and len(m) == 2 for m in moms)  # DeepSpeed's shape
+    assert [m[0] for m in moms] == pytest.approx([0.9 - 0.1 * 0.75, 0.95 - 0.25 * 0.75])
+    assert [m[1] for m in moms] == [0.999, 0.999]
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([m[0] for m in moms])
+
+
+def test_one_cycle_second_step_size_zero_only_rises() -> None:
+    sched = OneCycle(_sgd(), cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=4, cycle_second_step_size=0)
+    assert _curve(sched, 4)[1:] == pytest.approx([0.25, 0.5, 0.75, 0.0])  # iteration 3 ends the cycle
 
 
 def test_one_cycle_momentum_off_for_optimizer_without_momentum() -> None:

@@ -88,7 +88,6 @@ def test_missing_required_params(name: str, missing: list[str]) -> None:
 @pytest.mark.parametrize(
     "name, params, key",
     [
-        ("WarmupLR", {"warmup_type": "Linear"}, "warmup_type"),
         ("WarmupLR", {"warmup_num_steps": 0}, "warmup_num_steps"),
         ("WarmupLR", {"warmup_num_steps": 10.5}, "warmup_num_steps"),
         ("WarmupLR", {"warmup_max_lr": [0.1, 0.2]}, "warmup_max_lr"),  # 2 values, 1 group
@@ -110,3 +109,26 @@ def test_bad_values_name_the_key(name: str, params: dict[str, Any], key: str) ->
 def test_torch_value_errors_become_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"scheduler\.params .*OneCycleLR"):
         _build("OneCycleLR", {"max_lr": 0.1})  # needs total_steps or epochs + steps_per_epoch
+
+
+def test_a_config_without_warmup_max_lr_trains_at_the_optimizers_lr() -> None:
+    # The loop a DeepSpeed user runs: the config names the optimizer's lr once, and WarmupLR warms up to it.
+    import engine
+
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.03}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}},
+    }
+    eng, _, _, scheduler = engine.initialize(model=torch.nn.Linear(4, 2), config=config)
+    try:
+        seen = []
+        for _ in range(6):
+            eng.backward(eng(torch.randn(2, 4)).square().mean())
+            eng.step()
+            seen.append(eng.get_lr()[0])
+        assert seen[:3] == pytest.approx([0.0, 0.0075, 0.015]) and seen[-1] == pytest.approx(0.03), seen
+        assert scheduler.max_lrs == [0.03]
+    finally:
+        eng.destroy()

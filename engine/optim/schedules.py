@@ -70,9 +70,15 @@ def warmup_gamma(iteration: int, warmup_num_steps: int, warmup_type: str) -> flo
 
 def _check_warmup(warmup_num_steps: Any, warmup_type: Any) -> tuple[int, str]:
     steps = check_positive_int(f"{_SECTION}.warmup_num_steps", warmup_num_steps)
-    # DeepSpeed silently falls back to "log" on an unknown type; a typo should not change the curve.
     if warmup_type not in WARMUP_TYPES:
-        raise ConfigError(f'{_SECTION}.warmup_type must be "log" or "linear", got {warmup_type!r}.')
+        # DeepSpeed takes an unknown type as "log" (with a warning), so a config it trains with trains
+        # the same here; said by name, since a typo ("Linear") changes the curve.
+        logger.warning(
+            '%s.warmup_type %r is neither "log" nor "linear": the warmup is "log", as in DeepSpeed',
+            _SECTION,
+            warmup_type,
+        )
+        warmup_type = "log"
     # DeepSpeed uses at least 2 warmup steps so that log(N) is never 0.
     return max(2, steps), warmup_type
 
@@ -116,13 +122,14 @@ class BatchSchedule:
 
 
 class WarmupLR(BatchSchedule):
-    """warmup_min_lr -> warmup_max_lr over warmup_num_steps (log or linear), then constant."""
+    """warmup_min_lr -> warmup_max_lr over warmup_num_steps (log or linear), then constant. Without
+    warmup_max_lr each group warms up to its own lr, the optimizer's (DeepSpeed's default)."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 1e-3,
+        warmup_max_lr: float | Sequence[float] | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -130,6 +137,8 @@ class WarmupLR(BatchSchedule):
         super().__init__(optimizer, last_batch_iteration)
         n = len(optimizer.param_groups)
         self.min_lrs = per_group("warmup_min_lr", warmup_min_lr, n)
+        if warmup_max_lr is None:  # read before this schedule writes warmup_min_lr into the groups
+            warmup_max_lr = [float(group["lr"]) for group in optimizer.param_groups]
         self.max_lrs = per_group("warmup_max_lr", warmup_max_lr, n)
         self.warmup_num_steps, self.warmup_type = _check_warmup(warmup_num_steps, warmup_type)
         self._apply()
