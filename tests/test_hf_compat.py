@@ -39,7 +39,10 @@ checks = {
                 for n in ("init_distributed", "is_initialized", "get_rank", "get_world_size", "barrier")),
     "zero": deepspeed.zero.Init is engine.zero.Init and deepspeed.zero.GatheredParameters is engine.zero.GatheredParameters,
     "partition_parameters": importlib.import_module("deepspeed.runtime.zero.partition_parameters") is engine.zero.partitioned_init,
-    "utils": deepspeed.utils.set_z3_leaf_modules is engine.zero.set_z3_leaf_modules
+    "utils": all(getattr(deepspeed.utils, n) is getattr(engine.zero, n)
+                 for n in ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+                           "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
+                           "set_z3_leaf_modules_by_suffix"))
         and deepspeed.utils.logger.name == "engine",
     "ops": importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam is classes.DeepSpeedCPUAdam
         and importlib.import_module("deepspeed.ops.adam").FusedAdam is classes.FusedAdam

@@ -10,12 +10,32 @@
   shard_reduce.py), the gradient-norm scope over tensor x data parallelism (norm_scope.py), bucket
   buffers and launch order (bucket_pool.py, ordered_launch.py), tensor-parallel state dicts
   (tp_state.py), what a stage holds for a checkpoint (records.py, clone.py), which stage owns a
-  parameter (owners.py), the checked moves of every state machine (state_moves.py), and the parameters built partitioned by `engine.zero.Init`
+  parameter (owners.py), stage-3 leaf modules (leaf_modules.py), the checked moves of every state machine (state_moves.py), and the parameters built partitioned by `engine.zero.Init`
   (partitioned_init.py, released.py) or gathered by `GatheredParameters` (gathered.py) at any stage.
 """
 
 from engine.zero.gathered import GatheredParameters
+from engine.zero.leaf_modules import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 from engine.zero.partitioned_init import Init
-from engine.zero.stage3.unit_plan import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
 
-__all__ = ["GatheredParameters", "Init", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+]

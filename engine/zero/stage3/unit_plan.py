@@ -8,7 +8,8 @@ parameter outside those blocks (embeddings, final norm, head) goes to one *root*
 gathered from the start of forward to the end of backward. A parameter shared by two blocks, or by
 a block and the rest, is moved to the root unit, so tied weights always live in one unit.
 The user can name the units instead, as DeepSpeed users do for MoE blocks: modules marked with
-`engine.zero.set_z3_leaf_modules(model, [Block])` (DeepSpeed's function and `_z3_leaf` flag), or
+`engine.zero.set_z3_leaf_modules(model, [Block])` (DeepSpeed's functions and `_z3_leaf` flag, in
+engine/zero/leaf_modules.py), or
 matched by the config's `zero_optimization.leaf_module` (`classes`, `names`, `name_suffixes`). Each
 such module (outermost, when they nest) is one unit with all its descendants; every other
 parameter goes to the root unit.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.zero.leaf_modules import z3_leaf_module
 from engine.zero.released import full_numel
 
 
@@ -37,36 +39,6 @@ class UnitPlan:
 
 LeafTest = Callable[[str, torch.nn.Module], bool]
 
-_LEAF = "_z3_leaf"
-"""DeepSpeed's flag on a module that is one stage-3 unit (set_z3_leaf_modules)."""
-
-
-def set_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list[torch.nn.Module]:
-    """Make every submodule of `model` of one of `classes` a stage-3 gather unit (DeepSpeed's
-    `deepspeed.utils.set_z3_leaf_modules`); returns the modules marked. Call before engine.initialize."""
-    classes = tuple(classes)
-    marked = [m for m in model.modules() if isinstance(m, classes)]
-    if not marked:
-        raise ValueError(
-            f"set_z3_leaf_modules: no submodule of {type(model).__name__} is an instance of "
-            f"{[c.__name__ for c in classes]}"
-        )
-    for m in marked:
-        setattr(m, _LEAF, True)
-    return marked
-
-
-def unset_z3_leaf_modules(model: torch.nn.Module, classes: Iterable[type]) -> list[torch.nn.Module]:
-    classes = tuple(classes)
-    unmarked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, _LEAF, False)]
-    for m in unmarked:
-        setattr(m, _LEAF, False)
-    return unmarked
-
-
-def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if getattr(m, _LEAF, False)]
-
 
 def leaf_test(leaf_module: Mapping[str, Iterable[str]] | None) -> LeafTest:
     """Whether a module is a user-named unit: marked by set_z3_leaf_modules or matched by the config's
@@ -78,7 +50,7 @@ def leaf_test(leaf_module: Mapping[str, Iterable[str]] | None) -> LeafTest:
     def test(name: str, module: torch.nn.Module) -> bool:
         cls = type(module)
         return (
-            getattr(module, _LEAF, False)
+            z3_leaf_module(module)
             or cls.__name__ in classes
             or f"{cls.__module__}.{cls.__qualname__}" in classes
             or name in names
@@ -89,9 +61,14 @@ def leaf_test(leaf_module: Mapping[str, Iterable[str]] | None) -> LeafTest:
     return test
 
 
+def user_leaves(model: torch.nn.Module, is_leaf: LeafTest) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost modules the user named as units (flagged, or matched by the config), with their names."""
+    return _outermost([(n, m) for n, m in model.named_modules() if m is not model and is_leaf(n, m)])
+
+
 def _blocks(model: torch.nn.Module, is_leaf: LeafTest) -> list[tuple[str, torch.nn.Module]]:
     """User-named units if any module is named, else the elements of repeated block lists."""
-    named = _outermost([(n, m) for n, m in model.named_modules() if m is not model and is_leaf(n, m)])
+    named = user_leaves(model, is_leaf)
     if named:
         return named
     found: list[tuple[str, torch.nn.Module]] = []

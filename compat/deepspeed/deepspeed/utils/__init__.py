@@ -4,14 +4,28 @@
 from deepspeed.utils import logging, zero_to_fp32
 from deepspeed.utils.logging import logger
 from engine.comm import is_initialized
-from engine.zero import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
+from engine.zero import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 __all__ = [
     "get_z3_leaf_modules",
     "is_initialized",
     "logger",
     "logging",
+    "set_z3_leaf_module",
     "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
     "zero_to_fp32",
 ]
