@@ -386,16 +386,17 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
 
     # ------------------------------------------------------------------------------ teardown
     def _require_alive(self) -> ZeroStage:
-        if self._window.destroyed or self._stage is None:
+        if self._window.destroyed:
             raise DestroyedEngineError()
+        assert self._stage is not None  # dropped only by destroy(), which moved the window to DESTROYED
         return self._stage
 
     def destroy(self) -> None:
         """Release hooks, gradient buffers, optimizer state, monitors and the process group this
         engine created. Idempotent."""
-        if self._window.destroyed or self._stage is None:
+        if self._window.destroyed:
             return
-        self._stage.destroy()  # stage 3 gathers every unit back into the module first (not from NVMe: see there)
+        self._require_alive().destroy()  # stage 3 gathers every unit back into the module first (not from NVMe: see there)
         self._window.destroy()
         self._stage = None  # the stage's memory goes with it
         if self.basic_optimizer is not None:

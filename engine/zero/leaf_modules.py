@@ -32,6 +32,12 @@ def z3_leaf_parameter(param: torch.nn.Parameter) -> bool:
     return hasattr(param, _IN_LEAF)
 
 
+def mark_leaf_parameters(leaf: torch.nn.Module) -> None:
+    """Mark every parameter of `leaf` as a leaf module's (stage 3 does, as DeepSpeed's does)."""
+    for p in leaf.parameters():
+        setattr(p, _IN_LEAF, leaf)
+
+
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` flagged as leaves, in `model.modules()` order."""
     return [m for m in model.modules() if z3_leaf_module(m)]

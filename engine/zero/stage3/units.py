@@ -26,6 +26,7 @@ from engine.config import run_checks
 from engine.ops.overflow import KnownSquares
 from engine.zero import partitioned_init, released, shard_reduce
 from engine.zero.layout import GroupLayout, build_layout
+from engine.zero.leaf_modules import mark_leaf_parameters
 from engine.zero.stage3.unit_plan import leaf_test, plan_units, user_leaves
 from engine.zero.state_moves import check_move
 
@@ -228,9 +229,8 @@ def build_units(
         run_checks.check_leaf_module(
             leaf_module, type(module).__name__, any(is_leaf(n, m) for n, m in module.named_modules() if m is not module)
         )
-    for _, leaf in user_leaves(module, is_leaf):  # DeepSpeed's mark, read by deepspeed.utils.z3_leaf_parameter
-        for p in leaf.parameters():
-            p.ds_z3_leaf_module = leaf  # type: ignore[attr-defined]
+    for _, leaf in user_leaves(module, is_leaf):  # read by deepspeed.utils.z3_leaf_parameter
+        mark_leaf_parameters(leaf)
     units: list[Unit] = []
     for plan in plan_units(module, is_leaf, merge_below=merge_below):
         keys: dict[tuple[int | None, torch.dtype], list[int]] = {}
