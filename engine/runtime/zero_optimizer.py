@@ -99,6 +99,14 @@ class ZeroOptimizer(torch.optim.Optimizer, DeepSpeedOptimizer):
             refuse_zero3_hook_internals()
         raise AttributeError("parameter_offload")
 
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 unless fp16), as DeepSpeed's ZeRO and fp16 optimizers give it; also
+        under their other name, `cur_scale` (Megatron-DeepSpeed and training scripts log it)."""
+        return self._owner().precision.loss_scale
+
+    cur_scale = loss_scale
+
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: the wrapped optimizer's attributes and hooks.
         optimizer = self.__dict__.get("optimizer")

@@ -10,7 +10,8 @@
   shard_reduce.py), the gradient-norm scope over tensor x data parallelism (norm_scope.py), bucket
   buffers and launch order (bucket_pool.py, ordered_launch.py), tensor-parallel state dicts
   (tp_state.py), what a stage holds for a checkpoint (records.py, clone.py), which stage owns a
-  parameter (owners.py), stage-3 leaf modules (leaf_modules.py), the checked moves of every state machine (state_moves.py), and the parameters built partitioned by `engine.zero.Init`
+  parameter (owners.py), stage-3 leaf modules (leaf_modules.py), DeepSpeed's tensor-fragment functions reading and writing a
+  parameter's fp32 value, gradient and optimizer state (tensor_fragment.py over fragments.py), the checked moves of every state machine (state_moves.py), and the parameters built partitioned by `engine.zero.Init`
   (partitioned_init.py, released.py) or gathered by `GatheredParameters` (gathered.py) at any stage.
 """
 
@@ -26,11 +27,39 @@ from engine.zero.leaf_modules import (
     z3_leaf_parameter,
 )
 from engine.zero.partitioned_init import Init
+from engine.zero.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
 
 __all__ = [
     "GatheredParameters",
     "Init",
     "get_z3_leaf_modules",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",

@@ -14,6 +14,7 @@ from engine.config.types import EngineConfig
 from engine.monitor.log import get_logger
 from engine.offload.nvme_setup import nvme_settings
 from engine.ops.flatten import copy_into
+from engine.zero.fragments import HeldGroup
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 
@@ -66,6 +67,29 @@ class FlatGroup:
     def bucket(self, buffer: torch.Tensor, b: int) -> torch.Tensor:
         start, end = self.layout.bucket_range(b)
         return buffer[start:end]
+
+    def write_whole(self, i: int, value: torch.Tensor) -> None:
+        """Parameter i takes a new whole value (every rank keeps whole parameters; in fp32 this is also the
+        master)."""
+        span = self.layout.params[i]
+        self.flat[span.offset : span.end].copy_(value.reshape(-1))
+
+    def grads_reduced(self) -> bool:
+        """A reduction of this window landed in the gradient rows (all buckets reduce together)."""
+        return any(self.grad_written)
+
+    def held(self) -> HeldGroup:
+        """The group as this rank holds it, for DeepSpeed's tensor-fragment functions (engine/zero/fragments.py)."""
+        return HeldGroup(
+            params=self.params,
+            names=self.names,
+            shapes=[tuple(p.shape) for p in self.params],
+            pieces=self.layout.rank_pieces(self.rank),
+            master=self.master,
+            grad=self.shard_grad,
+            grad_ready=self.grads_reduced,
+            write_whole=self.write_whole,
+        )
 
     def refresh_params(self) -> None:
         """Write the updated master shard into this rank's slices of the parameter buffer: every

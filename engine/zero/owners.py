@@ -18,6 +18,7 @@ from engine.unsupported import UnsupportedFeatureError
 from engine.zero.base import MasterOwner
 
 if TYPE_CHECKING:
+    from engine.zero.fragments import HeldState
     from engine.zero.released import ZeroParamStatus
 
 
@@ -39,6 +40,7 @@ class UnitHandle:
 
 _units = WeakIdKeyDictionary()  # stage-3 parameter -> UnitHandle
 _masters = WeakIdKeyDictionary()  # flat-stage parameter -> the stage holding its fp32 master
+_held = WeakIdKeyDictionary()  # trainable parameter of any stage -> its stage's HeldState (fragments.py)
 
 
 def set_unit(param: torch.Tensor, handle: UnitHandle | None) -> None:
@@ -82,3 +84,17 @@ def masters_of(param: torch.Tensor) -> MasterOwner | None:
     """The flat stage keeping an fp32 master of `param`, or None."""
     owner: MasterOwner | None = _masters.get(param)
     return owner
+
+
+def set_held(param: torch.Tensor, held: HeldState | None) -> None:
+    if held is None:
+        _held.pop(param, None)
+    else:
+        _held[param] = held
+
+
+def held_of(param: torch.Tensor) -> HeldState | None:
+    """The HeldState of the stage training `param` (its fp32 value, gradient and optimizer state), or None:
+    frozen, or not given to an engine."""
+    held: HeldState | None = _held.get(param)
+    return held

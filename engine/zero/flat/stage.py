@@ -37,7 +37,7 @@ from engine.monitor.log import get_logger
 from engine.offload.optimizer_swap import OptimizerSwap
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
-from engine.zero import owners, shard_reduce, shard_step
+from engine.zero import fragments, owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
 from engine.zero.flat import bucket_sizes
@@ -110,9 +110,7 @@ class FlatStage:
         self._bucket = {(bk.group.index, bk.b): bk for bk in self.buckets}
         self._launcher = LaunchInOrder(self.buckets, complete=lambda bk: bk.complete, launch=self._launch)
         self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
-        for g in self.groups:
-            for p in g.params:
-                owners.set_masters(p, self)  # GatheredParameters(modifier_rank=...) refreshes masters through it
+        self._register_owners()
         self.reduction = Reduction.IDLE
         """What the running backward does with its gradients (see Reduction)."""
         self._late: dict[int, torch.Tensor] = {}  # bucket order -> late gradient parts; see the Note
@@ -122,6 +120,25 @@ class FlatStage:
         self._grew = False
         self.launched_from_hooks = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
+
+    def _register_owners(self) -> None:
+        """The masters for GatheredParameters; the HeldState for the tensor-fragment API (zero/fragments.py)."""
+        fragments.HeldState(
+            self._held_groups(),
+            stage=self.stage,
+            optimizer=self.optimizer,
+            group=self._group,
+            replicated=not self.partitioned,
+            averaging=self._averaging,
+            precision=self.precision,
+            offload=self.offload,
+        ).register()
+        for g in self.groups:
+            for p in g.params:
+                owners.set_masters(p, self)
+
+    def _held_groups(self) -> list[fragments.HeldGroup]:
+        return [g.held() for g in self.groups]  # stage 0's: one per parameter, as its optimizer steps them
 
     # ------------------------------------------------------------------- subclass interface
     def _allocate_gradients(self) -> None:
@@ -228,8 +245,7 @@ class FlatStage:
             self._wait_reduction(bk)
 
     def _end_round(self) -> None:
-        """Every reduction of this round waited for; ready for the next round (the next backward, or the
-        next window)."""
+        """Every reduction of this round waited for; ready for the next backward, or the next window."""
         self._wait_reductions()
         for bk in self.buckets:
             bk.ready.clear()
@@ -422,6 +438,7 @@ class FlatStage:
                 p.grad = None
                 if owners.masters_of(p) is self:
                     owners.set_masters(p, None)
+                    owners.set_held(p, None)
             g.master.grad = None
         self.buckets.clear()
         self._bucket.clear()

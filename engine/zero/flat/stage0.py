@@ -11,12 +11,16 @@ parameter), in fp32, bf16 and fp16. bf16/fp16 parameters are written from the ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.config.types import EngineConfig
 from engine.zero.flat.boundary_reduced import BoundaryReducedStage
 from engine.zero.flat.bucket import Bucket
-from engine.zero.flat_groups import bind_optimizer_per_parameter
+from engine.zero.flat_groups import FlatGroup, bind_optimizer_per_parameter
+from engine.zero.fragments import HeldGroup
+from engine.zero.layout import Piece
 from engine.zero.records import NamedPiece, ShardRecord
 
 
@@ -42,6 +46,27 @@ class Stage0(BoundaryReducedStage):
     def _reduce_late(self) -> None:
         pass  # none accepted
 
+    def _held_groups(self) -> list[HeldGroup]:
+        """One group per parameter: its master view, which the optimizer steps, and its gradient view."""
+        held = []
+        for g, masters in zip(self.groups, self._masters):
+            grads = g.shard_grad.view(-1)
+            for i, (p, master) in enumerate(zip(g.params, masters)):
+                span = g.layout.params[i]
+                held.append(
+                    HeldGroup(
+                        params=[p],
+                        names=[g.names[i]],
+                        shapes=[tuple(p.shape)],
+                        pieces=[Piece(0, 0, 0, span.numel)],
+                        master=master,
+                        grad=grads[span.offset : span.end],
+                        grad_ready=g.grads_reduced,
+                        write_whole=_writer(g, i),
+                    )
+                )
+        return held
+
     def checkpoint_shards(self) -> list[ShardRecord]:
         """One record per parameter (the optimizer's state is per parameter); the first rank of each
         data-parallel group writes (rank 0 without tensor parallelism), as its members hold the same values."""
@@ -51,3 +76,12 @@ class Stage0(BoundaryReducedStage):
             for g, masters in zip(self.groups, self._masters)
             for master, name in zip(masters, g.names)
         ]
+
+
+def _writer(g: FlatGroup, i: int) -> Callable[[int, torch.Tensor], None]:
+    """HeldGroup.write_whole of a one-parameter group: parameter i of the flat group `g`."""
+
+    def write(_: int, value: torch.Tensor) -> None:
+        g.write_whole(i, value)
+
+    return write

@@ -32,7 +32,7 @@ from engine.offload.swap_dir import SwapDir
 from engine.ops.overflow import KnownSquares
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision
-from engine.zero import owners, released, shard_reduce
+from engine.zero import fragments, owners, released, shard_reduce
 from engine.zero.base import StepOutcome
 from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
@@ -87,11 +87,11 @@ class Stage3:
             allocate_grads=nvme is None,
         )
         swap_dir = self._map_gradients(nvme) if nvme is not None else None
-        self._register_owners()
         trainable = [g for u in self.units for g in u.trainable]
         self.master_step = self._bind_optimizer(config, trainable, nvme, swap_dir)
         self.offload = self.master_step.swap if self.master_step is not None else None
         """The NVMe swap of the optimizer state, masters and gradients (engine/offload/), or None."""
+        self._register_owners()
         self._norm_scope = NormScope.of(self.parallel, partitioned=True)
         self._norm_runs = [(g, counted_runs(g.layout, self._rank, g.params, self.parallel)) for g in trainable]
         """Each trainable group with the runs of its gradient shard this rank counts in the global norm."""
@@ -142,8 +142,7 @@ class Stage3:
         return nvme if optimizer is not None else None
 
     def _map_gradients(self, nvme: NvmeSettings) -> SwapDir:
-        """ZeRO-Infinity keeps the shard gradients on NVMe too (as DeepSpeed's swapper does): each a mapped
-        swap file in this rank's new swap folder, which is returned."""
+        """ZeRO-Infinity keeps shard gradients on NVMe too (as DeepSpeed does): mapped files in a new swap folder."""
         swap_dir = open_swap_dir(nvme)
         to_map = [t for u in self.units for t in u.trainable]
         sizes = [(t.layout.slice_numel, t.shard_grad.dtype) for t in to_map]
@@ -174,7 +173,7 @@ class Stage3:
         return gathers
 
     def _register_owners(self) -> None:
-        """Every parameter's unit handle, for engine.zero.GatheredParameters and the stage-3 linear."""
+        """Each parameter's unit handle (GatheredParameters, the stage-3 linear); its HeldState (zero/fragments.py)."""
         for unit in self.units:
             handle = owners.UnitHandle(
                 gather=partial(self.gather_for_user, unit),
@@ -186,6 +185,17 @@ class Stage3:
             for g in unit.groups:
                 for p in g.params:
                     owners.set_unit(p, handle)
+        if self.optimizer is not None:
+            fragments.HeldState(
+                [g.held(self._rank) for u in self.units for g in u.trainable],
+                stage=3,
+                optimizer=self.optimizer,
+                group=self._group,
+                replicated=False,
+                averaging=self._averaging,
+                precision=self.precision,
+                offload=self.offload,
+            ).register()
 
     def _bind_optimizer(
         self,
@@ -361,10 +371,9 @@ class Stage3:
                     target.copy_(mine)
 
     def consolidated_state_dict(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """The module's full state dict on rank 0 (empty elsewhere), in the parameters' dtype, gathered
-        one unit at a time, so no rank ever holds more than one unit beyond its shards (and rank 0 the
-        result). Copies go to `device` (None: where the parameters live); a parameter under several
-        names (tied weights) is one tensor under each, as in module.state_dict()."""
+        """The module's full state dict on rank 0 ({} elsewhere) in the parameters' dtype, one unit gathered at a
+        time (no rank holds more than one unit beyond its shards, and rank 0 the result), copied to `device`
+        (None: where they live); tied weights are one tensor under each name, as in module.state_dict()."""
         keys = self.module.state_dict(keep_vars=True)
         copies: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its copy
 
@@ -398,11 +407,10 @@ class Stage3:
         ]
 
     def destroy(self) -> None:
-        """Give the module back whole (every parameter gathered into its own storage), then drop
-        hooks, shards, masters and gradient buckets. With parameters on NVMe (ZeRO-Infinity, for models
-        that need not fit in memory) the module is not given back: whole, it would need the full model in
-        every rank's RAM (a 2.3B-parameter model: 9.3 GB a rank). Its parameters stay released (empty,
-        ds_shape kept); save a checkpoint, consolidated_state_dict() or save_16bit_model() before."""
+        """Give the module back whole (every parameter gathered into its own storage), then drop hooks, shards,
+        masters and gradient buckets. With parameters on NVMe (ZeRO-Infinity) it is not given back: whole, it
+        would need the full model in every rank's RAM (2.3B parameters: 9.3 GB a rank). They stay released
+        (empty, ds_shape kept); save a checkpoint, consolidated_state_dict() or save_16bit_model() before."""
         if self.offload is not None:
             self.offload.finish()  # a step still running behind the forward: its error, if any, is raised here
         give_back_whole = self.offload is None or not self.offload.settings.params
@@ -422,6 +430,7 @@ class Stage3:
             for g in unit.groups:
                 for p in g.params:
                     owners.set_unit(p, None)
+                    owners.set_held(p, None)
                     if give_back_whole:
                         p.data = p.data.clone()
                         released.give_back(p)

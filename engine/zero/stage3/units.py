@@ -25,6 +25,7 @@ import torch
 from engine.config import run_checks
 from engine.ops.overflow import KnownSquares
 from engine.zero import partitioned_init, released, shard_reduce
+from engine.zero.fragments import HeldGroup
 from engine.zero.layout import GroupLayout, build_layout
 from engine.zero.leaf_modules import mark_leaf_parameters
 from engine.zero.stage3.unit_plan import leaf_test, plan_units, user_leaves
@@ -169,6 +170,30 @@ class TrainableGroup(ShardedGroup):
     def stored(self) -> torch.Tensor:
         """The fp32 master: the shard itself for fp32 groups, whose gathers then cast nothing."""
         return self.master
+
+    def held(self, rank: int) -> HeldGroup:
+        """The group as `rank` holds it, for DeepSpeed's tensor-fragment functions (engine/zero/fragments.py)."""
+        return HeldGroup(
+            params=self.params,
+            names=self.names,
+            shapes=self.shapes,
+            pieces=self.layout.rank_pieces(rank),
+            master=self.master,
+            grad=self.shard_grad,
+            grad_ready=lambda: self.grad_written,
+            write_whole=self._write_whole,
+            grads_changed=self._forget_norm,
+        )
+
+    def _write_whole(self, i: int, value: torch.Tensor) -> None:
+        """A new whole value of parameter i reaches the gathered buffer, if the unit is gathered (the master's
+        runs are the persistent copy, written by the caller; a gather casts from them)."""
+        if self.full is not None:
+            span = self.layout.params[i]
+            self.full[span.offset : span.end].copy_(value.reshape(-1))
+
+    def _forget_norm(self) -> None:
+        self.norm_squares = None  # taken from values the user has since replaced
 
 
 @dataclass
