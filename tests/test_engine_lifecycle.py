@@ -12,6 +12,8 @@ import torch
 from models import make_model
 
 import engine
+from engine.config import ConfigWarning
+from engine.config.warn import reset_warned
 from engine.runtime.engine import DestroyedEngineError
 
 CONFIG = {
@@ -104,6 +106,38 @@ def test_config_from_args_and_add_config_arguments(tmp_path) -> None:
         eng.destroy()
     with pytest.raises(engine.ConfigError, match="given twice"):
         engine.initialize(args=args, model=make_model(), config=CONFIG)
+    assert not torch.distributed.is_initialized(), "a failed initialize must not leak the process group"
+
+
+def test_deprecated_deepscale_config_is_moved_onto_deepspeed_config(tmp_path) -> None:
+    """DeepSpeed's --deepscale / --deepscale_config: accepted with a warning, the path moved onto
+    args.deepspeed_config as deepspeed.initialize moves it; both paths given is refused naming both."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD"}}')
+    parser = engine.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepscale", "--deepscale_config", str(path)])
+    assert args.deepscale and args.deepspeed_config is None
+    reset_warned()
+    with pytest.warns(
+        ConfigWarning, match="--deepscale_config .* is deprecated, as in DeepSpeed; use --deepspeed_config"
+    ):
+        eng, _, _, _ = engine.initialize(args=args, model=make_model())
+    try:
+        assert eng.gradient_accumulation_steps() == 4  # the file's config: 8 rows of micro-batches of 2
+        assert (args.deepspeed_config, args.deepscale_config) == (str(path), None)
+    finally:
+        eng.destroy()
+    only_deepscale = argparse.Namespace(deepscale_config=str(path))  # no deepspeed_config attribute at all
+    eng, _, _, _ = engine.initialize(args=only_deepscale, model=make_model())
+    eng.destroy()
+    assert only_deepscale.deepspeed_config == str(path)
+
+    both = parser.parse_args(["--deepscale_config", str(path), "--deepspeed_config", "other.json"])
+    with pytest.raises(
+        engine.ConfigError,
+        match=r"both deepscale_config \('.*ds.json'\) and deepspeed_config \('other.json'\).*pass only --deepspeed_config",
+    ):
+        engine.initialize(args=both, model=make_model())
     assert not torch.distributed.is_initialized(), "a failed initialize must not leak the process group"
 
 

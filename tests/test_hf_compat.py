@@ -44,6 +44,10 @@ checks = {
                            "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
                            "set_z3_leaf_modules_by_suffix"))
         and deepspeed.utils.logger.name == "engine",
+    "zero_to_fp32": all(getattr(importlib.import_module("deepspeed.utils.zero_to_fp32"), n)
+                        is getattr(importlib.import_module("engine.checkpoint.zero_to_fp32"), n)
+                        for n in ("get_optim_files", "get_model_state_files", "get_model_state_file",
+                                  "get_checkpoint_files", "get_fp32_state_dict_from_zero_checkpoint")),
     "ops": importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam is classes.DeepSpeedCPUAdam
         and importlib.import_module("deepspeed.ops.adam").FusedAdam is classes.FusedAdam
         and importlib.import_module("deepspeed.ops.adagrad").DeepSpeedCPUAdagrad is classes.DeepSpeedCPUAdagrad

@@ -11,8 +11,12 @@ checkpoints, saved at 2 ranks at stages 2 and 3 from a model whose last layer is
   semantics);
 - load_state_dict_from_zero_checkpoint and convert_zero_checkpoint_to_fp32_state_dict (one file, and
   shards with an index, torch and safetensors) give the same tensors;
-- a DeepSpeed checkpoint directory consolidates to DeepSpeed's fp32 masters (get_optim_files names it as
-  DeepSpeed's); the returned optimizer is a DeepSpeedOptimizer.
+- a DeepSpeed checkpoint directory consolidates to DeepSpeed's fp32 masters; the returned optimizer is a
+  DeepSpeedOptimizer;
+- on DeepSpeed's own directories (tests/data/deepspeed_checkpoints, stages 0-3) get_optim_files,
+  get_model_state_files and get_model_state_file name DeepSpeed's files as DeepSpeed's do: a glob in natural
+  order (rank 2 before rank 10, checked on 12 ranks' names), FileNotFoundError where there are none (an
+  empty directory, stage 0's optimizer files).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import engine
 from engine.checkpoint import CheckpointError
 from engine.checkpoint.zero_to_fp32 import (
     convert_zero_checkpoint_to_fp32_state_dict,
+    get_checkpoint_files,
     get_fp32_state_dict_from_zero_checkpoint,
     get_model_state_file,
+    get_model_state_files,
     get_optim_files,
     load_state_dict_from_zero_checkpoint,
 )
@@ -187,5 +193,62 @@ def test_a_deepspeed_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "latest").write_text("global_step1")
     with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt cannot be read"):
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
-    with pytest.raises(CheckpointError, match="written by DeepSpeed"):  # its files are DeepSpeed's own
-        get_optim_files(str(tmp_path / "global_step1"))
+
+
+DEEPSPEED_FIXTURES = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("fixture", "optim", "model"),
+    [
+        ("stage1_fp32", ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"], 0),
+        (
+            "stage2_bf16",
+            ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+            0,
+        ),
+        ("stage3_fp32", ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"], 2),
+    ],
+)
+def test_the_files_of_a_deepspeed_checkpoint(fixture: str, optim: list[str], model: int) -> None:
+    """What DeepSpeed's zero_to_fp32 lists in these directories, and Lightning's path through them: the stage
+    from the first optimizer file, then that stage's model-state file."""
+    from engine.checkpoint.deepspeed_format.safe_load import load_deepspeed_file
+
+    tag_dir = DEEPSPEED_FIXTURES / fixture / "ckpt" / "global_step4"
+    models = (
+        ["mp_rank_00_model_states.pt"]
+        if model == 0
+        else ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    )
+    assert get_optim_files(str(tag_dir)) == [str(tag_dir / name) for name in optim]
+    assert get_model_state_files(str(tag_dir)) == [str(tag_dir / name) for name in models]
+    zero_stage = load_deepspeed_file(get_optim_files(str(tag_dir))[0])["optimizer_state_dict"]["zero_stage"]
+    assert zero_stage == int(fixture[5])
+    assert get_model_state_file(str(tag_dir), zero_stage) == str(tag_dir / models[0])
+    with pytest.raises(FileNotFoundError, match="can't find model states file at .*zero_pp_rank_0_mp_rank_00"):
+        get_model_state_file(str(DEEPSPEED_FIXTURES / "stage2_fp32" / "ckpt" / "global_step4"), 3)
+
+
+def test_deepspeed_files_in_natural_order_and_none_is_an_error(tmp_path: Path) -> None:
+    stage0 = DEEPSPEED_FIXTURES / "stage0_fp32" / "ckpt" / "global_step4"
+    with pytest.raises(FileNotFoundError, match=r"can't find \*_optim_states.pt files in directory"):
+        get_optim_files(str(stage0))  # stage 0 keeps the optimizer in the model-state file, as in DeepSpeed
+    assert get_model_state_file(str(stage0), 0) == str(stage0 / "mp_rank_00_model_states.pt")
+
+    ranks = 12
+    for rank in reversed(range(ranks)):
+        (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+        (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("not a rank file")
+    want = [str(tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt") for rank in range(ranks)]
+    assert get_optim_files(str(tmp_path)) == want  # 0, 1, 2, ..., 10, 11: not sorted as text (0, 1, 10, 11, 2)
+    assert get_model_state_files(str(tmp_path)) == [name.replace("optim", "model") for name in want]
+    assert get_checkpoint_files(str(tmp_path), "zero_pp_rank_1*_optim_states.pt") == [want[1], want[10], want[11]]
+
+    (tmp_path / "empty").mkdir()
+    for listing in (get_optim_files, get_model_state_files):
+        with pytest.raises(FileNotFoundError, match="in directory '.*empty'.*pass <save_dir>/<tag>"):
+            listing(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="doesn't exist"):
+        get_model_state_file(str(tmp_path / "missing"), 2)

@@ -1,6 +1,7 @@
 """DeepSpeed's `deepspeed.utils.zero_to_fp32` over this engine's checkpoints and DeepSpeed's own: the fp32
-state dict is consolidate.py's (which reads both), and the files of one of this engine's tag directories
-are the ones its manifest lists. safetensors output is streamed from the rank files
+state dict is consolidate.py's (which reads both); the files of one of this engine's tag directories
+are the ones its manifest lists, those of DeepSpeed's are listed as DeepSpeed lists them (a glob in
+natural order, get_checkpoint_files). safetensors output is streamed from the rank files
 (consolidate_stream.py), never the whole state dict in memory.
 
 Tools written for DeepSpeed also open those files themselves. Lightning's
@@ -8,12 +9,15 @@ convert_zero_checkpoint_to_fp32_state_dict (lightning/pytorch/utilities/deepspee
 `torch.load(get_optim_files(tag_dir)[0])["optimizer_state_dict"]["zero_stage"]`, then takes the top-level
 keys of `torch.load(get_model_state_file(tag_dir, zero_stage))` as its client state. So every optimizer
 file carries {"optimizer_state_dict": {"zero_stage": N}} and rank 0's model file holds the client state's
-keys at its top level as well (engine/checkpoint/store.py).
+keys at its top level as well (engine/checkpoint/store.py). On DeepSpeed's own directories both answer
+with DeepSpeed's files, which hold the same keys.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 from typing import Any
 
 import torch
@@ -21,10 +25,9 @@ import torch
 from engine.checkpoint.consolidate import consolidate
 from engine.checkpoint.consolidate_plan import open_checkpoint, tag_dir_of
 from engine.checkpoint.consolidate_stream import write_dir
-from engine.checkpoint.files import MANIFEST, CheckpointError, model_file, optim_file, read_manifest
+from engine.checkpoint.deepspeed_format.layout import model_states_name
+from engine.checkpoint.files import MANIFEST, model_file, optim_file, read_manifest
 from engine.monitor.log import get_logger
-
-_DEEPSPEED_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
@@ -45,24 +48,55 @@ def get_fp32_state_dict_from_zero_checkpoint(
     return state
 
 
+def get_checkpoint_files(checkpoint_dir: str, glob_pattern: str) -> list[str]:
+    """As DeepSpeed's: the files of checkpoint_dir matching glob_pattern, in natural order (rank 2 before
+    rank 10), FileNotFoundError when there are none. checkpoint_dir is matched as a literal path (DeepSpeed
+    reads a "[" in it as a glob character)."""
+    pattern = os.path.join(glob.escape(checkpoint_dir), glob_pattern)
+    files = sorted(glob.glob(pattern), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(
+            f"can't find {glob_pattern} files in directory '{checkpoint_dir}': it is not a checkpoint's tag "
+            "directory (or does not exist); pass <save_dir>/<tag>, e.g. the tag that <save_dir>/latest names"
+        )
+    return files
+
+
 def get_optim_files(checkpoint_dir: str) -> list[str]:
-    """Every rank's optimizer-state file of a tag directory, in rank order (DeepSpeed: its
-    *_optim_states.pt files in natural order)."""
-    manifest = _manifest(checkpoint_dir)
+    """Every rank's optimizer-state file of a tag directory: this engine's in rank order (from its
+    manifest), DeepSpeed's as DeepSpeed lists them (its *_optim_states.pt files in natural order;
+    FileNotFoundError when there are none, as at stage 0)."""
+    if not _is_engine_dir(checkpoint_dir):
+        return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+    manifest = read_manifest(checkpoint_dir)
     return [os.path.join(checkpoint_dir, optim_file(rank)) for rank in range(manifest["world_size"])]
 
 
 def get_model_state_files(checkpoint_dir: str) -> list[str]:
-    """Every rank's model-state file of a tag directory, in rank order."""
-    manifest = _manifest(checkpoint_dir)
+    """Every rank's model-state file of a tag directory: this engine's in rank order, DeepSpeed's as
+    DeepSpeed lists them (its *_model_states.pt files in natural order)."""
+    if not _is_engine_dir(checkpoint_dir):
+        return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
+    manifest = read_manifest(checkpoint_dir)
     return [os.path.join(checkpoint_dir, model_file(rank)) for rank in range(manifest["world_size"])]
 
 
 def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
     """The file holding the engine counters, LR scheduler and client state of a tag directory: rank 0's
-    model-state file at every stage (DeepSpeed names a different file at stage 3; zero_stage only chose
-    between its names)."""
-    return get_model_state_files(checkpoint_dir)[0]
+    model-state file at every stage for this engine's; for DeepSpeed's, the one DeepSpeed names
+    (mp_rank_00_model_states.pt at stages 0-2, zero_pp_rank_0_mp_rank_00_model_states.pt at stage 3),
+    FileNotFoundError when it is not there."""
+    if _is_engine_dir(checkpoint_dir):
+        return get_model_state_files(checkpoint_dir)[0]
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    path = os.path.join(checkpoint_dir, model_states_name(0 if zero_stage == 3 else None))
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"can't find model states file at '{path}' (zero_stage {zero_stage}); pass the stage the "
+            "checkpoint was saved at (its optimizer files' optimizer_state_dict.zero_stage)"
+        )
+    return path
 
 
 def load_state_dict_from_zero_checkpoint(
@@ -142,16 +176,12 @@ def _save(state: dict[str, torch.Tensor], path: str, safe_serialization: bool) -
         torch.save(state, path)
 
 
-def _manifest(tag_dir: str) -> dict[str, Any]:
-    """The tag directory's manifest; a DeepSpeed checkpoint (DeepSpeed's own files, no manifest) is named
-    as such instead of "not a complete checkpoint": its files are DeepSpeed's, not these."""
-    if not os.path.isfile(os.path.join(tag_dir, MANIFEST)) and any(
-        os.path.isfile(os.path.join(tag_dir, name)) for name in _DEEPSPEED_FILES
-    ):
-        raise CheckpointError(
-            f"{tag_dir} is a checkpoint written by DeepSpeed, not by this engine (it has DeepSpeed's "
-            f"model-state files and no {MANIFEST}); its files are DeepSpeed's own (list them there), and "
-            "get_fp32_state_dict_from_zero_checkpoint or python -m engine.checkpoint.consolidate "
-            "consolidate it"
-        )
-    return read_manifest(tag_dir)
+def _is_engine_dir(tag_dir: str) -> bool:
+    """A tag directory of this engine's (its manifest, or its rank-0 file when the manifest is lost, which
+    read_manifest then names); anything else is listed by DeepSpeed's rules."""
+    return any(os.path.isfile(os.path.join(tag_dir, name)) for name in (MANIFEST, model_file(0)))
+
+
+def _natural_key(text: str) -> list[int | str]:
+    """DeepSpeed's natural_keys: digit runs compare as numbers."""
+    return [int(c) if c.isdigit() else c for c in re.split(r"(\d+)", text)]

@@ -47,12 +47,14 @@ shard, so they stay refused at stages 1-3."""
 
 
 def config_source(args: Any, config: Any, config_params: Any) -> Any:
-    """The one config initialize() was given: config=, config_params=, or args.deepspeed_config/args.config."""
+    """The one config initialize() was given: config=, config_params=, or args.deepspeed_config/args.config
+    (DeepSpeed's deprecated args.deepscale_config moved onto args.deepspeed_config first)."""
     if config is not None and config_params is not None:
         raise ConfigError("initialize() got both config= and config_params=; pass the config once")
     config = config if config is not None else config_params
     from_args = None
     if args is not None:
+        _move_deepscale_config(args)
         from_args = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
     if config is not None and from_args is not None:
         raise ConfigError(
@@ -64,6 +66,27 @@ def config_source(args: Any, config: Any, config_params: Any) -> Any:
             "no config: pass initialize(config='x.json' or a dict), or args with --deepspeed_config x.json"
         )
     return source
+
+
+def _move_deepscale_config(args: Any) -> None:
+    """DeepSpeed's deprecated --deepscale_config, as deepspeed.initialize reads it: with a warning, moved onto
+    args.deepspeed_config (args.deepscale_config set to None); refused when args has both."""
+    deepscale = getattr(args, "deepscale_config", None)
+    if deepscale is None:
+        return
+    current = getattr(args, "deepspeed_config", None)
+    if current is not None:
+        raise ConfigError(
+            f"args has both deepscale_config ({deepscale!r}) and deepspeed_config ({current!r}): "
+            "--deepscale_config is the deprecated name of --deepspeed_config; pass only --deepspeed_config"
+        )
+    warn_once(
+        "args.deepscale_config",
+        "--deepscale_config (args.deepscale_config) is deprecated, as in DeepSpeed; use --deepspeed_config",
+        rank_zero_only=True,
+    )
+    args.deepspeed_config = deepscale
+    args.deepscale_config = None
 
 
 def check_stage(cfg: EngineConfig, implemented: Collection[int]) -> None:

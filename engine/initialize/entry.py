@@ -63,8 +63,8 @@ def _build_stage(
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's --deepspeed and --deepspeed_config flags (no --local_rank: ranks read the
-    environment, see zrun)."""
+    """Add DeepSpeed's --deepspeed and --deepspeed_config flags, and their deprecated spellings --deepscale
+    and --deepscale_config (no --local_rank: ranks read the environment, see zrun)."""
     group = parser.add_argument_group("engine", "ZeRO engine configuration")
     group.add_argument(
         "--deepspeed",
@@ -73,6 +73,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="enable the engine (accepted for DeepSpeed compatibility)",
     )
     group.add_argument("--deepspeed_config", default=None, type=str, help="path to the JSON config")
+    group.add_argument(
+        "--deepscale",
+        default=False,
+        action="store_true",
+        help="deprecated spelling of --deepspeed (accepted for DeepSpeed compatibility)",
+    )
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated spelling of --deepspeed_config")
     return parser
 
 
@@ -203,7 +210,7 @@ def initialize(
     """Build an Engine for `model`; returns (engine, optimizer, dataloader, lr_scheduler).
 
     The config is a path, dict or base64 JSON in DeepSpeed's format (or args.deepspeed_config /
-    args.config). Rank 0's parameters and buffers are broadcast so every rank starts identical.
+    args.config; DeepSpeed's deprecated args.deepscale_config is moved onto args.deepspeed_config). Rank 0's parameters and buffers are broadcast so every rank starts identical.
     """
     if model is None:
         raise ValueError("initialize() needs model=<torch.nn.Module>")
