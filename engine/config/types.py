@@ -99,6 +99,9 @@ class ZeroConfig:
     allgather_bucket_size: int | None = None
     """Elements of stages 1-2's parameter all-gathers in flight after a step; None (absent): sized from
     the measured link at start, as reduce_bucket_size is (engine/zero/flat/bucket_sizes.py)."""
+    ignore_unused_parameters: bool = True
+    """DeepSpeed's default. False, at stages 1-2 (where DeepSpeed reads it): a step where a trainable parameter
+    got no gradient on some rank is refused, naming it (engine/zero/flat/unused.py)."""
     overlap_comm: bool = False
     """None in the JSON resolves to True for stage 3 and False otherwise, as DeepSpeed does."""
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)

@@ -42,6 +42,7 @@ from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
 from engine.zero.flat import bucket_sizes
 from engine.zero.flat.bucket import REDUCTION_MOVES, Bucket, Reduction
+from engine.zero.flat.unused import UnusedCheck
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
 from engine.zero.master_step import MasterStep
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
@@ -120,6 +121,8 @@ class FlatStage:
         self._grew = False
         self.launched_from_hooks = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
+        named = [(name, p) for g in self.groups for name, p in zip(g.names, g.params)]
+        self._unused = UnusedCheck(named, self._group, enabled=self.partitioned and not zero.ignore_unused_parameters)
 
     def _register_owners(self) -> None:
         """The masters for GatheredParameters; the HeldState for the tensor-fragment API (zero/fragments.py)."""
@@ -318,6 +321,7 @@ class FlatStage:
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         self._reduce_leftovers()
+        self._unused.check()
         stale = [g.shard_grad[b] for g in self.groups for b, written in enumerate(g.grad_written) if not written]
         outcome = shard_step.step_on_gradients(
             self.precision,
@@ -380,6 +384,7 @@ class FlatStage:
         self._end_round()
         self.reduction = Reduction.IDLE  # from any state: a backward that raised is abandoned with its gradients
         self._late.clear()
+        self._unused.clear()
         for g in self.groups:
             g.grad_written = [False] * g.layout.num_buckets
             for p in g.params:
@@ -400,20 +405,14 @@ class FlatStage:
         seen: set[int] = set()
 
         def nbytes(tensors: list[torch.Tensor]) -> int:
-            total = 0
-            for t in tensors:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-            return total
+            fresh = {
+                s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors) if s.data_ptr() not in seen
+            }
+            seen.update(fresh)
+            return sum(fresh.values())
 
-        state = [
-            v
-            for p in self._optimizer_params()
-            for v in self.optimizer.state.get(p, {}).values()
-            if torch.is_tensor(v) and v.dim() > 0
-        ]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.dim()]
         return {
             "params": nbytes([g.flat for g in self.groups]),
             "master": nbytes([g.master for g in self.groups]),
@@ -423,9 +422,6 @@ class FlatStage:
             **({"nvme": self.offload.disk_bytes()} if self.offload is not None else {}),
         }
 
-    def _optimizer_params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
     def destroy(self) -> None:
         if self.offload is not None:
             self.offload.finish()
@@ -433,6 +429,7 @@ class FlatStage:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._unused.remove()
         for g in self.groups:
             for p in g.params:
                 p.grad = None
