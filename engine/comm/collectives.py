@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from engine.comm import p2p, ring
-from engine.comm.groups import group_rank, group_size, subgroup
+from engine.comm.groups import group_rank, group_size, is_world, subgroup
 from engine.comm.lifecycle import get_backend, get_rank, get_world_size
 from engine.comm.state import STATE
 from engine.comm.transport import GroupTransport, TorchTransport
@@ -29,8 +29,8 @@ Work = dist.Work
 # torch 2.13 renamed the flat collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
 # -> reduce_scatter_single) and deprecates the old names; torch 2.4-2.12 have only the old ones. Found on a
 # GPU machine with torch 2.11, where stages 1-3 failed at their first collective.
-_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _count(op: str, tensor: torch.Tensor, factor: float, group: ProcessGroup | None = None) -> None:
@@ -52,34 +52,35 @@ def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp | ReduceOp.RedOpType = ...,
+    group: ProcessGroup | None = ...,
     *,
     async_op: Literal[True],
-    group: ProcessGroup | None = ...,
 ) -> Work: ...
 @overload
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp | ReduceOp.RedOpType = ...,
-    async_op: bool = ...,
     group: ProcessGroup | None = ...,
+    async_op: bool = ...,
 ) -> Work | None: ...
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
-    async_op: bool = False,
     group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
+    # torch's (and deepspeed.comm's) argument order: (tensor, op, group, async_op).
     # op: a member such as ReduceOp.MAX (a RedOpType in torch's stubs) or a ReduceOp instance.
     # A ring all-reduce sends 2(N-1)/N of the buffer per rank.
     _count("all_reduce", tensor, 2.0, group)
     return dist.all_reduce(tensor, op=op, async_op=async_op, group=group)
 
 
-class _Finish:
+class Finish:
     """Async handle of a collective plus a local step after it (a cast or an add), once."""
 
-    def __init__(self, work: Work | p2p.P2PWork | ring.RingWork, finish: Callable[[], object] | None = None) -> None:
-        self._work: Work | p2p.P2PWork | ring.RingWork | None = work  # None once waited on
+    def __init__(self, work: Handle, finish: Callable[[], object] | None = None) -> None:
+        self._work: Handle | None = work  # None once waited on
         self._finish = finish  # called once, after the collective; its result is unused
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -100,7 +101,7 @@ class _Done:
         return True
 
 
-Handle = Work | p2p.P2PWork | ring.RingWork | _Finish | _Done
+Handle = Work | p2p.P2PWork | ring.RingWork | Finish | _Done
 """What an async collective returns: wait() on it before touching its buffers."""
 
 
@@ -165,6 +166,12 @@ def wait(handle: Handle, what: str) -> None:
         ) from err
 
 
+def count_sent(op: str, nbytes: int, group: ProcessGroup | None = None) -> None:
+    """Count one call of `op` that put `nbytes` on the wire from this rank, for comm_stats() (under
+    "<group name>.<op>" on a subgroup): for the collectives of other modules (torch_style.py, sendrecv.py)."""
+    _sent(_op_name(op, group), nbytes)
+
+
 def _sent(op: str, nbytes: int) -> None:
     STATE.bytes_sent[op] = STATE.bytes_sent.get(op, 0) + int(nbytes)
     STATE.calls[op] = STATE.calls.get(op, 0) + 1
@@ -173,7 +180,7 @@ def _sent(op: str, nbytes: int) -> None:
 def _next_seq(group: ProcessGroup | None = None) -> int:
     # Every member of a group issues the same point-to-point collectives on it in the same order, so
     # one counter per group agrees among its members.
-    if group is None:
+    if group is None or is_world(group):
         STATE.p2p_seq += 1
         return STATE.p2p_seq
     STATE.group_seq[group] = STATE.group_seq.get(group, 0) + 1
@@ -181,11 +188,11 @@ def _next_seq(group: ProcessGroup | None = None) -> int:
 
 
 def _transport(group: ProcessGroup | None) -> TorchTransport | GroupTransport:
-    return TorchTransport() if group is None else subgroup(group).transport
+    return TorchTransport() if group is None or is_world(group) else subgroup(group).transport
 
 
 def _op_name(op: str, group: ProcessGroup | None) -> str:
-    return op if group is None else f"{subgroup(group).name}.{op}"
+    return op if group is None or is_world(group) else f"{subgroup(group).name}.{op}"
 
 
 def _check_sizes(op: str, whole: torch.Tensor, part: torch.Tensor, n: int) -> None:
@@ -255,7 +262,7 @@ def reduce_scatter(
         target = torch.empty_like(output) if accumulate else output  # the sum, added into output after
         call = p2p.Call(_transport(group), group_rank(group), n, _next_seq(group), key)
         started = schedule.reduce_scatter(call, target, input, wire)
-        work: Handle = _Finish(started, lambda: output.add_(target)) if accumulate else started
+        work: Handle = Finish(started, lambda: output.add_(target)) if accumulate else started
     else:
         # gloo emulates it with an all-reduce (2(N-1)/N of the buffer); NCCL runs a real one.
         factor = 2 if get_backend() == "gloo" and n > 1 else 1
@@ -276,10 +283,10 @@ def _native_reduce_scatter(
     # so output cannot alias what is sent).
     direct = not accumulate and output.dtype == wire
     target = output if direct else torch.empty(c, dtype=wire, device=input.device)
-    work = _REDUCE_SCATTER_FLAT(target, send, group=group, async_op=True)
+    work = REDUCE_SCATTER_FLAT(target, send, group=group, async_op=True)
     if direct:
-        return _Finish(work)
-    return _Finish(work, (lambda: output.add_(target)) if accumulate else (lambda: output.copy_(target)))
+        return Finish(work)
+    return Finish(work, (lambda: output.add_(target)) if accumulate else (lambda: output.copy_(target)))
 
 
 @overload
@@ -315,7 +322,7 @@ def all_gather(
         call = p2p.Call(_transport(group), group_rank(group), n, _next_seq(group), key)
         work: Handle = schedule.all_gather(call, output, input)
     else:
-        work = _Finish(_ALL_GATHER_FLAT(output, input, group=group, async_op=True))
+        work = Finish(ALL_GATHER_FLAT(output, input, group=group, async_op=True))
     if async_op:
         return work
     work.wait()
@@ -324,16 +331,16 @@ def all_gather(
 
 @overload
 def broadcast(
-    tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True], group: ProcessGroup | None = ...
+    tensor: torch.Tensor, src: int = ..., group: ProcessGroup | None = ..., *, async_op: Literal[True]
 ) -> Work: ...
 @overload
 def broadcast(
-    tensor: torch.Tensor, src: int = ..., async_op: bool = ..., group: ProcessGroup | None = ...
+    tensor: torch.Tensor, src: int = ..., group: ProcessGroup | None = ..., async_op: bool = ...
 ) -> Work | None: ...
 def broadcast(
-    tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: ProcessGroup | None = None
+    tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
-    """`src` is a global rank, also with a group."""
+    """`src` is a global rank, also with a group (torch's and deepspeed.comm's argument order)."""
     _count("broadcast", tensor, 1.0, group)
     return dist.broadcast(tensor, src=src, async_op=async_op, group=group)
 
@@ -345,8 +352,10 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def barrier() -> None:
-    dist.barrier()
+def barrier(
+    group: ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None
+) -> Work | None:
+    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
 def comm_stats() -> dict[str, dict[str, int]]:

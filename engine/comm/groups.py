@@ -22,11 +22,11 @@ class Subgroup:
     """Point-to-point calls addressed by position in the group (it holds the members' global ranks)."""
 
 
-def new_group(ranks: Sequence[int], name: str) -> ProcessGroup:
-    """A process group of the given global ranks, whose traffic comm_stats() counts under
-    "<name>.<op>". Every rank of the world must make every group, in the same order (torch's rule),
-    also the groups it is not in; it gets back a group it cannot use then."""
-    members = sorted(ranks)
+def new_group(ranks: Sequence[int] | None = None, name: str = "group") -> ProcessGroup:
+    """A process group of the given global ranks (None: every rank), whose traffic comm_stats() counts
+    under "<name>.<op>". Every rank of the world must make every group, in the same order (torch's
+    rule), also the groups it is not in; it gets back a group it cannot use then."""
+    members = sorted(range(get_world_size()) if ranks is None else ranks)
     group = dist.new_group(ranks=members)
     STATE.subgroups[group] = Subgroup(name, GroupTransport(members))
     return group
@@ -46,6 +46,28 @@ def subgroup(group: ProcessGroup) -> Subgroup:
     return STATE.subgroups[group]
 
 
+def get_world_group() -> ProcessGroup:
+    """The default group as a group object (collectives given it behave as given None)."""
+    world = dist.GroupMember.WORLD
+    if world is None:
+        raise RuntimeError("no default process group: call init_distributed() first")
+    return world
+
+
+def is_world(group: ProcessGroup | None) -> bool:
+    """None and the default group's object both mean every rank: one sequence of collectives, one
+    name in comm_stats()."""
+    return group is None or group is dist.GroupMember.WORLD
+
+
+def get_global_rank(group: ProcessGroup | None = None, group_rank: int = 0) -> int:
+    """The global rank of the member at position `group_rank` of `group` (None: the world)."""
+    ranks = group_ranks(group)
+    if not 0 <= group_rank < len(ranks):
+        raise ValueError(f"group rank {group_rank} is not in a group of {len(ranks)} ranks {ranks}")
+    return ranks[group_rank]
+
+
 def generation() -> int:
     """Changes whenever destroy_process_group() ends the default group (and with it every subgroup)."""
     return STATE.generation
@@ -53,14 +75,16 @@ def generation() -> int:
 
 def group_size(group: ProcessGroup | None) -> int:
     """Ranks in `group` (None: the world)."""
-    return get_world_size() if group is None else dist.get_world_size(group)
+    return get_world_size() if is_world(group) else dist.get_world_size(group)
 
 
 def group_rank(group: ProcessGroup | None) -> int:
     """This rank's position in `group` (None: its global rank)."""
-    return get_rank() if group is None else dist.get_rank(group)
+    return get_rank() if is_world(group) else dist.get_rank(group)
 
 
-def group_ranks(group: ProcessGroup | None) -> list[int]:
+def group_ranks(group: ProcessGroup | None = None) -> list[int]:
     """The global ranks of `group`, in group order."""
-    return list(range(get_world_size())) if group is None else list(subgroup(group).transport.ranks)
+    if group is None or is_world(group):
+        return list(range(get_world_size()))
+    return list(subgroup(group).transport.ranks)

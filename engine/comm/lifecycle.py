@@ -14,6 +14,7 @@ import os
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from engine.accelerator import get_accelerator
 from engine.comm import ring
@@ -168,11 +169,24 @@ def is_initialized() -> bool:
     return dist.is_initialized()
 
 
-def get_rank() -> int:
+def is_available() -> bool:
+    """Whether this torch was built with the distributed package."""
+    return dist.is_available()
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's global rank (0 before any group exists), or with `group` its position in that
+    group (-1 when it is not a member: torch's answer)."""
+    if group is not None:
+        return dist.get_rank(group)
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def get_world_size() -> int:
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Ranks in the default group (1 before any group exists), or in `group` (-1 when this process is
+    not a member)."""
+    if group is not None:
+        return dist.get_world_size(group)
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -180,8 +194,8 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def get_backend() -> str:
-    return dist.get_backend()
+def get_backend(group: ProcessGroup | None = None) -> str:
+    return dist.get_backend(group)
 
 
 def acquire_process_group(distributed_port: int | None = None, dist_init_required: bool | None = None) -> bool:
@@ -204,8 +218,15 @@ def release_process_group() -> None:
         destroy_process_group()
 
 
-def destroy_process_group() -> None:
-    """Tear down the default group, but only if init_distributed created it."""
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Tear down the default group, but only if init_distributed created it; or, given one, the
+    subgroup `group` (DeepSpeed's and torch's argument), forgetting what was kept about it."""
+    if group is not None and group is not dist.GroupMember.WORLD:
+        STATE.subgroups.pop(group, None)
+        STATE.group_seq.pop(group, None)
+        if isinstance(group, ProcessGroup):  # a rank outside the group holds torch's non-member mark
+            dist.destroy_process_group(group)
+        return
     if STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     STATE.link, STATE.p2p_seq = None, 0  # a new group is measured and counted afresh
