@@ -1,11 +1,10 @@
 """DeepSpeed entry points for features this engine does not implement, so a client that reaches for
-one (Hugging Face Trainer/Accelerate with a TP or sequence-parallel size above 1, or torch_compile)
+one (Hugging Face Trainer/Accelerate with a TP size above 1, or torch_compile)
 stops at once with an error naming the setting that asked for it and what to do instead, never an
 AttributeError or ImportError from inside a `deepspeed` alias package.
 
-The config keys themselves (`sequence_parallel_size`, NVMe offload) are refused by
-engine/config/support.py when the config is loaded; these are the code paths that run before a config
-reaches initialize. (`tensor_parallel.autotp_size` works with engine.initialize; only the Hugging Face
+Config keys are refused by engine/config/support.py when the config is loaded; these are the code
+paths that run before a config reaches initialize. (`tensor_parallel.autotp_size` works with engine.initialize; only the Hugging Face
 path to it is refused here.)
 """
 
@@ -30,31 +29,6 @@ def tp_model_init(model: Any = None, tp_size: int = 1, dtype: Any = None, config
         "HF TrainingArguments, drop tp_size) and train data-parallel with ZeRO stage 3, or call "
         "engine.initialize(...) with tensor_parallel.autotp_size in your own training loop"
     )
-
-
-def _refuse_sequence_parallel(*_: Any, **kwargs: Any) -> NoReturn:
-    size = kwargs.get("sequence_parallel_size")
-    raise UnsupportedFeatureError(
-        f"sequence parallelism (Ulysses/ALST{f', sequence_parallel_size = {size}' if size else ''}) is not "
-        "implemented by this engine; set sp_size to 1 in Accelerate's ParallelismConfig (or "
-        "TrainingArguments' parallelism_config) and train data-parallel"
-    )
-
-
-class UlyssesSPAttentionHF:
-    """`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`: refused when used."""
-
-    register_with_transformers = staticmethod(_refuse_sequence_parallel)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_sequence_parallel(*args, **kwargs)
-
-
-class UlyssesSPDataLoaderAdapter:
-    """`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter`: refused when used."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_sequence_parallel(*args, **kwargs)
 
 
 def refuse_compile(backend: Any = None, compile_kwargs: Any = None, **_: Any) -> NoReturn:

@@ -79,21 +79,6 @@ def test_installed_distribution_is_found_and_every_alias_is_the_engines(env: dic
     assert checks == {name: True for name in checks}, [name for name, ok in checks.items() if not ok]
 
 
-def test_sequence_parallel_entry_points_are_refused_by_name(env: dict[str, str]) -> None:
-    """What Accelerate calls first when ParallelismConfig(sp_backend="deepspeed", sp_size=2) is set."""
-    code = (
-        "from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF\n"
-        "UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None, sequence_parallel_size=2,"
-        " seq_length=128, seq_length_is_variable=True, core_attn_implementation='sdpa', micro_batch_size=1)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode != 0
-    assert "UnsupportedFeatureError: sequence parallelism (Ulysses/ALST, sequence_parallel_size = 2)" in done.stderr
-    assert "set sp_size to 1" in done.stderr
-
-
 # -------------------------------------------------------------- Trainer options the engine refuses
 def _trainer_fails(env: dict[str, str], tmp_path: Path, world: int, config: Path, *args: str) -> str:
     cmd = [

@@ -147,8 +147,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine.offload", "engine.parallel", "engine.precision"),
     # activation checkpointing; what the ZeRO stages share (layout, flat groups, the master step, zero.Init)
     ("engine.activation_checkpointing", "engine.zero"),
-    # the stages
-    ("engine.zero.flat", "engine.zero.stage3"),
+    # the stages; sequence parallelism's layers (attention all-to-alls, the batch adapter, tiled compute,
+    # whose recompute replays the forward as activation checkpointing does)
+    ("engine.sequence", "engine.zero.flat", "engine.zero.stage3"),
     # sharded checkpoints of a stage's records; the memory estimator; the environment report
     ("engine.checkpoint", "engine.checkpoint.deepspeed_format", "engine.estimate", "engine.report"),
     # the Engine and its parts: the accumulation window, its save/load methods, its accessors, the

@@ -51,6 +51,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "collectives": "collectives",
     "aio": "aio",
     "tensor_parallel": "tensor_parallel",
+    "sequence_parallel_size": "sequence_parallel_size",
     "activation_checkpointing": "activation_checkpointing",
 }
 

@@ -8,6 +8,7 @@ Phases: read -> ignored top-level keys -> finite numbers -> schema -> aliases ->
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any
 
@@ -36,6 +37,7 @@ def load_config(
     world_size: int,
     world_size_source: str,
     model_parallel_size: int | None = None,
+    sequence_parallel_size: int | None = None,
     given_objects: frozenset[str] = frozenset(),
 ) -> EngineConfig:
     """Load `source` (a path, a dict, or base64 of a JSON object) for `world_size` ranks.
@@ -43,7 +45,9 @@ def load_config(
     `world_size_source` says where the world size came from (e.g. "WORLD_SIZE env (torchrun)"); batch-size
     errors quote it. The tensor-parallel size is `model_parallel_size` (from mpu= or groups made before)
     or else the config's tensor_parallel.autotp_size; the resolved train_batch_size counts data-parallel
-    ranks (the world over it), a written one is read as DeepSpeed reads it (engine/config/batch.py).
+    ranks (the world over it), a written one is read as DeepSpeed reads it (engine/config/batch.py). The
+    sequence-parallel size is `sequence_parallel_size` (groups made before) or the config's key: batch
+    sizes then count world // sp replicas, as Accelerate writes them.
     `given_objects` names the sections ("optimizer", "scheduler") engine.initialize got an object or
     callable for: as in DeepSpeed, that object takes precedence and the config's section is ignored
     unchecked (Megatron passes its own optimizer beside configs whose optimizer section DeepSpeed would
@@ -73,6 +77,10 @@ def load_config(
     problems += auto.problems
     tensor_parallel, tp_problems = _tensor_parallel(config, world_size, world_size_source, model_parallel_size)
     problems += tp_problems
+    sp, sp_problems = _sequence_parallel(config, world_size, sequence_parallel_size, tensor_parallel)
+    problems += sp_problems
+    if sp > 1:  # every batch key counts the replicas of a sample, as Accelerate writes them
+        world_size, world_size_source = world_size // sp, f"{world_size_source}, over sequence_parallel_size {sp}"
     problems += _autotp_spec_problems(config)
     sizes, notes, batch_problems = _batch_sizes(config, auto.batch_auto, world_size, world_size_source, tensor_parallel)
     problems += batch_problems
@@ -98,7 +106,36 @@ def load_config(
     if overridden:
         raw = {**raw, **{name: kept[name] for name in overridden}}  # engine.config shows the user's whole config
     dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
-    return build_engine_config(config, sizes, world_size=dp_size, raw=raw)
+    built = build_engine_config(config, sizes, world_size=dp_size, raw=raw)
+    return dataclasses.replace(built, sequence_parallel_size=sp)
+
+
+def _sequence_parallel(
+    config: dict[str, Any], world_size: int, known: int | None, tensor_parallel: TensorParallel | None
+) -> tuple[int, list[str]]:
+    """(the sequence-parallel size, problems): the groups made before initialize, else the config's key."""
+    key = config.get("sequence_parallel_size")
+    written = key if isinstance(key, int) and not isinstance(key, bool) else None
+    sp = known or written or 1
+    problems = []
+    if known and written and known != written:
+        problems.append(
+            f"sequence_parallel_size is {written} but the sequence-parallel groups made before initialize "
+            f"(UlyssesSPAttentionHF.register_with_transformers, or mpu=) have size {known}; make them equal or "
+            "remove the key"
+        )
+    if sp > 1 and tensor_parallel is not None:
+        problems.append(
+            f"sequence_parallel_size {sp} with tensor parallelism (size {tensor_parallel.size}, from "
+            f"{tensor_parallel.source}): the two together are not implemented; use one of them"
+        )
+    if sp > 1 and world_size % sp:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        problems.append(
+            f"sequence_parallel_size {sp} does not divide the world size {world_size}: each sample's tokens are "
+            f"split over sp consecutive ranks; use one of {divisors}"
+        )
+    return sp, problems
 
 
 def _set_aside_given_sections(raw: dict[str, Any], given_objects: frozenset[str]) -> tuple[dict[str, Any], list[str]]:

@@ -200,6 +200,15 @@ READ_ENTRIES: tuple[Entry, ...] = (
         PRESENT,
         "engine-specific, not a DeepSpeed key: seeds the shuffle of the engine's DistributedSampler (default 0)",
     ),
+    Entry(
+        "sequence_parallel_size",
+        S.IMPLEMENTED,
+        PRESENT,
+        "DeepSpeed-Ulysses sequence parallelism: the ranks that split each sample's tokens (consecutive ranks; "
+        "made at initialize unless UlyssesSPAttentionHF.register_with_transformers or mpu= made them, whose "
+        "size it must then equal); batch sizes count world / sequence_parallel_size replicas and ZeRO "
+        "partitions over every rank; with tensor parallelism refused",
+    ),
     # --- other spellings ---------------------------------------------------------------------------
     Entry("bfloat16", S.ALIAS, PRESENT, "old name of bf16; read as bf16"),
     Entry(

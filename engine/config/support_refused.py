@@ -308,13 +308,6 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "remove it to silence this",
     ),
     Entry(
-        "sequence_parallel_size",
-        S.REFUSED,
-        above(1),
-        "sequence parallelism is not implemented; it also changes the data-parallel world size",
-        "set sequence_parallel_size to 1 or remove it",
-    ),
-    Entry(
         "pipeline",
         S.REFUSED,
         NON_EMPTY,

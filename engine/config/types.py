@@ -270,6 +270,10 @@ class EngineConfig:
     seed: int | None = None
     """Not a DeepSpeed key: seeds the engine DataLoader's DistributedSampler shuffle (None: 0)."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    sequence_parallel_size: int = 1
+    """Ranks that split each sample's tokens (DeepSpeed-Ulysses; engine/parallel/sequence_groups.py): the
+    config's key, or the groups UlyssesSPAttentionHF.register_with_transformers (or mpu=) made. Batch sizes
+    count world_size = ranks // sequence_parallel_size replicas; ZeRO partitions over every rank."""
     aio: Mapping[str, Any] = field(default_factory=_frozen_mapping)
     """DeepSpeed's `aio` section as written: the NVMe swap files' I/O settings (engine/ops/aio.py's
     AioConfig.from_section reads it)."""

@@ -129,12 +129,14 @@ def _local_setup(
     own work before the ranks first agree, with no collective in it, so that a rank that fails here
     still reaches rank_agreement.agree and the others hear of its error."""
     known_groups = parallel_setup.groups_before_config(mpu)
+    known_sp = parallel_setup.sequence_parallel_before_config(mpu)
     given = frozenset(name for name, obj in (("optimizer", optimizer), ("scheduler", lr_scheduler)) if obj is not None)
     cfg = load_config(
         source,
         world_size=comm.get_world_size(),
         world_size_source=comm.world_size_source(),
         model_parallel_size=known_groups.tp_size if known_groups else None,
+        sequence_parallel_size=known_sp,
         given_objects=given,
     )
     comm.set_collectives(cfg.collectives)

@@ -8,7 +8,10 @@ Three sources, in this order (DeepSpeed's, for the cases this engine has):
      engine.tp_model_init already did.
   3. Groups made earlier by engine.parallel.initialize_model_parallel(tp) with tp > 1 (a model built
      from engine.parallel's layers needs them): those, as if passed as mpu.
-Otherwise the whole world is the data-parallel group.
+Otherwise the whole world is the data-parallel group. Sequence parallelism (the config's
+sequence_parallel_size, or groups engine.parallel.initialize_sequence_parallel made, which DeepSpeed's
+sequence-only mpu from register_with_transformers stands for) keeps the whole world as ZeRO's group and
+adds the sequence-parallel group (engine/parallel/sequence_groups.py).
 
 ZeRO partitions over the data-parallel group, so batch arithmetic, the data each rank reads and the
 gradient averaging all use the data-parallel size (paper sections 2 and 8).
@@ -16,6 +19,7 @@ gradient averaging all use the data-parallel size (paper sections 2 and 8).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -24,13 +28,42 @@ from engine.config.errors import ConfigError
 from engine.parallel.groups import ParallelGroups, initialize_model_parallel, model_parallel_is_initialized
 from engine.parallel.groups import groups as current_groups
 from engine.parallel.layers import is_tensor_parallel
+from engine.parallel.sequence_groups import initialize_sequence_parallel, sequence_groups
 from engine.parallel.user_mpu import groups_from_mpu
 from engine.zero import partitioned_init
 
 
+def _sequence_only(mpu: Any) -> bool:
+    """DeepSpeed's parallel_state_sp (what UlyssesSPAttentionHF.register_with_transformers returns): sequence
+    groups only, no Megatron data/model groups."""
+    return hasattr(mpu, "get_sequence_parallel_world_size") and not hasattr(mpu, "get_data_parallel_group")
+
+
+def sequence_parallel_before_config(mpu: Any) -> int | None:
+    """The sequence-parallel size of groups made before initialize (by mpu=, or
+    engine.parallel.initialize_sequence_parallel), or None (the config's sequence_parallel_size decides).
+    Only groups engine.parallel made are used: their traffic is counted and their layout is the engine's."""
+    made = sequence_groups()
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        size = int(mpu.get_sequence_parallel_world_size())
+        foreign = size > 1 and (
+            made is None
+            or made.size != size
+            or (hasattr(mpu, "get_sequence_parallel_group") and mpu.get_sequence_parallel_group() is not made.group)
+        )
+        if foreign:
+            raise ConfigError(
+                f"mpu= has sequence-parallel groups (size {size}) that engine.parallel did not make; make them "
+                "with engine.parallel.initialize_sequence_parallel(size) (or UlyssesSPAttentionHF."
+                "register_with_transformers, which does), or set sequence_parallel_size in the config"
+            )
+        return size if size > 1 else None
+    return made.size if made is not None and made.size > 1 else None
+
+
 def groups_before_config(mpu: Any) -> ParallelGroups | None:
     """The groups known before the config is read (sources 1 and 3), or None (the config decides)."""
-    if mpu is not None:
+    if mpu is not None and not _sequence_only(mpu):
         return groups_from_mpu(mpu)
     if model_parallel_is_initialized() and current_groups().tp_size > 1:
         return current_groups()
@@ -44,6 +77,10 @@ def resolve_groups(
     with AutoTP applied to `model` when the config asks for it (by its layer specs when `config`, the
     EngineConfig, has tensor_parallel.partition_config or preset_model)."""
     groups = _resolve(known, autotp_size, model, config)
+    sp = getattr(config, "sequence_parallel_size", 1)
+    if sp > 1:  # load_config refused it with tensor parallelism: ZeRO's group is the whole world
+        made = initialize_sequence_parallel(sp)
+        groups = dataclasses.replace(groups, sp_size=sp, sp_group=made.group, sp_rank=made.rank)
     if groups.tp_size > 1:
         built_partitioned = next((n for n, p in model.named_parameters() if partitioned_init.is_partitioned(p)), None)
         if built_partitioned is not None:

@@ -43,6 +43,12 @@ class ParallelGroups:
     """Global ranks of this rank's data-parallel group, in group order."""
     generation: int
     """comm.generation() when made: the groups die with the default group."""
+    sp_size: int = 1
+    """Ranks that split each sample's tokens (engine/parallel/sequence_groups.py). ZeRO's data-parallel
+    group above spans them: it partitions and averages over every rank; a sample has dp_size // sp_size
+    replicas for batch arithmetic."""
+    sp_group: ProcessGroup | None = None
+    sp_rank: int = 0
 
     @classmethod
     def data_parallel_only(cls) -> ParallelGroups:

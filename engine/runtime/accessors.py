@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.comm import ProcessGroup
 from engine.config.types import EngineConfig
 from engine.parallel.groups import ParallelGroups
 
@@ -29,6 +30,19 @@ class AccessorsMixin:
     def dp_world_size(self) -> int:
         """DeepSpeedEngine's name: ranks in this rank's data-parallel group."""
         return self.parallel.dp_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """DeepSpeedEngine's name: ranks splitting each sample's tokens (1: no sequence parallelism)."""
+        return self.parallel.sp_size
+
+    @property
+    def seq_parallel_group(self) -> ProcessGroup | None:
+        """DeepSpeedEngine's name: this rank's sequence-parallel group (None without one)."""
+        return self.parallel.sp_group
+
+    def get_sequence_parallel_group(self) -> ProcessGroup | None:
+        return self.parallel.sp_group
 
     @property
     def mp_world_size(self) -> int:

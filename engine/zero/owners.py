@@ -98,3 +98,10 @@ def held_of(param: torch.Tensor) -> HeldState | None:
     frozen, or not given to an engine."""
     held: HeldState | None = _held.get(param)
     return held
+
+
+def grad_is_ready(param: torch.Tensor) -> bool:
+    """DeepSpeed's `param.ds_grad_is_ready`: False while code that backpropagates in pieces (ALST's tiled
+    compute, engine/sequence/tiled.py) has more pieces of this parameter's gradient to add. A stage then
+    leaves the gradient in `param.grad`, where autograd keeps adding, and takes it at the last piece."""
+    return bool(getattr(param, "ds_grad_is_ready", True))

@@ -19,6 +19,7 @@ import torch
 
 from engine.zero.flat.bucket import Bucket, Reduction
 from engine.zero.flat.stage import FlatStage
+from engine.zero.owners import grad_is_ready
 
 
 class BoundaryReducedStage(FlatStage):
@@ -40,7 +41,7 @@ class BoundaryReducedStage(FlatStage):
     def _on_grad(self, param: torch.Tensor) -> None:
         g, i = self._where[id(param)]
         grad = param.grad
-        if grad is None:
+        if grad is None or not grad_is_ready(param):  # more pieces to come (owners.grad_is_ready)
             return
         buckets = [self._bucket[(g.index, b)] for b in g.layout.buckets_of(i)]
         reducing = self.reduction is Reduction.REDUCING

@@ -18,6 +18,7 @@ import torch
 
 from engine.zero.flat.bucket import Bucket, Reduction
 from engine.zero.flat.stage import FlatStage
+from engine.zero.owners import grad_is_ready
 
 
 class Stage2(FlatStage):
@@ -40,7 +41,7 @@ class Stage2(FlatStage):
     def _on_grad(self, param: torch.Tensor) -> None:
         g, i = self._where[id(param)]
         grad = param.grad
-        if grad is None:
+        if grad is None or not grad_is_ready(param):  # more pieces to come (owners.grad_is_ready)
             return
         param.grad = None
         if self.reduction is not Reduction.REDUCING:

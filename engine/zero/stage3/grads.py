@@ -25,6 +25,7 @@ from engine.ops.overflow import KnownSquares, chunk_sum_squares
 from engine.precision import Precision
 from engine.zero import shard_reduce
 from engine.zero.ordered_launch import LaunchInOrder
+from engine.zero.owners import grad_is_ready
 from engine.zero.stage3.memory import Stage3Memory
 from engine.zero.stage3.units import GradState, TrainableGroup, Unit
 
@@ -96,7 +97,7 @@ class UnitGradients:
         """A parameter's gradient was accumulated: move it into its unit's bucket; reduce what is ready."""
         unit, g, i = self._owner[id(param)]
         grad = param.grad
-        if grad is None:
+        if grad is None or not grad_is_ready(param):  # more pieces to come (owners.grad_is_ready)
             return
         param.grad = None
         span = g.layout.params[i]
@@ -132,6 +133,7 @@ class UnitGradients:
             or self._precision.wire_dtype(dtype) != dtype
             or param.device.type != "cpu"  # the arena and the measured page faults are the CPU's
             or param._backward_hooks
+            or not grad_is_ready(param)  # accumulating in .grad over pieces (owners.grad_is_ready)
         ):
             return None
         span = g.layout.params[i]

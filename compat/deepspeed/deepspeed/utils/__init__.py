@@ -2,7 +2,7 @@
 (safe_get_full_fp32_param and the rest) and checkpoint consolidation
 (`deepspeed.utils.zero_to_fp32`, over the engine's own checkpoint files)."""
 
-from deepspeed.utils import logging, zero_to_fp32
+from deepspeed.utils import groups, logging, zero_to_fp32
 from deepspeed.utils.logging import logger
 from engine.comm import is_initialized
 from engine.zero import (
@@ -31,6 +31,7 @@ from engine.zero import (
 
 __all__ = [
     "get_z3_leaf_modules",
+    "groups",
     "is_initialized",
     "logger",
     "logging",

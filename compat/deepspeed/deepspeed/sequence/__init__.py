@@ -1,0 +1,5 @@
+"""`deepspeed.sequence` -> engine.sequence (`layer.DistributedAttention`)."""
+
+from deepspeed.sequence import layer
+
+__all__ = ["layer"]

@@ -1,0 +1,5 @@
+"""`deepspeed.sequence.layer` -> engine.sequence.attention (Megatron-DeepSpeed's DistributedAttention)."""
+
+from engine.sequence.attention import DistributedAttention
+
+__all__ = ["DistributedAttention"]

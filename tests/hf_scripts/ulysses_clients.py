@@ -1,0 +1,142 @@
+"""Sequence parallelism through the Hugging Face clients, as their users turn it on: Accelerate's
+`ParallelismConfig(sp_backend="deepspeed", sp_size=N)` given to the Trainer (`TrainingArguments(
+parallelism_config=...)`), to TRL's SFTTrainer (`SFTConfig(parallelism_config=...)`), or to an
+`Accelerator` in a loop of one's own. Without --sp (or --sp 1) and without --deepspeed, the same client
+trains plainly: the reference.
+
+    zrun --nproc_per_node 2 tests/hf_scripts/ulysses_clients.py --client trainer --sp 2 --deepspeed ds.json --out r.json
+
+Rank 0 writes the losses and gradient norms of every step to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MICRO, LENGTH, SAMPLES, STEPS, LR = 2, 16, 16, 4, 1e-3
+EPS = 1e-4  # Adam's eps: large enough that last-bit differences in tiny gradients stay last-bit (see the test)
+VOCAB = 96
+
+
+def model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class Samples(torch.utils.data.Dataset):
+    """Token sequences whose first quarter is a prompt without loss (labels -100), with position_ids."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + i)
+        ids = torch.randint(1, VOCAB, (LENGTH,), generator=g)
+        labels = ids.clone()
+        labels[: LENGTH // 4] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(LENGTH)}
+
+
+def parallelism(sp: int) -> dict[str, Any]:
+    if sp == 1:
+        return {}
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    config = ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_replicate_size=world // sp, sp_handler=handler)
+    return {"parallelism_config": config}
+
+
+def training_args(cls: Any, out: Path, deepspeed: str | None, sp: int, micro: int) -> Any:
+    return cls(
+        output_dir=str(out),
+        per_device_train_batch_size=micro,
+        max_steps=STEPS,
+        logging_steps=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        adam_epsilon=EPS,
+        max_grad_norm=1.0,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=7,
+        deepspeed=deepspeed,
+        **parallelism(sp),
+    )
+
+
+def run_trainer(a: argparse.Namespace) -> list[dict[str, Any]]:
+    from transformers import Trainer, TrainingArguments
+
+    args = training_args(TrainingArguments, a.out.parent / "trainer", a.deepspeed, a.sp, a.micro)
+    trainer = Trainer(model=model(), args=args, train_dataset=Samples())
+    trainer.train()
+    return trainer.state.log_history
+
+
+def run_sft(a: argparse.Namespace) -> list[dict[str, Any]]:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>")), pad_token="<pad>"
+    )
+    rows = [Samples()[i] for i in range(SAMPLES)]  # pre-tokenised: TRL trains on input_ids as they are
+    data = Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in rows])
+    cfg = training_args(SFTConfig, a.out.parent / "sft", a.deepspeed, a.sp, a.micro)
+    cfg.max_length = LENGTH
+    trainer = SFTTrainer(model=model(), args=cfg, train_dataset=data, processing_class=tok)
+    trainer.train()
+    return trainer.state.log_history
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--client", choices=["trainer", "sft"], required=True)
+    parser.add_argument("--sp", type=int, default=1)
+    parser.add_argument("--micro", type=int, default=MICRO)
+    parser.add_argument("--deepspeed", default=None)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--init_gloo", action="store_true", help="deepspeed.init_distributed('gloo') first (real DeepSpeed on CPU)"
+    )
+    a = parser.parse_args()
+    if a.init_gloo:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    history = {"trainer": run_trainer, "sft": run_sft}[a.client](a)
+    if int(os.environ.get("RANK", "0")) == 0:
+        steps = [h for h in history if "loss" in h]
+        a.out.write_text(json.dumps({"losses": [h["loss"] for h in steps], "norms": [h["grad_norm"] for h in steps]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Sequence parallelism (DeepSpeed-Ulysses) on real processes over gloo, against runs without it.
+
+A Llama built from its config (transformers, sdpa attention, 4 query and 2 key/value heads) is trained
+for 2 steps through the engine with sequence_parallel_size 2, each batch cut along the sequence by
+UlyssesSPDataLoaderAdapter and attention wrapped by UlyssesSPAttentionHF.register_with_transformers, with
+the loss Hugging Face computes under sequence parallelism (each rank's token mean, all-gathered and
+weighted by its labelled tokens). The reference is the same model and the same batches in one process
+with torch's AdamW: losses and gradient norms agree to 1e-5 relative (fp32; attention over the gathered
+sequence sums in another order than the single process's, about 1e-7 relative). At 4 ranks,
+sequence 2 x data 2 equals data-parallel 2 (the reference sees both replicas' batches in one step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+
+import engine
+from engine.parallel import sequence_groups
+
+MICRO, LENGTH, STEPS, LR = 2, 16, 2, 1e-3
+EPS = 1e-4
+"""Adam's first step moves a weight by about lr x g / (|g| + eps): at the default 1e-8 a gradient element near
+1e-8 (an embedding row barely used) turns a last-bit difference of summation order into a visible one."""
+
+
+def make_model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def batch(index: int, length: int = LENGTH) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + index)
+    ids = torch.randint(0, 96, (MICRO, length), generator=g)
+    labels = ids.clone()
+    labels[:, : length // 4] = -100  # a prompt without loss: ranks hold different numbers of labelled tokens
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(MICRO, length).clone(), "labels": labels}
+
+
+def reference(dp: int) -> dict[str, list[float]]:
+    """One process: step s trains replica r's batch (s * dp + r... laid out as the adapter hands them out)."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)  # DeepSpeed AdamW default
+    losses, norms = [], []
+    for step in range(STEPS):
+        parts = [batch(_batch_index(replica, step)) for replica in range(dp)]
+        loss = sum(model(**p).loss for p in parts) / dp  # each replica's token mean, averaged (as the engine does)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms}
+
+
+def _batch_index(replica: int, step: int, sp: int = 2) -> int:
+    """The adapter gives the group the batch of its rank `step` (the group's ranks each load their own)."""
+    return (replica * sp + step) * 10
+
+
+def sp_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor], group: Any) -> torch.Tensor:
+    """Hugging Face's loss under sequence parallelism (transformers' deepspeed_sp_compute_loss), with the
+    engine's differentiable gather (engine/sequence/loss.py says why not torch.distributed.nn's)."""
+    from engine.sequence.loss import sequence_parallel_loss
+
+    loss = model(**inputs, labels=inputs["shift_labels"]).loss
+    return sequence_parallel_loss(loss, (inputs["shift_labels"] != -100).sum(), group)
+
+
+def _train_ulysses(stages: list[int], sp: int) -> dict[int, dict[str, list[float]]]:
+    from engine.sequence.data import UlyssesSPDataLoaderAdapter
+    from engine.sequence.hf_attention import UlyssesSPAttentionHF
+
+    rank = torch.distributed.get_rank()
+    out = {}
+    for stage in stages:
+        model = make_model()
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model, core_attn_implementation="sdpa", sequence_parallel_size=sp, micro_batch_size=MICRO
+        )
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+        }
+        eng, *_ = engine.initialize(model=model, config=config, mpu=mpu)
+        replica, position = divmod(rank, sp)
+        mine = [batch(_batch_index(replica, position, sp))]  # this rank's loader: one batch of its own
+        loader = UlyssesSPDataLoaderAdapter(
+            mine,
+            sp_rank=mpu.get_sequence_parallel_rank(),
+            sp_group=mpu.get_sequence_parallel_group(),
+            sp_world_size=mpu.get_sequence_parallel_world_size(),
+        )
+        losses, norms = [], []
+        for inputs in loader:
+            loss = sp_loss(eng, inputs, mpu.get_sequence_parallel_group())
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss))
+            norms.append(eng.get_global_grad_norm())
+        out[stage] = {"losses": losses, "norms": norms, "train_batch_size": eng.train_batch_size()}
+        eng.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world, stages", [(2, [0, 1, 2, 3]), (4, [2, 3])])
+def test_ulysses_equals_training_without_it(world: int, stages: list[int]) -> None:
+    sp = 2
+    ref = reference(dp=world // sp)
+    results = run_distributed(_train_ulysses, world, args=(stages, sp), timeout=300)
+    for stage in stages:
+        for rank, got in enumerate(r[stage] for r in results):
+            where = f"world {world}, stage {stage}, rank {rank}"
+            assert got["train_batch_size"] == MICRO * world // sp, where
+            assert len(got["losses"]) == STEPS, where
+            torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-5, atol=0, msg=where)
+        # Each sequence-parallel group reports its replica's loss; the step's loss is their mean.
+        mean = [sum(r[stage]["losses"][s] for r in results) / world for s in range(STEPS)]
+        torch.testing.assert_close(mean, ref["losses"], rtol=1e-5, atol=0, msg=f"world {world}, stage {stage}")
+
+
+# ------------------------------------------------------------------------------------ the layers
+def _layers(sp: int) -> dict[str, Any]:
+    from engine.sequence.all_to_all import seq_all_to_all
+    from engine.sequence.attention import DistributedAttention
+
+    made = sequence_groups.initialize_sequence_parallel(sp)
+    rank = made.rank
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(8, 2, 4, 6, requires_grad=True) for _ in range(3))  # [s, b, h, d], whole
+    local = [t.detach()[rank * 4 : (rank + 1) * 4].clone().requires_grad_() for t in (q, k, v)]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [s, b, h, d]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True
+        )
+        return o.permute(2, 0, 1, 3)
+
+    out = DistributedAttention(attend, made.group)(*local, batch_dim_idx=1)
+    (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+    x = torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6) + 100 * rank  # [s/p, h, d]
+    swapped = seq_all_to_all(x, 1, 0, made.group)
+    return {"out": out.detach(), "grads": [t.grad for t in local], "swapped": swapped}
+
+
+def test_distributed_attention_equals_whole_attention() -> None:
+    sp = 2
+    results = run_distributed(_layers, sp, args=(sp,))
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(8, 2, 4, 6, requires_grad=True) for _ in range(3))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True
+    )
+    whole = whole.permute(2, 0, 1, 3)
+    (whole * torch.cat([torch.arange(whole.numel() // 2).view(4, 2, 4, 6)] * 2)).sum().backward()
+    for rank, got in enumerate(results):
+        mine = slice(rank * 4, (rank + 1) * 4)
+        torch.testing.assert_close(got["out"], whole.detach()[mine], rtol=1e-6, atol=1e-6)
+        for g, t in zip(got["grads"], (q, k, v)):
+            torch.testing.assert_close(g, t.grad[mine], rtol=1e-6, atol=1e-6)
+        # [s/p, h, d] -> [s, h/p, d]: rank r holds heads 2r, 2r+1 of both ranks' tokens
+        x = [torch.arange(48, dtype=torch.float32).view(2, 4, 6) + 100 * r for r in range(sp)]
+        assert torch.equal(got["swapped"], torch.cat([t[:, 2 * rank : 2 * rank + 2] for t in x], dim=0))
