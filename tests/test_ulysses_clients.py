@@ -1,5 +1,5 @@
 """Sequence parallelism through the real Hugging Face clients, turned on as their users do: Accelerate's
-ParallelismConfig(sp_backend="deepspeed", sp_size=2) in TrainingArguments (the Trainer prepares the model
+ParallelismConfig(sp_backend="deepspeed", sp_size=2) in an Accelerator of one's own loop, in TrainingArguments (the Trainer prepares the model
 through Accelerate's DeepSpeed path: UlyssesSPAttentionHF.register_with_transformers, mpu= to initialize,
 UlyssesSPDataLoaderAdapter on its loader, and transformers' deepspeed_sp_compute_loss), and TRL's
 SFTTrainer with the same. tests/hf_scripts/ulysses_clients.py under zrun at 2 ranks; the reference is the
@@ -42,7 +42,7 @@ def run(env: dict[str, str], out: Path, world: int, *args: str) -> dict[str, lis
 @pytest.fixture(scope="module")
 def plain(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, list[float]]]:
     out = tmp_path_factory.mktemp("plain")
-    return {client: run(env, out / client, 1, "--client", client) for client in ("trainer", "sft")}
+    return {client: run(env, out / client, 1, "--client", client) for client in ("trainer", "sft", "accelerate")}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -50,6 +50,27 @@ def test_trainer_with_sp2_equals_plain_trainer(env: dict[str, str], plain: dict,
     config = write_config(tmp_path / "ds.json", stage)
     got = run(env, tmp_path, 2, "--client", "trainer", "--sp", "2", "--deepspeed", str(config))
     want = plain["trainer"]
+    assert len(got["losses"]) == len(want["losses"]) == 4
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["norms"], want["norms"], rtol=1e-5, atol=0)
+
+
+def test_accelerate_loop_with_sp2_equals_plain_loop(env: dict[str, str], plain: dict, tmp_path: Path) -> None:
+    """Accelerator(parallelism_config=...) in a loop of one's own, at ZeRO-3: prepare registers the attention,
+    builds the engine with the groups and cuts the loader; the loss is engine.sequence.sequence_parallel_loss."""
+    config = tmp_path / "ds.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": 3},
+            }
+        )
+    )
+    got = run(env, tmp_path, 2, "--client", "accelerate", "--sp", "2", "--deepspeed", str(config))
+    want = plain["accelerate"]
     assert len(got["losses"]) == len(want["losses"]) == 4
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(got["norms"], want["norms"], rtol=1e-5, atol=0)

@@ -100,9 +100,9 @@ def run_trainer(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run_sft(a: argparse.Namespace) -> list[dict[str, Any]]:
     from datasets import Dataset
+    from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
-    from tokenizers import Tokenizer, models
 
     vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
     tok = PreTrainedTokenizerFast(
@@ -117,9 +117,45 @@ def run_sft(a: argparse.Namespace) -> list[dict[str, Any]]:
     return trainer.state.log_history
 
 
+def run_accelerate(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """A loop of one's own: Accelerator(parallelism_config=...) prepares the model (through
+    deepspeed.initialize, with the mpu register_with_transformers returns), the optimizer and the loader
+    (cut along the sequence); the loss is each rank's token mean weighted over the group."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    PartialState(cpu=True)  # gloo and the real world size (tests/hf_scripts/accelerate_loop.py says why)
+    plugin = DeepSpeedPlugin(hf_ds_config=json.loads(Path(a.deepspeed).read_text())) if a.deepspeed else None
+    accelerator = Accelerator(deepspeed_plugin=plugin, **parallelism(a.sp))
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    loader = torch.utils.data.DataLoader(Samples(), batch_size=a.micro)
+    net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    history = []
+    for step, batch in enumerate(loader):
+        if a.sp > 1:
+            from engine.parallel import get_sequence_parallel_group
+            from engine.sequence.loss import sequence_parallel_loss
+
+            labels = batch["shift_labels"]
+            ids, positions = batch["input_ids"], batch["position_ids"]
+            local = net(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels).loss
+            loss = sequence_parallel_loss(local, (labels != -100).sum(), get_sequence_parallel_group())
+        else:
+            loss = net(**batch).loss
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(net.parameters(), 1.0) if plugin is None else net.get_global_grad_norm()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append({"loss": float(loss), "grad_norm": float(norm)})
+        if step + 1 == STEPS:
+            break
+    return history
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--client", choices=["trainer", "sft"], required=True)
+    parser.add_argument("--client", choices=["trainer", "sft", "accelerate"], required=True)
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=MICRO)
     parser.add_argument("--deepspeed", default=None)
@@ -132,7 +168,7 @@ def main() -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    history = {"trainer": run_trainer, "sft": run_sft}[a.client](a)
+    history = {"trainer": run_trainer, "sft": run_sft, "accelerate": run_accelerate}[a.client](a)
     if int(os.environ.get("RANK", "0")) == 0:
         steps = [h for h in history if "loss" in h]
         a.out.write_text(json.dumps({"losses": [h["loss"] for h in steps], "norms": [h["grad_norm"] for h in steps]}))
