@@ -336,3 +336,39 @@ def test_a_checkpoint_taken_at_sp2_loads_without_sequence_parallelism(tmp_path: 
     assert saved.keys() == loaded.keys()
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), name
+
+
+def _mqa_logits() -> dict[str, float]:
+    """One key/value head (MQA) over 2 ranks: each rank gets a copy of it; the forward equals the unsplit one.
+    With disable_in_eval, an evaluation of the whole sequence afterwards uses the module's own grouping."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.sequence.hf_attention import UlyssesSPAttentionHF
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    whole = batch(3)
+    with torch.no_grad():
+        want = model(input_ids=whole["input_ids"], position_ids=whole["position_ids"]).logits
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, MICRO, disable_in_eval=True)
+    rank = torch.distributed.get_rank()
+    mine = slice(rank * LENGTH // 2, (rank + 1) * LENGTH // 2)
+    with torch.no_grad():
+        got = model(input_ids=whole["input_ids"][:, mine], position_ids=whole["position_ids"][:, mine]).logits
+        model.eval()
+        evaluated = model(input_ids=whole["input_ids"], position_ids=whole["position_ids"]).logits
+    return {"sp": float((got - want[:, mine]).abs().max()), "eval": float((evaluated - want).abs().max())}
+
+
+def test_mqa_heads_are_replicated_and_eval_runs_whole() -> None:
+    for found in run_distributed(_mqa_logits, 2):
+        assert found["sp"] < 1e-6 and found["eval"] < 1e-6, found

@@ -108,10 +108,17 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         group = self.process_group
         # [b, h, s/p, d] -> [b, h/p, s, d]
         q, k, v = (seq_all_to_all(t, 1, 2, group) for t in (query, key, value))
-        if hasattr(module, "num_key_value_groups"):  # the local heads' grouping (MQA/GQA after replication)
-            module.num_key_value_groups = q.shape[1] // k.shape[1]  # type: ignore[assignment]
         mask = self._mask_for_whole_sequence(attention_mask, q)
-        context, weights = self.attn(module, q, k, v, mask, *args, **kwargs)
+        # The local heads' grouping (after replication, MQA/GQA have other ratios), for this call only: an
+        # evaluation without sequence parallelism (disable_in_eval) must see the module's own.
+        groups = getattr(module, "num_key_value_groups", None)
+        if groups is not None:
+            module.num_key_value_groups = q.shape[1] // k.shape[1]  # type: ignore[assignment]
+        try:
+            context, weights = self.attn(module, q, k, v, mask, *args, **kwargs)
+        finally:
+            if groups is not None:
+                module.num_key_value_groups = groups
         # [b, s, h/p, d] -> [b, s/p, h, d]
         return seq_all_to_all(context, 1, 2, group), weights
 
