@@ -110,14 +110,15 @@ def assert_matches(got: Run, want: Run, rtol: float) -> None:
     torch.testing.assert_close(eval_loss(got.report), eval_loss(want.report), rtol=rtol, atol=0)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage, world", [(0, 2), (1, 2), (2, 2), (3, 2), (3, 1)])
 def test_trainer_at_each_stage_equals_plain_trainer(
     env: dict[str, str], initial: Path, reference: Run, tmp_path: Path, stage: int, world: int
 ) -> None:
-    """Trainer's own optimizer and schedule handed to initialize, at every stage, 1 and 2 ranks; the
-    model saved at the end (at stage 3 without stage3_gather_16bit_weights_on_model_save, Trainer
-    falls back to save_checkpoint in the output folder)."""
+    """Trainer's own optimizer and schedule handed to initialize, at every stage on 2 ranks, and at stage 3
+    (built partitioned under zero.Init) on 1; the model saved at the end (at stage 3 without
+    stage3_gather_16bit_weights_on_model_save, Trainer falls back to save_checkpoint in the output
+    folder). One rank at stages 0-2 partitions nothing: the 2-rank runs cover them (and keep the suite
+    inside its time)."""
     config = write_config(tmp_path / "ds.json", stage)
     got = trainer(env, tmp_path / "out", world, *batch(world), "--init_from", str(initial), "--deepspeed", str(config))
     assert_matches(got, reference, rtol=1e-4)
