@@ -133,7 +133,7 @@ class HeldState:
         located = [self._where[id(p)] for p in params]
         if kind == GRAD:
             self._check_grads(located)
-        numels = [_numel(g.shapes[i]) for g, i in located]
+        numels = [math.prod(g.shapes[i]) for g, i in located]
         device = located[0][0].master.device if located else torch.device("cpu")
         buffer = torch.zeros(sum(numels), dtype=torch.float32, device=device)
         with self._resident(kind):
@@ -235,9 +235,9 @@ class HeldState:
 
     @staticmethod
     def _whole(g: HeldGroup, i: int, value: torch.Tensor) -> torch.Tensor:
-        if value.numel() != _numel(g.shapes[i]):
+        if value.numel() != math.prod(g.shapes[i]):
             raise ValueError(
-                f"parameter {g.names[i]!r} has {_numel(g.shapes[i])} elements {tuple(g.shapes[i])}; the value "
+                f"parameter {g.names[i]!r} has {math.prod(g.shapes[i])} elements {tuple(g.shapes[i])}; the value "
                 f"given has {value.numel()} {tuple(value.shape)}: pass the whole (unpartitioned) value"
             )
         return value.detach().reshape(-1)
@@ -250,7 +250,3 @@ class HeldState:
             return
         with self._offload.resident():
             yield
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

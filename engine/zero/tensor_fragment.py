@@ -30,10 +30,6 @@ from engine.zero import owners
 from engine.zero.fragments import GRAD, PARAM, HeldState
 
 
-def _held(param: torch.Tensor) -> HeldState | None:
-    return owners.held_of(param)
-
-
 def _held_at_stage3(param: torch.Tensor, function: str) -> HeldState | None:
     """The HeldState of a stage-3 parameter; None for a frozen one; an error for any other parameter."""
     held = owners.held_of(param)
@@ -51,26 +47,26 @@ def _held_at_stage3(param: torch.Tensor, function: str) -> HeldState | None:
 # ------------------------------------------------------------------------------- full values
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """The whole fp32 master of `param` (a collective at stages 1-3); None if no engine trains it."""
-    held = _held(param)
+    held = owners.held_of(param)
     return held.full([param], PARAM)[0] if held is not None else None
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Give `param` a new whole fp32 value: its master and the parameter the forward reads. Every rank passes
     the same value."""
-    held = _held(param)
+    held = owners.held_of(param)
     if held is not None:
         held.set_full(param, value, PARAM)
 
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """The whole fp32 optimizer state `optim_state_key` of `param` (e.g. Adam's "exp_avg", "exp_avg_sq")."""
-    held = _held(param)
+    held = owners.held_of(param)
     return held.full([param], optim_state_key)[0] if held is not None else None
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
-    held = _held(param)
+    held = owners.held_of(param)
     if held is not None:
         held.set_full(param, value, optim_state_key)
 
@@ -78,7 +74,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The whole reduced gradient of `param` (fp32, averaged, unscaled), after engine.backward() and before
     engine.step(); `param.grad` for a parameter no engine trains."""
-    held = _held(param)
+    held = owners.held_of(param)
     if held is None:
         return param.grad
     return held.full([param], GRAD)[0]
@@ -86,7 +82,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     """Replace the gradient the next step uses (same units as safe_get_full_grad)."""
-    held = _held(param)
+    held = owners.held_of(param)
     if held is not None:
         held.set_full(param, value, GRAD)
     elif param.grad is not None:
@@ -100,7 +96,7 @@ def safe_update_full_grad_vectorized(
     trained parameters of one engine are read with a single collective."""
     by_state: dict[int, tuple[HeldState, list[torch.Tensor]]] = {}
     for p in param_list:
-        held = _held(p)
+        held = owners.held_of(p)
         if held is not None:
             by_state.setdefault(id(held), (held, []))[1].append(p)
         elif p.grad is not None:
