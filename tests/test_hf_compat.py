@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_clients import EXAMPLE, ROOT, client_env, free_port, write_config
+from hf_clients import ROOT, client_env, free_port, run_script, write_config
 
 import engine
 from engine.runtime.engine import NoOptimizerError
@@ -80,56 +80,51 @@ def test_installed_distribution_is_found_and_every_alias_is_the_engines(env: dic
 
 
 # -------------------------------------------------------------- Trainer options the engine refuses
-def _trainer_fails(env: dict[str, str], tmp_path: Path, world: int, config: Path, *args: str) -> str:
-    cmd = [
-        sys.executable,
-        str(EXAMPLE),
-        "--max_steps",
-        "2",
-        "--report_to",
-        "none",
-        "--save_strategy",
-        "no",
-        "--n_layer",
-        "1",
-        "--n_embd",
-        "32",
-        "--seq_len",
-        "16",
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--deepspeed",
-        str(config),
-        *args,
-    ]
-    if world > 1:
-        cmd[1:1] = ["-m", "launcher.zrun", "--nproc_per_node", str(world), "--master_port", str(free_port())]
-    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode != 0, done.stdout[-2000:]
-    assert "AttributeError" not in done.stderr, done.stderr[-4000:]
-    return done.stderr
+@pytest.fixture(scope="module")
+def refused(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Each refused Trainer option tried at 2 ranks, in turn in one launch (tests/hf_scripts/trainer_refusals.py):
+    what `trainer.train()` raised, as `TypeName: message`, by case."""
+    tmp = tmp_path_factory.mktemp("refused")
+    nvme = json.loads(write_config(tmp / "ds3.json", 3).read_text())
+    nvme["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp)}
+    (tmp / "nvme.json").write_text(json.dumps(nvme))
+    cases = {
+        "torch_compile": {"deepspeed": str(write_config(tmp / "ds2.json", 2)), "options": {"torch_compile": True}},
+        "tensor_parallel": {"deepspeed": str(write_config(tmp / "tp.json", 2, tensor_parallel={"autotp_size": 2}))},
+        "nvme": {"deepspeed": str(tmp / "nvme.json")},
+    }
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    report = tmp / "refused.json"
+    run_script(
+        ROOT / "tests" / "hf_scripts" / "trainer_refusals.py",
+        [str(tmp / "cases.json"), "--out", str(report)],
+        2,
+        env,
+        tmp,
+    )
+    return json.loads(report.read_text())
 
 
-def test_trainer_torch_compile_is_refused_naming_the_fix(env: dict[str, str], tmp_path: Path) -> None:
-    stderr = _trainer_fails(env, tmp_path, 1, write_config(tmp_path / "ds.json", 2), "--torch_compile", "true")
-    assert "UnsupportedFeatureError: engine.compile(backend='inductor') (torch_compile through DeepSpeed)" in stderr
-    assert "TrainingArguments(torch_compile=False)" in stderr
+def test_trainer_torch_compile_is_refused_naming_the_fix(refused: dict[str, str | None]) -> None:
+    error = refused["torch_compile"]
+    assert error and error.startswith(
+        "UnsupportedFeatureError: engine.compile(backend='inductor') (torch_compile through DeepSpeed)"
+    ), error
+    assert "TrainingArguments(torch_compile=False)" in error
 
 
-def test_trainer_tensor_parallel_is_refused_naming_the_key(env: dict[str, str], tmp_path: Path) -> None:
-    config = write_config(tmp_path / "ds.json", 2, tensor_parallel={"autotp_size": 2})
-    stderr = _trainer_fails(env, tmp_path, 2, config)
-    assert "UnsupportedFeatureError: tensor_parallel.autotp_size = 2 through Hugging Face Trainer" in stderr
-    assert "remove tensor_parallel from the DeepSpeed config" in stderr
+def test_trainer_tensor_parallel_is_refused_naming_the_key(refused: dict[str, str | None]) -> None:
+    error = refused["tensor_parallel"]
+    assert error and error.startswith(
+        "UnsupportedFeatureError: tensor_parallel.autotp_size = 2 through Hugging Face Trainer"
+    ), error
+    assert "remove tensor_parallel from the DeepSpeed config" in error
 
 
-def test_trainer_nvme_offload_is_refused_naming_the_key(env: dict[str, str], tmp_path: Path) -> None:
-    config = write_config(tmp_path / "ds.json", 3)
-    spec = json.loads(config.read_text())
-    spec["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
-    config.write_text(json.dumps(spec))
-    stderr = _trainer_fails(env, tmp_path, 1, config)
-    assert "ConfigError" in stderr and "zero_optimization.offload_param.device" in stderr and "nvme" in stderr
+def test_trainer_nvme_offload_is_refused_naming_the_key(refused: dict[str, str | None]) -> None:
+    error = refused["nvme"]
+    assert error and error.startswith("ConfigError"), error
+    assert "zero_optimization.offload_param.device" in error and "nvme" in error
 
 
 def test_trainer_evaluate_then_train_at_stage3_names_the_destroyed_engine(env: dict[str, str], tmp_path: Path) -> None:

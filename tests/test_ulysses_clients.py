@@ -32,7 +32,8 @@ def env(deepspeed_compat: Path) -> dict[str, str]:
     return client_env(deepspeed_compat)
 
 
-def run(env: dict[str, str], out: Path, world: int, *args: str) -> dict[str, list[float]]:
+def run(env: dict[str, str], out: Path, world: int, *args: str) -> dict[str, dict[str, list[float]]]:
+    """Each client's losses and gradient norms, by client name."""
     out.mkdir(parents=True, exist_ok=True)
     report = out / "report.json"
     run_script(SCRIPT, [*args, "--out", str(report)], world, env, out, timeout=300)
@@ -41,14 +42,14 @@ def run(env: dict[str, str], out: Path, world: int, *args: str) -> dict[str, lis
 
 @pytest.fixture(scope="module")
 def plain(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, list[float]]]:
-    out = tmp_path_factory.mktemp("plain")
-    return {client: run(env, out / client, 1, "--client", client) for client in ("trainer", "sft", "accelerate")}
+    """The three clients without sequence parallelism or DeepSpeed, in turn in one process."""
+    return run(env, tmp_path_factory.mktemp("plain"), 1, "--client", "accelerate,trainer,sft")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_sp2_equals_plain_trainer(env: dict[str, str], plain: dict, tmp_path: Path, stage: int) -> None:
     config = write_config(tmp_path / "ds.json", stage)
-    got = run(env, tmp_path, 2, "--client", "trainer", "--sp", "2", "--deepspeed", str(config))
+    got = run(env, tmp_path, 2, "--client", "trainer", "--sp", "2", "--deepspeed", str(config))["trainer"]
     want = plain["trainer"]
     assert len(got["losses"]) == len(want["losses"]) == 4
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=0)
@@ -69,7 +70,7 @@ def test_accelerate_loop_with_sp2_equals_plain_loop(env: dict[str, str], plain: 
             }
         )
     )
-    got = run(env, tmp_path, 2, "--client", "accelerate", "--sp", "2", "--deepspeed", str(config))
+    got = run(env, tmp_path, 2, "--client", "accelerate", "--sp", "2", "--deepspeed", str(config))["accelerate"]
     want = plain["accelerate"]
     assert len(got["losses"]) == len(want["losses"]) == 4
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=0)
@@ -78,7 +79,7 @@ def test_accelerate_loop_with_sp2_equals_plain_loop(env: dict[str, str], plain: 
 
 def test_trl_sft_with_sp2_trains_as_without(env: dict[str, str], plain: dict, tmp_path: Path) -> None:
     config = write_config(tmp_path / "ds.json", 3)
-    got = run(env, tmp_path, 2, "--client", "sft", "--sp", "2", "--deepspeed", str(config))
+    got = run(env, tmp_path, 2, "--client", "sft", "--sp", "2", "--deepspeed", str(config))["sft"]
     want = plain["sft"]
     assert len(got["losses"]) == len(want["losses"]) == 4
     # Before any update the two differ only by TRL's fused loss: the first loss to 1e-5, its gradient's norm

@@ -6,7 +6,8 @@ trains plainly: the reference.
 
     zrun --nproc_per_node 2 tests/hf_scripts/ulysses_clients.py --client trainer --sp 2 --deepspeed ds.json --out r.json
 
-Rank 0 writes the losses and gradient norms of every step to --out.
+Rank 0 writes each client's losses and gradient norms of every step to --out. Several clients in one
+process (`--client accelerate,trainer,sft`) train in turn, the reference runs sharing one start-up.
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ def run_accelerate(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--client", choices=["trainer", "sft", "accelerate"], required=True)
+    parser.add_argument(
+        "--client", required=True, help="trainer, sft or accelerate; several, comma-separated, run in turn (the references)"
+    )
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=MICRO)
     parser.add_argument("--deepspeed", default=None)
@@ -168,10 +171,13 @@ def main() -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    history = {"trainer": run_trainer, "sft": run_sft, "accelerate": run_accelerate}[a.client](a)
+    clients = {"trainer": run_trainer, "sft": run_sft, "accelerate": run_accelerate}
+    report = {}
+    for client in a.client.split(","):
+        steps = [h for h in clients[client](a) if "loss" in h]
+        report[client] = {"losses": [h["loss"] for h in steps], "norms": [h["grad_norm"] for h in steps]}
     if int(os.environ.get("RANK", "0")) == 0:
-        steps = [h for h in history if "loss" in h]
-        a.out.write_text(json.dumps({"losses": [h["loss"] for h in steps], "norms": [h["grad_norm"] for h in steps]}))
+        a.out.write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
