@@ -38,8 +38,11 @@ def free_port() -> int:
 # process here, paid by every rank of every test that builds an optimizer. engine: 0.27 s of CPU per
 # rank to import, 600-odd ranks in the suite (measured on 2 cores: 8 test files, 106 tests, 200 s ->
 # 123 s). Importing it starts no thread and reads no environment (the engine reads its variables when
-# called), so a rank forked with it loaded behaves as one that imports it.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "engine"]
+# called), so a rank forked with it loaded behaves as one that imports it. transformers' Llama (and with it
+# modeling_utils, which every transformers model imports): 1.2 s per rank for the ranks that build a Hugging
+# Face model (tests/test_sequence_parallel.py, test_hf_surfaces.py, test_config_real_configs.py: 38 s -> 24 s).
+# A missing module is skipped by the forkserver.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "engine", "transformers.models.llama.modeling_llama"]
 
 
 def _context() -> Any:
