@@ -157,7 +157,9 @@ def run_accelerate(a: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--client", required=True, help="trainer, sft or accelerate; several, comma-separated, run in turn (the references)"
+        "--client",
+        required=True,
+        help="trainer, sft or accelerate; several, comma-separated, run in turn (the references)",
     )
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=MICRO)
