@@ -20,7 +20,7 @@ from engine.optim import build_optimizer, build_scheduler
 from engine.parallel.groups import ParallelGroups
 from engine.precision import Precision, cpu_precision
 from engine.runtime.engine import Engine
-from engine.zero import owners, partitioned_init
+from engine.zero import owners, partitioned_init, unwritten
 from engine.zero.base import ZeroStage
 from engine.zero.flat import ForwardOnly, Stage0, Stage1, Stage2
 from engine.zero.stage3 import Stage3
@@ -154,6 +154,7 @@ def _place_model(
 ) -> Precision:
     """The model whole (below stage 3), on `device`, in the training dtype and with rank 0's initial
     state on every rank; returns the precision it was cast by."""
+    unwritten.check_written(model, partitioned_init.local_shard)  # before any stage reads a value built under Init
     if cfg.zero.stage != 3 and (gathered := partitioned_init.materialize(model)):
         logger.info(
             "stage %d: %d parameters built under engine.zero.Init were gathered whole again "

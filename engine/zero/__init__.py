@@ -12,7 +12,7 @@
   (tp_state.py), what a stage holds for a checkpoint (records.py, clone.py), which stage owns a
   parameter (owners.py), stage-3 leaf modules (leaf_modules.py), DeepSpeed's tensor-fragment functions reading and writing a
   parameter's fp32 value, gradient and optimizer state (tensor_fragment.py over fragments.py), the checked moves of every state machine (state_moves.py), and the parameters built partitioned by `engine.zero.Init`
-  (partitioned_init.py, released.py) or gathered by `GatheredParameters` (gathered.py) at any stage.
+  (partitioned_init.py, released.py; a parameter nothing wrote is refused, unwritten.py) or gathered by `GatheredParameters` (gathered.py) at any stage.
 """
 
 from engine.zero.gathered import GatheredParameters
@@ -42,10 +42,12 @@ from engine.zero.tensor_fragment import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+from engine.zero.unwritten import UnwrittenParameterError
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "UnwrittenParameterError",
     "get_z3_leaf_modules",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",

@@ -15,9 +15,12 @@ Initialisation equals the unpartitioned model's with the same seed: rank 0 build
 the same random stream it would have used without Init, and its values are the ones kept.
 `Module.apply(fn)` (the usual `self.apply(self._init_weights)` at the end of a model's `__init__`,
 run after the children are partitioned) is patched inside the context too: each module's own
-parameters are gathered whole for fn and partitioned again afterwards from rank 0's result. Other
-writes to a partitioned parameter after its module was built must go through
-`engine.zero.GatheredParameters(param, modifier_rank=0)`.
+parameters are gathered whole for fn and partitioned again afterwards from rank 0's result. So is
+transformers' `PreTrainedModel._initialize_weights`, which its `post_init` calls for every module by
+a walk of its own (transformers 5 does not use apply): a model built from its config under Init
+equals the one built without it, bitwise. Other writes to a partitioned parameter after its module
+was built must go through `engine.zero.GatheredParameters(param, modifier_rank=0)`; a parameter made
+with `torch.empty` that nothing wrote is refused by name at initialize (engine/zero/unwritten.py).
 
 `engine.initialize` at stage 3 re-lays these slices into its gather units (one all-gather per
 parameter, a unit at a time); at stages 0-2 it gathers the parameters whole again.
@@ -46,6 +49,7 @@ from engine.accelerator import get_accelerator  # also DeepSpeed's partition_par
 from engine.config import run_checks, zero_stage
 from engine.monitor.log import get_logger
 from engine.zero.released import ZeroParamStatus  # noqa: F401 - DeepSpeed's partition_parameters has it (TRL imports it)
+from engine.zero.unwritten import poisoning_empty
 
 logger = get_logger()
 
@@ -101,10 +105,11 @@ def zero_wrapper_for_fp_tensor_constructor(
 # so they are set there, through set_full_shape/full_shape: torch.nn.Parameter declares neither.
 # The shard (this rank's slice) is Init's own state. It stays an attribute of the Parameter rather than
 # an entry of a side table (as engine/zero/owners.py keeps a stage's) only because stage 3 deletes it by
-# name when it re-lays the parameter; every access here goes through _shard/drop_shard, so moving it to
+# name when it re-lays the parameter; every access here goes through local_shard/drop_shard, so moving it to
 # a WeakIdKeyDictionary is a change to those two once stage 3 calls drop_shard.
 DS_SHAPE, DS_NUMEL = "ds_shape", "ds_numel"
 _SHARD = "_zero_init_shard"
+_INITIALIZER = "_initialize_weights"  # transformers' PreTrainedModel method Init wraps (see Init._wrap_initializer)
 _BUILT_ON = "_zero_init_built_on"  # the device a parameter was built on, where apply's fn runs (see _partitioned_apply)
 
 
@@ -120,7 +125,7 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape) if shape is not None else tuple(param.shape)
 
 
-def _shard(param: torch.Tensor) -> torch.Tensor | None:
+def local_shard(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's slice of `param` (flat, padded to the world size), or None when not partitioned."""
     shard: torch.Tensor | None = getattr(param, _SHARD, None)
     return shard
@@ -132,7 +137,7 @@ def drop_shard(param: torch.Tensor) -> None:
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
-    return _shard(param) is not None
+    return local_shard(param) is not None
 
 
 def _slice_numel(numel: int, world: int) -> int:
@@ -200,7 +205,7 @@ def _collective_device() -> torch.device | None:
 
 def full_value(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The whole value of a partitioned parameter (an all-gather; every rank must call it)."""
-    shard = _shard(param)
+    shard = local_shard(param)
     if shard is None:
         raise ValueError("engine.zero.Init: full_value() of a parameter that is not partitioned")
     shape = full_shape(param)
@@ -262,6 +267,10 @@ class Init:
     _saved_init_subclass: ClassVar[classmethod[Any, ..., None] | None] = None
     """Module's own `__init_subclass__` (its __dict__ entry), None when it inherits object's."""
     _wrapped_constructors: ClassVar[bool] = False
+    _saved_empty: ClassVar[Callable[..., torch.Tensor] | None] = None
+    """torch.empty as it was when the outermost Init opened (see engine/zero/unwritten.py)."""
+    _saved_initializers: ClassVar[dict[type[torch.nn.Module], Callable[..., Any]]] = {}
+    """transformers' `_initialize_weights` of each class that defines it (see _wrap_initializer)."""
     _building: ClassVar[set[int]] = set()
     """ids of modules whose outermost __init__ is running."""
     _dtype: ClassVar[torch.dtype | None] = None
@@ -330,6 +339,7 @@ class Init:
     def _patch(cls) -> None:
         for sub in _all_module_classes():
             cls._wrap_init(sub)
+            cls._wrap_initializer(sub)
         module_cls = torch.nn.Module
         cls._saved_init_subclass = module_cls.__dict__.get("__init_subclass__")
 
@@ -342,6 +352,7 @@ class Init:
             else:
                 super(module_cls, sub).__init_subclass__(**kwargs)
             cls._wrap_init(sub)
+            cls._wrap_initializer(sub)
 
         # [Note: patching Module] Replacing Module's methods is this context's purpose, which the stubs
         # cannot express: mypy refuses any assignment to a method ([method-assign]), and it types the
@@ -363,12 +374,20 @@ class Init:
                     zero_wrapper_for_fp_tensor_constructor(constructor, target_fp_dtype=cls._dtype, target_device=None),
                 )
             cls._wrapped_constructors = True
+        cls._saved_empty = torch.empty
+        torch.empty = poisoning_empty(torch.empty)
 
     @classmethod
     def _unpatch(cls) -> None:
         for sub, init in cls._saved_inits.items():
             sub.__init__ = init  # type: ignore[method-assign]  # See [Note: patching Module]
         cls._saved_inits.clear()
+        for sub, initializer in cls._saved_initializers.items():
+            setattr(sub, _INITIALIZER, initializer)
+        cls._saved_initializers.clear()
+        if cls._saved_empty is not None:  # before the dtype wrappers below put the original back
+            torch.empty = cls._saved_empty
+            cls._saved_empty = None
         module_cls = torch.nn.Module
         if cls._saved_init_subclass is None:
             del module_cls.__init_subclass__
@@ -403,6 +422,39 @@ class Init:
                 partition(_own_params(self), cls._dtype)
 
         sub.__init__ = init  # type: ignore[method-assign]  # See [Note: patching Module]
+
+    @classmethod
+    def _wrap_initializer(cls, sub: type[torch.nn.Module]) -> None:
+        """transformers' models initialise their weights in `post_init`, at the end of the model's own
+        `__init__`, after every submodule was partitioned: `initialize_weights` walks the modules (its own
+        walk, not Module.apply) calling `self._initialize_weights(module, ...)`, which runs `_init_weights`.
+        The wrapper gathers that module's own parameters and its direct children's (`_init_weights` may write
+        `module.q_proj.weight`), whole on the device they were built on, for the call, and partitions them
+        again from rank 0's result: the values equal the model built without Init (as _partitioned_apply).
+        A module transformers already initialised (`_is_hf_initialized`) is skipped by the call itself, so
+        nothing is gathered for it."""
+        original = sub.__dict__.get(_INITIALIZER)
+        if original is None or sub in cls._saved_initializers or not callable(original):
+            return
+        cls._saved_initializers[sub] = original
+
+        @functools.wraps(original)
+        def initialize(self: torch.nn.Module, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if getattr(module, "_is_hf_initialized", False):
+                return original(self, module, *args, **kwargs)
+            around = [module, *module.children()]
+            params = [p for p in {id(p): p for m in around for p in _own_params(m)}.values() if is_partitioned(p)]
+            for p in params:
+                unpartition(p, getattr(p, _BUILT_ON, None))
+            try:
+                result = original(self, module, *args, **kwargs)
+            except BaseException:
+                partition(params, Init._dtype, src=None)  # no collective after a failure: this rank's values
+                raise
+            partition(params, Init._dtype)
+            return result
+
+        setattr(sub, _INITIALIZER, initialize)
 
     @staticmethod
     def _partitioned_apply(module: _M, fn: Callable[[torch.nn.Module], None]) -> _M:
