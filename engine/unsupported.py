@@ -38,21 +38,3 @@ def refuse_compile(backend: Any = None, compile_kwargs: Any = None, **_: Any) ->
         "engine; train without it: TrainingArguments(torch_compile=False), or Accelerate's dynamo_backend "
         "'no' (unset ACCELERATE_DYNAMO_BACKEND)"
     )
-
-
-def refuse_zero3_hook_internals() -> NoReturn:
-    """`optimizer.parameter_offload` at stage 3: DeepSpeed's DeepSpeedZeRoOffload, holding its stage-3 module
-    hooks. TRL's generation with ds3_gather_for_generation=True (trl.models.utils.unwrap_model_for_generation:
-    GRPO, RLOO, online distillation, LogCompletionsCallback) gathers every parameter, then removes those hooks
-    (forward_hooks, backward_hooks, param.ds_active_sub_modules, module.ds_external_parameters) and re-adds them
-    after generation (param_coordinator._invalidate_trace, _register_deepspeed_module). This engine's stage-3
-    hooks are its own (engine/zero/stage3/stage.py) and have no such handles. Generation through them works: each
-    forward gathers and releases each layer, as in training."""
-    raise UnsupportedFeatureError(
-        "TRL generation at ZeRO stage 3 with ds3_gather_for_generation=True (GRPO, RLOO, online distillation: "
-        "trl's unwrap_model_for_generation) removes and re-adds DeepSpeed's own stage-3 hooks through "
-        "optimizer.parameter_offload (forward_hooks, param_coordinator, _register_deepspeed_module), which this "
-        "engine's stage 3 does not have; set ds3_gather_for_generation=False in GRPOConfig/RLOOConfig (generation "
-        "then gathers each layer as it runs, as a training forward does: less memory, slower), or train at ZeRO "
-        "stage 2"
-    )

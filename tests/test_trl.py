@@ -1,9 +1,12 @@
-"""TRL's SFTTrainer, DPOTrainer and GRPOTrainer on the engine at ZeRO stages 2 and 3, driven as TRL's users
-drive DeepSpeed: tests/trl_scripts/trl_train.py with the real trl, transformers and accelerate, the engine
-found through the `deepspeed` distribution built from compat/deepspeed, 2 ranks under zrun over gloo.
+"""TRL's SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer and OnlineDPOTrainer on the engine at ZeRO stages 2
+and 3, driven as TRL's users drive DeepSpeed: tests/trl_scripts/trl_train.py with the real trl, transformers
+and accelerate, the engine found through the `deepspeed` distribution built from compat/deepspeed, 2 ranks
+under zrun over gloo.
 
 One launch per configuration runs every trainer in turn (SFT, DPO with a reference model and with
-precompute_ref_log_probs, GRPO with ds3_gather_for_generation=False): plain
+precompute_ref_log_probs, GRPO, RLOO and online DPO with TRL's defaults: at stage 3 ds3_gather_for_generation
+gathers every parameter for the whole generation and removes and re-adds the engine's stage-3 hooks through
+optimizer.parameter_offload; and at stage 3 GRPO with it off): plain
 DDP (no DeepSpeed), stage 2 and stage 3, from one tiny Llama (tied embeddings, a character tokenizer, both
 built in code and saved first; TRL loads the model by its folder, at stage 3 under zero.Init). Same global
 batch (4 per rank), same seed, fp32: the ranks' gradients are averaged in another order than DDP's, so the
@@ -28,7 +31,10 @@ from hf_clients import ROOT, client_env, run_script, write_config
 SCRIPT = ROOT / "tests" / "trl_scripts" / "trl_train.py"
 WORLD = 2
 LOSS_ATOL = 1e-5
-TRAINERS = "sft,dpo,dpo_precompute,grpo_nogather"
+TRAINERS = "sft,dpo,dpo_precompute,grpo,rloo,online_dpo"
+ONLINE = {"grpo": "reward", "rloo": "reward", "online_dpo": "objective/scores"}
+"""Trained with TRL's defaults: ds3_gather_for_generation=True (at stages 0-2 TRL gathers nothing either way);
+each with the key under which it logs the mean reward of its completions."""
 
 
 class Launch:
@@ -67,10 +73,10 @@ def plain(env: dict[str, str], model: Path, tmp_path_factory: pytest.TempPathFac
 
 
 def zero_launch(stage: int, env: dict[str, str], model: Path, tmp: Path) -> Launch:
-    """HF-style config ("auto" everywhere, Trainer's own AdamW and schedule). At stage 3, also GRPO with TRL's
-    default ds3_gather_for_generation=True, which the engine refuses (the last trainer of the launch)."""
+    """HF-style config ("auto" everywhere, Trainer's own AdamW and schedule). At stage 3, also GRPO with
+    ds3_gather_for_generation=False (each layer gathered as generation runs)."""
     config = write_config(tmp / "ds.json", stage)
-    trainers = TRAINERS + (",grpo" if stage == 3 else "")
+    trainers = TRAINERS + (",grpo_nogather" if stage == 3 else "")
     return launch(env, model, tmp / "out", trainers, config)
 
 
@@ -92,7 +98,7 @@ def assert_same_training(got: dict[str, Any], want: dict[str, Any], steps: int, 
 
 
 def check_stage(run: Launch, plain: Launch, stage: int) -> None:
-    sft, dpo, grpo = run.report["sft"], run.report["dpo"], run.report["grpo_nogather"]
+    sft, dpo = run.report["sft"], run.report["dpo"]
     assert_same_training(sft, plain.report["sft"], 4, f"SFT stage {stage}")
     assert_same_training(dpo, plain.report["dpo"], 4, f"DPO stage {stage}")
     if stage < 3:  # at stage 3 refused by name (test below)
@@ -102,9 +108,13 @@ def check_stage(run: Launch, plain: Launch, stage: int) -> None:
             4,
             f"DPO precompute_ref_log_probs stage {stage}",
         )
-    # GRPO: the same completions sampled (same rewards), the same gradients (its loss is 0 on-policy).
-    assert_same_training(grpo, plain.report["grpo_nogather"], 2, f"GRPO stage {stage}")
-    assert losses(grpo, "reward") == losses(plain.report["grpo_nogather"], "reward")
+    # GRPO, RLOO, online DPO: the same completions sampled (same rewards), the same gradients.
+    online = [(name, name) for name in ONLINE] + ([("grpo_nogather", "grpo")] if stage == 3 else [])
+    for name, want in online:
+        got, reward = run.report[name], ONLINE[want]
+        assert got["model"]["class"] == "Engine" and got["model"]["stage"] == stage, name
+        assert_same_training(got, plain.report[want], 2, f"{name} stage {stage}")
+        assert len(losses(got, reward)) == 2 and losses(got, reward) == losses(plain.report[want], reward), name
 
     assert sft["model"]["class"] == dpo["model"]["class"] == "Engine"
     assert sft["model"]["stage"] == dpo["model"]["stage"] == stage
@@ -149,12 +159,3 @@ def test_dpo_precompute_ref_log_probs_at_zero3_is_refused_by_name(stage3: Launch
     refused = stage3.report["dpo_precompute"]["refused"]
     assert "partitioned by another ZeRO stage 3 engine that is still alive" in refused
     assert "set precompute_ref_log_probs=False" in refused
-
-
-def test_grpo_generation_gathering_at_zero3_is_refused_by_name(stage3: Launch) -> None:
-    """TRL's default ds3_gather_for_generation=True removes and re-adds DeepSpeed's own stage-3 hooks around
-    generation (optimizer.parameter_offload, ...); the engine refuses it naming the setting and the fix
-    (which the stage-3 GRPO run above uses), not an AttributeError from inside TRL."""
-    refused = stage3.report["grpo"]["refused"]
-    assert "ds3_gather_for_generation=True" in refused and "GRPO" in refused
-    assert "set ds3_gather_for_generation=False" in refused

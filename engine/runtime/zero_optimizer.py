@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.unsupported import refuse_zero3_hook_internals
-
 if TYPE_CHECKING:
     from engine.runtime.engine import Engine
 
@@ -93,11 +91,12 @@ class ZeroOptimizer(torch.optim.Optimizer, DeepSpeedOptimizer):
     @property
     def parameter_offload(self) -> Any:
         """DeepSpeed's stage-3 optimizer keeps its module hooks here; TRL's generation removes and re-adds
-        them through it. At stage 3 refused by name (a non-AttributeError, so TRL's hasattr() probe raises
-        it); at stages 0-2 absent, as on DeepSpeed's stage 1-2 optimizers."""
-        if self._owner().zero_optimization_stage() == 3:
-            refuse_zero3_hook_internals()
-        raise AttributeError("parameter_offload")
+        them through it (engine/zero/stage3/parameter_offload.py). At stages 0-2 absent, as on DeepSpeed's
+        stage 1-2 optimizers."""
+        offload = getattr(self._owner()._require_alive(), "parameter_offload", None)
+        if offload is None:
+            raise AttributeError("parameter_offload")
+        return offload
 
     @property
     def loss_scale(self) -> float:

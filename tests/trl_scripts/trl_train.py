@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer, DPOTrainer and GRPOTrainer on the engine, driven as TRL's users drive DeepSpeed: a
+"""TRL's SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer and OnlineDPOTrainer on the engine, driven as TRL's users drive DeepSpeed: a
 config file given as `SFTConfig(deepspeed=...)` (DPOConfig, GRPOConfig), the model named by its folder (TRL
 loads it, and DPO its reference model from the same folder: under ZeRO-3 both through deepspeed.zero.Init),
 the engine found through the `deepspeed` distribution built from compat/deepspeed. Without --deepspeed the
@@ -6,11 +6,11 @@ same trainers run as plain DDP. Run by tests/test_trl.py under zrun at 2 ranks; 
 process) writes the tiny model and tokenizer every run starts from.
 
     zrun --nproc_per_node 2 tests/trl_scripts/trl_train.py --model DIR --out OUT --deepspeed ds.json \
-        --trainers sft,dpo,grpo_nogather,grpo
+        --trainers sft,dpo,grpo,rloo,online_dpo,grpo_nogather
 
 Rank 0 writes OUT/report.json: for each trainer its log history, how its model and reference model were
-wrapped (engine class, ZeRO stage, elements held on rank 0), the ds_status values TRL read, and for `grpo`
-(TRL's default ds3_gather_for_generation=True) the engine's refusal at ZeRO-3.
+wrapped (engine class, ZeRO stage, elements held on rank 0) and the ds_status values TRL read. GRPO, RLOO
+and online DPO generate with TRL's defaults (ds3_gather_for_generation=True); grpo_nogather without it.
 """
 
 from __future__ import annotations
@@ -203,26 +203,38 @@ def reward_length(completions: list[str], **_: Any) -> list[float]:
     return [float(len(c)) for c in completions]
 
 
-def run_grpo(model: str, out: Path, deepspeed: str | None, gather: bool) -> dict[str, Any]:
-    """GRPO: 2 steps of generation (4 completions of 8 tokens per prompt) and training; at ZeRO-3 with TRL's
-    default ds3_gather_for_generation=True the engine refuses by name (the error's text is the result)."""
+def run_online(kind: str, model: str, out: Path, deepspeed: str | None, gather: bool) -> dict[str, Any]:
+    """GRPO, RLOO or online DPO: 2 steps of generation (completions of 8 tokens, rewarded by their length)
+    and training. `gather`: TRL's default ds3_gather_for_generation=True (at ZeRO-3 every parameter gathered
+    once for the whole generation, the engine's stage-3 hooks removed and re-added through
+    optimizer.parameter_offload); without it each layer is gathered as the generation's forwards run."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
     rng = random.Random(SEED + 2)
     data = Dataset.from_dict({"prompt": [words(rng, 2) for _ in range(SAMPLES)]})
-    args = GRPOConfig(
-        **{**common_args(out, deepspeed), "max_steps": 2},
-        num_generations=4,
-        max_completion_length=8,
-        ds3_gather_for_generation=gather,
-    )
-    trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward_length, train_dataset=data)
-    try:
-        trainer.train()
-    except UnsupportedFeatureError as e:
-        return {"refused": str(e)}
-    return {"log_history": trainer.state.log_history}
+    common = {**common_args(out, deepspeed), "max_steps": 2, "ds3_gather_for_generation": gather}
+    if kind == "online_dpo":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        # TRL's experimental trainer loads a model named by its folder with device_map="auto", which transformers
+        # refuses under ZeRO-3 (real DeepSpeed too): its users give device_map=None, as here at every stage.
+        args = OnlineDPOConfig(**common, max_new_tokens=8, model_init_kwargs={"device_map": None})
+        tok = AutoTokenizer.from_pretrained(model)  # online DPO does not load it by itself
+        # Nor, at ZeRO-3, its reference model (TRL refuses to copy a partitioned one): loaded as its users load
+        # it, after the config (under zero.Init at stage 3), at every stage.
+        ref = AutoModelForCausalLM.from_pretrained(model)
+        trainer = OnlineDPOTrainer(
+            model=model, ref_model=ref, reward_funcs=reward_length, args=args, train_dataset=data, processing_class=tok
+        )
+    else:
+        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+        config, make = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
+        args = config(**common, num_generations=4, max_completion_length=8)
+        trainer = make(model=model, args=args, reward_funcs=reward_length, train_dataset=data)
+    trainer.train()
+    return {"log_history": trainer.state.log_history, "model": wrapping(trainer.model_wrapped)}
 
 
 def main() -> None:
@@ -231,7 +243,11 @@ def main() -> None:
     parser.add_argument("--model", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--deepspeed", help="a DeepSpeed config file (absent: plain DDP)")
-    parser.add_argument("--trainers", default="sft,dpo", help="of sft, dpo, dpo_precompute, grpo_nogather, grpo")
+    parser.add_argument(
+        "--trainers",
+        default="sft,dpo",
+        help="of sft, dpo, dpo_precompute, grpo, rloo, online_dpo, and grpo_nogather (ds3_gather_for_generation off)",
+    )
     a = parser.parse_args()
     if a.save_init is not None:
         save_init(a.save_init)
@@ -239,8 +255,9 @@ def main() -> None:
     record_lm_head_gathers()
     report: dict[str, Any] = {}
     for name in a.trainers.split(","):
-        if name.startswith("grpo"):  # grpo: TRL's default generation; grpo_nogather: ds3_gather_for_generation off
-            report[name] = run_grpo(str(a.model), a.out / name, a.deepspeed, gather=name == "grpo")
+        if name in ("grpo", "rloo", "online_dpo", "grpo_nogather"):
+            kind, gather = name.removesuffix("_nogather"), not name.endswith("_nogather")
+            report[name] = run_online(kind, str(a.model), a.out / name, a.deepspeed, gather)
             continue
         LM_HEAD_STATUSES.clear()
         if name == "dpo_precompute":

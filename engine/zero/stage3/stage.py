@@ -44,6 +44,7 @@ from engine.zero.stage3 import memory_efficient_linear
 from engine.zero.stage3.gather import UnitGathers
 from engine.zero.stage3.grads import MAX_REDUCES_IN_FLIGHT, UnitGradients
 from engine.zero.stage3.memory import build_memory
+from engine.zero.stage3.parameter_offload import ParameterOffload, give_deepspeed_attributes
 from engine.zero.stage3.prefetch import PrefetchPlan
 from engine.zero.stage3.units import TrainableGroup, Unit, UnitState, build_units
 from engine.zero.tp_state import whole_state_dict
@@ -123,7 +124,14 @@ class Stage3:
             counted_pieces=self._counted_pieces,
         )
         self._gathers = self._build_gathers(zero.offload_param.buffer_count)
-        self._handles = self._register_hooks(module)
+        self.forward_handles: list[RemovableHandle] = []
+        """The model's forward hooks that gather and release the units."""
+        self.grad_handles: list[RemovableHandle] = []
+        """The parameters' hooks that reduce each gradient as it is accumulated."""
+        self.register_hooks()
+        give_deepspeed_attributes(module)
+        self.parameter_offload = ParameterOffload(self)
+        """What TRL's generation calls to suspend the hooks (DeepSpeed's optimizer.parameter_offload)."""
         self._linear_installed = zero.memory_efficient_linear
         if self._linear_installed:
             memory_efficient_linear.install()
@@ -223,7 +231,32 @@ class Stage3:
         )
 
     # ----------------------------------------------------------------------------- building
-    def _register_hooks(self, module: torch.nn.Module) -> list[RemovableHandle]:
+    def register_hooks(self) -> None:
+        """Register the forward and gradient hooks, removing those registered before. A client may remove
+        them itself and ask for them back (TRL around generation: engine/zero/stage3/parameter_offload.py)."""
+        self.remove_hooks()
+        self.forward_handles = self._register_forward_hooks(self.module)
+        self.grad_handles = [
+            p.register_post_accumulate_grad_hook(self._grads.on_grad)
+            for unit in self.units
+            for g in unit.trainable
+            for p in g.params
+        ]
+
+    @property
+    def prefetch_plan(self) -> PrefetchPlan:
+        return self._plan
+
+    def drop_prefetched(self) -> None:
+        """Wait for and drop gathers started ahead that nobody used."""
+        self._gathers.drop_prefetched()
+
+    def remove_hooks(self) -> None:
+        for handle in (*self.forward_handles, *self.grad_handles):
+            handle.remove()  # removing a handle twice does nothing
+        self.forward_handles, self.grad_handles = [], []
+
+    def _register_forward_hooks(self, module: torch.nn.Module) -> list[RemovableHandle]:
         gathers = self._gathers
         root = next((u for u in self.units if not u.modules), None)
         handles = [module.register_forward_pre_hook(lambda _m, _i: gathers.start_micro_step())]
@@ -238,10 +271,6 @@ class Stage3:
                         lambda m, _i, out, unit=unit: gathers.after_forward(unit, out, last=m is unit.modules[-1])
                     )
                 )
-        for unit in self.units:
-            for g in unit.trainable:
-                for p in g.params:
-                    handles.append(p.register_post_accumulate_grad_hook(self._grads.on_grad))
         return handles
 
     def _where_in_training(self) -> str:
@@ -417,9 +446,7 @@ class Stage3:
         self._gathers.drop_prefetched()
         self._plan.forget()
         self.zero_grad()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self.remove_hooks()
         if self._linear_installed:
             memory_efficient_linear.uninstall()
             self._linear_installed = False
