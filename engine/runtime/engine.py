@@ -4,7 +4,8 @@ It knows no stage details: it asks a `ZeroStage` (engine/zero/base.py) to prepar
 backward and to take the optimizer step. It owns the LR schedule and the accumulation window
 (engine/runtime/window.py: the state, the counters), and hands each step's facts to its reporter
 (engine/monitor/reporter.py). Its save and load methods (checkpoints, the 16-bit model, the consolidated
-state dict) are SavingMixin's, in engine/runtime/saving.py; DeepSpeed's accessors are AccessorsMixin's.
+state dict) are SavingMixin's, in engine/runtime/saving.py; DeepSpeed's accessors are AccessorsMixin's;
+offload_states / reload_states / empty_partition_cache are StateOffloadMixin's (engine/runtime/state_offload.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.profiling.step_profile import StepProfile
 from engine.runtime.accessors import AccessorsMixin
 from engine.runtime.auto_cast import to_half
 from engine.runtime.saving import SavingMixin
+from engine.runtime.state_offload import OffloadedStates, StateOffloadMixin, StatesOffloadedError
 from engine.runtime.window import TrainingWindow, WindowState
 from engine.runtime.zero_optimizer import ZeroOptimizer
 from engine.unsupported import refuse_compile
@@ -75,7 +77,7 @@ class DestroyedEngineError(RuntimeError):
         )
 
 
-class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
+class Engine(AccessorsMixin, SavingMixin, StateOffloadMixin, torch.nn.Module):
     """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface. A
     torch.nn.Module as DeepSpeedEngine is (Lightning Fabric finds the engine by scanning
     `module.modules()`; user code checks isinstance(model, nn.Module)), with the model registered as
@@ -108,6 +110,8 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         self.training_dataloader = training_dataloader
         self.device = device
         self._stage: ZeroStage | None = stage
+        self._offloaded: OffloadedStates | None = None
+        """What offload_states() moved aside (engine/runtime/state_offload.py), None when nothing is."""
         self.precision = precision if precision is not None else Precision(config)
         self._owns_process_group = owns_process_group
 
@@ -385,17 +389,29 @@ class Engine(AccessorsMixin, SavingMixin, torch.nn.Module):
         return {**comm.comm_stats(), "last_step": self._reporter.last_step_comm}
 
     # ------------------------------------------------------------------------------ teardown
-    def _require_alive(self) -> ZeroStage:
+    def _live_stage(self) -> ZeroStage:
         if self._window.destroyed:
             raise DestroyedEngineError()
         assert self._stage is not None  # dropped only by destroy(), which moved the window to DESTROYED
         return self._stage
+
+    def _require_alive(self) -> ZeroStage:
+        """The stage, for a call that reads the training states: refused while they are offloaded."""
+        stage = self._live_stage()
+        if self._offloaded is not None and self._offloaded.moved:
+            kinds = ", ".join(k.value for k in self._offloaded.kinds)
+            raise StatesOffloadedError(
+                f"the engine's states ({kinds}) are on {self._offloaded.device.value}, moved by offload_states(): "
+                "call engine.reload_states() first"
+            )
+        return stage
 
     def destroy(self) -> None:
         """Release hooks, gradient buffers, optimizer state, monitors and the process group this
         engine created. Idempotent."""
         if self._window.destroyed:
             return
+        self.reload_states()  # states set aside come back first: the module is given back whole
         self._require_alive().destroy()  # stage 3 gathers every unit back into the module first (not from NVMe: see there)
         self._window.destroy()
         self._stage = None  # the stage's memory goes with it

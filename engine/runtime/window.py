@@ -113,6 +113,11 @@ class TrainingWindow:
         self._move(WindowState.DESTROYED)
 
     @property
+    def is_empty(self) -> bool:
+        """No backward's gradients wait for a step."""
+        return self.state is WindowState.EMPTY
+
+    @property
     def destroyed(self) -> bool:
         return self.state is WindowState.DESTROYED
 

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from engine.offload.optimizer_swap import OptimizerSwap
+from engine.zero.offload_states import OffloadStateTypeEnum
 from engine.zero.records import ShardRecord
 
 
@@ -59,6 +60,13 @@ class ZeroStage(Protocol):
     def memory_report(self) -> dict[str, int]:
         """Bytes held by this stage per buffer kind, for logs and benchmarks; with an offload tier, "nvme":
         the bytes in this rank's swap files."""
+
+    def resident_states(self) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
+        """The tensors behind each kind of state engine.offload_states moves (engine/zero/offload_states.py);
+        contiguous_grad_buffer is release_scratch's."""
+
+    def release_scratch(self) -> None:
+        """Drop the reusable gradient bucket buffers not in use (made again when a backward needs them)."""
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """What this rank saves and loads: its fp32 masters (with their optimizer state) and frozen

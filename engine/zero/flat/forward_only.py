@@ -14,6 +14,7 @@ import torch
 from engine.offload.optimizer_swap import OptimizerSwap
 from engine.parallel.groups import ParallelGroups
 from engine.zero.base import StepOutcome
+from engine.zero.offload_states import OffloadStateTypeEnum
 from engine.zero.records import NamedPiece, ShardRecord
 from engine.zero.tp_state import whole_state_dict
 
@@ -40,6 +41,12 @@ class ForwardOnly:
 
     def memory_report(self) -> dict[str, int]:
         return {"params": 0, "master": 0, "gradients": 0, "optimizer_state": 0}
+
+    def resident_states(self) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
+        return {OffloadStateTypeEnum.lp_params: [p.data for p in self._module.parameters()]}
+
+    def release_scratch(self) -> None:
+        pass
 
     def checkpoint_shards(self) -> list[ShardRecord]:
         """Every parameter whole, as a frozen record (no optimizer state); the first rank of each

@@ -46,6 +46,7 @@ from engine.zero.flat.unused import UnusedCheck
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
 from engine.zero.master_step import MasterStep
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
+from engine.zero.offload_states import OffloadStateTypeEnum
 from engine.zero.ordered_launch import LaunchInOrder
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.state_moves import check_move
@@ -400,6 +401,22 @@ class FlatStage:
         return whole_state_dict(self.module.state_dict(keep_vars=True), self.parallel, device)
 
     # ------------------------------------------------------------------------------ reports
+    def resident_states(self) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        kind = OffloadStateTypeEnum
+        return {
+            kind.lp_params: [g.flat for g in self.groups],
+            kind.hp_params: [g.master for g in self.groups],
+            kind.lp_grads: [*self._gradient_buffers(), *(g.shard_grad for g in self.groups)],
+            kind.optim_states: [
+                v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)
+            ],
+        }
+
+    def release_scratch(self) -> None:
+        if not self.pool.in_use:
+            self.pool.clear()
+
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank per model-state category; views count once, with their storage."""
         seen: set[int] = set()

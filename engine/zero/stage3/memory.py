@@ -153,6 +153,11 @@ class Stage3Memory:
             )
         return torch.empty(numel, dtype=dtype)
 
+    def release_scratch(self) -> None:
+        """Drop the pooled bucket buffers not in use (the arena keeps its block)."""
+        if not self._pool.in_use:
+            self._pool.clear()
+
     def report(self) -> dict[str, int]:
         """Bytes for memory_report: the arena's capacity and peak use, and the buckets' share."""
         if self.arena is None:

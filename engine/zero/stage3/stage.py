@@ -38,6 +38,7 @@ from engine.zero.clone import clone_tensors_for_torch_save
 from engine.zero.flat_groups import bind_shards
 from engine.zero.master_step import MasterStep, MasterTarget, offload_enabled
 from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
+from engine.zero.offload_states import OffloadStateTypeEnum
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
 from engine.zero.stage3 import memory_efficient_linear
@@ -340,6 +341,30 @@ class Stage3:
 
     def zero_grad(self) -> None:
         self._grads.zero_grad()
+
+    def resident_states(self) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
+        groups = [g for u in self.units for g in u.groups]
+        trainable = [g for u in self.units for g in u.trainable]
+        opt_state = self.optimizer.state if self.optimizer is not None else {}
+        kind = OffloadStateTypeEnum
+        return {
+            kind.lp_params: [g.shard for g in groups if g.shard is not None],
+            kind.hp_params: [g.master for g in trainable],
+            kind.lp_grads: [g.shard_grad for g in trainable],
+            kind.optim_states: [
+                v for g in trainable for v in opt_state.get(g.master, {}).values() if torch.is_tensor(v)
+            ],
+        }
+
+    def release_scratch(self) -> None:
+        self._memory.release_scratch()
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered unit, kept ones too (persistent, or kept for reuse), and drop prefetched gathers
+        (DeepSpeed's empty_partition_cache): between steps no parameter holds more than this rank's shard."""
+        self._gathers.drop_prefetched()
+        for unit in self.units:
+            self._gathers.release(unit)
 
     def memory_report(self) -> dict[str, int]:
         def nbytes(t: torch.Tensor | None) -> int:
