@@ -138,6 +138,41 @@ def test_resume_equals_training_straight_through(tmp_path: Path, stage: int, pre
     ]
 
 
+def _tiny_resume(save_dir: str, load: bool) -> list[float]:
+    """A 5-element unit (Linear(4, 1)) at stage 3 over 2 ranks: rank 1's slice of it is padding only."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3},
+    }
+    eng, *_ = engine.initialize(model=model, config=config)
+    if load:
+        eng.load_checkpoint(save_dir, tag="tiny")
+    else:
+        for _ in range(2):
+            eng.backward(eng(torch.ones(1, 4)).sum())
+            eng.step()
+        eng.save_checkpoint(save_dir, tag="tiny")
+    losses = []
+    for _ in range(2):
+        loss = eng(torch.ones(1, 4)).sum()
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss))
+    eng.destroy()
+    return losses
+
+
+def test_stage3_resumes_when_a_rank_holds_only_padding_of_a_unit(tmp_path: Path) -> None:
+    """The loaded optimizer state of a master whose slice is all padding had Adam's step but no moments: the
+    first step after the load failed (KeyError 'exp_avg') on that rank."""
+    straight = run_distributed(_tiny_resume, 2, args=(str(tmp_path), False))
+    resumed = run_distributed(_tiny_resume, 2, args=(str(tmp_path), True))
+    assert resumed == straight
+
+
 # ------------------------------------------------------------------------------------ resharding
 def _save_then_continue(stage: int, save_dir: str) -> dict[str, Any]:
     eng = make_engine(stage, dropout=0.0)  # dropout masks depend on the rank count

@@ -112,11 +112,7 @@ def _fill_record(reader: PieceReader, record: ShardRecord, optimizer: torch.opti
     the checkpoint lacks (a frozen parameter saved with exclude_frozen_parameters, loaded with
     load_module_strict=False) keeps them instead of taking uninitialised memory."""
     flat = record.tensor.detach().reshape(-1).clone()
-    states = (
-        _state_to_fill(reader, record, optimizer)
-        if record.opt_group is not None and optimizer is not None and record.pieces
-        else {}
-    )
+    states = _state_to_fill(reader, record, optimizer) if record.opt_group is not None and optimizer is not None else {}
     state_flats = {k: v.detach().reshape(-1).clone() for k, v in states.items()}
     missing: list[str] = []
     for piece in record.pieces:
@@ -151,14 +147,26 @@ def _state_to_fill(
     reader: PieceReader, record: ShardRecord, optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
     """The master's optimizer state tensors under the saved state's keys, made where missing (torch
-    creates Adam's state at the first step: a fresh engine has none)."""
+    creates Adam's state at the first step: a fresh engine has none). A record with no pieces on this rank (its
+    slice is all padding: a small stage-3 unit over many ranks) still gets them, zeros, under the keys any
+    trainable parameter was saved with: the step's scalars are restored for it too, and Adam with a `step` but
+    no `exp_avg` fails (found: a stage-3 checkpoint that loaded but could not be trained on)."""
     state = optimizer.state.setdefault(record.tensor, {})
     states: dict[str, torch.Tensor] = {}
-    for k in reader.state_keys(record.pieces[0].name):
+    keys = reader.state_keys(record.pieces[0].name) if record.pieces else _any_state_keys(reader)
+    for k in keys:
         if not (torch.is_tensor(state.get(k)) and state[k].shape == record.tensor.shape):
             state[k] = torch.zeros_like(record.tensor, memory_format=torch.contiguous_format)
         states[k] = state[k]
     return states
+
+
+def _any_state_keys(reader: PieceReader) -> list[str]:
+    """The optimizer state keys saved with the first trainable parameter the checkpoint has ([] if none)."""
+    for name, kinds in reader.where.items():
+        if "optim" in kinds:
+            return reader.state_keys(name)
+    return []
 
 
 def _fill_whole_tensors(reader: PieceReader, module: torch.nn.Module, names: CheckpointNames, strict: bool) -> None:
