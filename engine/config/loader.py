@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from engine.config import paths
@@ -79,6 +80,7 @@ def load_config(
     problems += tp_problems
     sp, sp_problems = _sequence_parallel(config, world_size, sequence_parallel_size, tensor_parallel)
     problems += sp_problems
+    problems += _hierarchical_partition(config, world_size, sp, tensor_parallel)
     if sp > 1:  # every batch key counts the replicas of a sample, as Accelerate writes them
         world_size, world_size_source = world_size // sp, f"{world_size_source}, over sequence_parallel_size {sp}"
     problems += _autotp_spec_problems(config)
@@ -108,6 +110,37 @@ def load_config(
     dp_size = world_size // tensor_parallel.size if tensor_parallel else world_size
     built = build_engine_config(config, sizes, world_size=dp_size, raw=raw)
     return dataclasses.replace(built, sequence_parallel_size=sp)
+
+
+def _hierarchical_partition(
+    config: dict[str, Any], world_size: int, sp: int, tensor_parallel: TensorParallel | None
+) -> list[str]:
+    """ZeRO++'s hpZ (zero_optimization.zero_hpz_partition_size k): each group of k consecutive ranks keeps a
+    secondary shard of every unit gathered in a forward, for the backward's all-gather to stay inside it
+    (engine/zero/stage3/secondary.py). k must divide the world and the ranks per node (LOCAL_WORLD_SIZE), so
+    no group spans two nodes."""
+    zero = config.get("zero_optimization") or {}
+    k = zero.get("zero_hpz_partition_size", 1) if isinstance(zero, dict) else 1
+    if not isinstance(k, int) or isinstance(k, bool) or k <= 1:
+        return []
+    where = f"zero_optimization.zero_hpz_partition_size {k}"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    problems = []
+    if zero.get("stage") != 3:
+        problems.append(f"{where}: hierarchical partitioning is a stage-3 feature; set stage 3 or remove the key")
+    if world_size % k or per_node % k:
+        sizes = [d for d in range(2, per_node + 1) if per_node % d == 0 and world_size % d == 0]
+        problems.append(
+            f"{where} must divide the world size {world_size} and the ranks per node {per_node} (a group of "
+            f"consecutive ranks inside one node); use one of {sizes or [1]}"
+        )
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key) or {}
+        if isinstance(section, dict) and section.get("device", "none") not in ("none", None):
+            problems.append(f"{where} with zero_optimization.{key}: not implemented together; use one of them")
+    if sp > 1 or tensor_parallel is not None:
+        problems.append(f"{where} with sequence or tensor parallelism: not implemented together; use one of them")
+    return problems
 
 
 def _sequence_parallel(

@@ -111,13 +111,6 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "set it to false",
     ),
     Entry(
-        "zero_optimization.zero_hpz_partition_size",
-        S.REFUSED,
-        above(1),
-        "ZeRO++ hierarchical partitioning is not implemented",
-        "set it to 1 or remove it",
-    ),
-    Entry(
         "zero_optimization.mics_shard_size",
         S.REFUSED,
         above(0),

@@ -128,7 +128,8 @@ class ZeroConfig:
     """Stage-3 gather units named by the user: {"classes": [...], "names": [...], "name_suffixes": [...]}
     (class names, module names, module-name suffixes); like engine.zero.set_z3_leaf_modules."""
     zero_hpz_partition_size: int = 1
-    """ZeRO++ secondary (hierarchical) partition size; 1 = off. Values > 1 are refused for now."""
+    """ZeRO++ secondary (hierarchical) partition size; 1 = off. Stage 3 keeps a secondary shard of each unit
+    gathered in a forward over groups of this many consecutive ranks (engine/zero/stage3/secondary.py)."""
     zero_quantized_weights: bool = False
     """ZeRO++ quantized weight all-gather (changes numerics); refused for now."""
     zero_quantized_gradients: bool = False

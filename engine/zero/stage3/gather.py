@@ -52,6 +52,7 @@ from engine.ops.flatten import copy_into
 from engine.zero import released
 from engine.zero.stage3.memory import Stage3Memory
 from engine.zero.stage3.prefetch import PrefetchPlan, TraceMatch
+from engine.zero.stage3.secondary import SecondaryShards
 from engine.zero.stage3.units import ShardedGroup, Unit, UnitState
 
 logger = get_logger()
@@ -79,7 +80,10 @@ class UnitGathers:
         *,
         grads_sent: Callable[[Unit], bool],
         group: comm.ProcessGroup | None = None,
+        secondary: SecondaryShards | None = None,
     ) -> None:
+        self.secondary = secondary
+        """hpZ's secondary shards (engine/zero/stage3/secondary.py), None without hierarchical partitioning."""
         self.read_stored: Callable[[torch.Tensor], StoredRead] = lambda stored: (stored, None)
         """What a group keeps, as the all-gather sends it: itself, or (parameters on NVMe) a read of its
         values from the swap file started now (engine/offload/optimizer_swap.py's start_read_master)."""
@@ -178,6 +182,9 @@ class UnitGathers:
             self._unstart(unit)
             raise
         works = []
+        if self.secondary is not None and self.secondary.has(list(unit.groups)):  # a backward's gather (hpZ)
+            self._in_flight[unit.index] = [self.secondary.gather(g, _full(g), unit.index) for g in unit.groups]
+            return
         for g, (values, _) in reads:
             full = _full(g)
             start, end = g.layout.slice_range(0, self._rank)
@@ -226,6 +233,12 @@ class UnitGathers:
         (freed once no autograd-saved view holds them). A unit in any other state is left alone."""
         if unit.state is not UnitState.GATHERED:
             return
+        if self.secondary is not None and unit.trainable:
+            if in_backward():  # its backward gathered it: the secondary shard is spent
+                self.secondary.drop(list(unit.groups))
+            elif torch.is_grad_enabled():  # a training forward: its backward will gather it from the group
+                for g in unit.groups:
+                    self.secondary.keep(g, _full(g))
         for g in unit.groups:
             for p in g.params:
                 p.data = torch.empty(0, dtype=g.dtype, device=g.device)
@@ -272,8 +285,10 @@ class UnitGathers:
             self.plan.new_micro_step()
 
     def end_micro_step(self) -> None:
-        """After a backward: nothing prefetched stays; the plan keeps or adopts the order."""
+        """After a backward: nothing prefetched stays, nor any secondary shard; the plan keeps or adopts the order."""
         self.drop_prefetched()
+        if self.secondary is not None:
+            self.secondary.drop_all()
         self.plan.end_micro_step()
 
     # ------------------------------------------------------------------------- forward hooks

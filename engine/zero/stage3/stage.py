@@ -47,6 +47,7 @@ from engine.zero.stage3.grads import MAX_REDUCES_IN_FLIGHT, UnitGradients
 from engine.zero.stage3.memory import build_memory
 from engine.zero.stage3.parameter_offload import ParameterOffload, give_deepspeed_attributes
 from engine.zero.stage3.prefetch import PrefetchPlan
+from engine.zero.stage3.secondary import SecondaryShards, make_groups
 from engine.zero.stage3.units import TrainableGroup, Unit, UnitState, build_units
 from engine.zero.tp_state import whole_state_dict
 
@@ -124,7 +125,7 @@ class Stage3:
             offload=self.offload,
             counted_pieces=self._counted_pieces,
         )
-        self._gathers = self._build_gathers(zero.offload_param.buffer_count)
+        self._gathers = self._build_gathers(zero.offload_param.buffer_count, zero.zero_hpz_partition_size)
         self.forward_handles: list[RemovableHandle] = []
         """The model's forward hooks that gather and release the units."""
         self.grad_handles: list[RemovableHandle] = []
@@ -164,7 +165,15 @@ class Stage3:
             t.shard_grad = grad
         return swap_dir
 
-    def _build_gathers(self, read_ahead_units: int) -> UnitGathers:
+    def _secondary_shards(self, size: int) -> SecondaryShards | None:
+        """hpZ's secondary shards over groups of `size` (zero_hpz_partition_size, checked by the config)
+        consecutive ranks of the ZeRO group, or None."""
+        if size <= 1:
+            return None
+        group, local = make_groups(size, list(self.parallel.dp_ranks))
+        return SecondaryShards(group, size, local)
+
+    def _build_gathers(self, read_ahead_units: int, hpz_size: int) -> UnitGathers:
         """The units' gathers; with the masters on NVMe, each gather reads its unit's from the swap files,
         `read_ahead_units` (offload_param.buffer_count, >= 0 by the schema) units ahead."""
         gathers = UnitGathers(
@@ -175,6 +184,7 @@ class Stage3:
             self._where_in_training,
             grads_sent=self._grads.sent,
             group=self._group,
+            secondary=self._secondary_shards(hpz_size),
         )
         if self.offload is not None and self.offload.settings.params:  # masters on NVMe: each gather reads its unit's
             gathers.read_stored = self.offload.start_read_master
@@ -298,6 +308,8 @@ class Stage3:
         # Every gradient of the window reduced into the shard gradients, nothing left gathered.
         self._grads.flush()
         self._gathers.drop_prefetched()
+        if self._gathers.secondary is not None:  # the masters change: no secondary shard may outlive the step
+            self._gathers.secondary.drop_all()
         if self.offload is not None:  # the last step, if it still runs behind the forward, first; this one's order
             self.offload.finish()
             self.offload.order = self._forward_order()
@@ -387,6 +399,7 @@ class Stage3:
             "optimizer_state": state,
             **self._memory.report(),
             "gathered": self._gathers.gathered_bytes,
+            **({"secondary": self._gathers.secondary.peak_nbytes} if self._gathers.secondary is not None else {}),
             "peak_gathered": self._gathers.peak_gathered_bytes,
             **({"nvme": self.offload.disk_bytes()} if self.offload is not None else {}),
         }
@@ -415,6 +428,8 @@ class Stage3:
     def scatter_from(self, unit: Unit, src: int) -> None:
         """After a user modified the gathered unit on rank `src` (a data-parallel position): everyone
         takes src's values and writes its own slice back into the shard and the fp32 master."""
+        if self._gathers.secondary is not None:  # kept from before the change: stale
+            self._gathers.secondary.drop(list(unit.groups))
         for g in unit.groups:
             assert g.full is not None, "scatter_from needs the unit gathered"
             comm.broadcast(g.full, src=self.parallel.dp_src(src), group=self._group)
