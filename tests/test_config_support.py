@@ -48,7 +48,6 @@ def refusal(extra: dict[str, Any]) -> str:
             {"zero_optimization": {"zero_quantized_gradients": True}},
             "zero_optimization.zero_quantized_gradients",
         ),
-        ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
         ({"quantize_training": {"enabled": True}}, "quantize_training.enabled"),

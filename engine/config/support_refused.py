@@ -111,6 +111,15 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "set it to false",
     ),
     Entry(
+        "zero_optimization.zero_hpz_partition_size",
+        S.IMPLEMENTED,
+        above(1),
+        "ZeRO++ hierarchical partitioning at stage 3: each group of k consecutive ranks keeps a secondary shard "
+        "of every trainable unit gathered in a training forward, and the backward's all-gather runs inside the "
+        "group (engine/zero/stage3/secondary.py); bitwise equal to plain stage 3, checkpoints interchangeable; "
+        "k must divide the world and the ranks per node; not with offload, sequence or tensor parallelism",
+    ),
+    Entry(
         "zero_optimization.mics_shard_size",
         S.REFUSED,
         above(0),
