@@ -48,56 +48,22 @@ from engine import comm
 from engine.accelerator import get_accelerator  # also DeepSpeed's partition_parameters.get_accelerator (transformers)
 from engine.config import run_checks, zero_stage
 from engine.monitor.log import get_logger
+from engine.zero.init_constructors import (  # noqa: F401 - DeepSpeed's partition_parameters has these (transformers)
+    _CONSTRUCTORS,
+    _orig_torch_arange,
+    _orig_torch_empty,
+    _orig_torch_eye,
+    _orig_torch_full,
+    _orig_torch_ones,
+    _orig_torch_randn,
+    _orig_torch_tensor,
+    _orig_torch_zeros,
+    zero_wrapper_for_fp_tensor_constructor,
+)
 from engine.zero.released import ZeroParamStatus  # noqa: F401 - DeepSpeed's partition_parameters has it (TRL imports it)
 from engine.zero.unwritten import poisoning_empty
 
 logger = get_logger()
-
-# torch's constructors as they were when the engine was imported (DeepSpeed's names: transformers
-# compares against `_orig_torch_arange`). Init wraps these and puts them back.
-_orig_torch_tensor = torch.tensor
-_orig_torch_empty = torch.empty
-_orig_torch_zeros = torch.zeros
-_orig_torch_ones = torch.ones
-_orig_torch_full = torch.full
-_orig_torch_arange = torch.arange
-_orig_torch_eye = torch.eye
-_orig_torch_randn = torch.randn
-_CONSTRUCTORS: dict[str, Callable[..., torch.Tensor]] = {
-    "tensor": _orig_torch_tensor,
-    "empty": _orig_torch_empty,
-    "zeros": _orig_torch_zeros,
-    "ones": _orig_torch_ones,
-    "full": _orig_torch_full,
-    "arange": _orig_torch_arange,
-    "eye": _orig_torch_eye,
-    "randn": _orig_torch_randn,
-}
-
-
-def zero_wrapper_for_fp_tensor_constructor(
-    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None, target_device: torch.device | None = None
-) -> Callable[..., torch.Tensor]:
-    """`fn` (a torch tensor constructor) making floating-point tensors in `target_fp_dtype` and, when
-    no device is given, on `target_device`. A dtype the caller names is kept; `out=` is left alone."""
-
-    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") is None and target_device is not None:
-            kwargs["device"] = target_device
-        named_dtype = kwargs.get("dtype") is not None
-        tensor = fn(*args, **kwargs)
-        if (
-            target_fp_dtype is not None
-            and not named_dtype
-            and "out" not in kwargs
-            and tensor.is_floating_point()
-            and tensor.dtype != target_fp_dtype
-        ):
-            tensor.data = tensor.data.to(target_fp_dtype)  # in place of .to(): a leaf stays a leaf (requires_grad=)
-        return tensor
-
-    return wrapped
-
 
 # [Note: what a partitioned parameter carries]
 # `ds_shape`/`ds_numel` are DeepSpeed's public names for the whole shape and size; Hugging Face
@@ -442,17 +408,8 @@ class Init:
         def initialize(self: torch.nn.Module, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if getattr(module, "_is_hf_initialized", False):
                 return original(self, module, *args, **kwargs)
-            around = [module, *module.children()]
-            params = [p for p in {id(p): p for m in around for p in _own_params(m)}.values() if is_partitioned(p)]
-            for p in params:
-                unpartition(p, getattr(p, _BUILT_ON, None))
-            try:
-                result = original(self, module, *args, **kwargs)
-            except BaseException:
-                partition(params, Init._dtype, src=None)  # no collective after a failure: this rank's values
-                raise
-            partition(params, Init._dtype)
-            return result
+            params = [p for m in (module, *module.children()) for p in _own_params(m)]
+            return _whole_while(params, lambda: original(self, module, *args, **kwargs))
 
         setattr(sub, _INITIALIZER, initialize)
 
@@ -465,9 +422,23 @@ class Init:
         and drawing there gave other weights: found on an H200, stage 3 started from another model)."""
         for child in module.children():
             child.apply(fn)
-        params = [p for p in _own_params(module) if is_partitioned(p)]
-        for p in params:
-            unpartition(p, getattr(p, _BUILT_ON, None))
-        fn(module)
-        partition(params, Init._dtype)
+        _whole_while(_own_params(module), lambda: fn(module))
         return module
+
+
+_R = TypeVar("_R")
+
+
+def _whole_while(params: list[torch.nn.Parameter], call: Callable[[], _R]) -> _R:
+    """`call()` with the partitioned ones of `params` whole, on the device they were built on, then partitioned
+    again from rank 0's values (this rank's own after a failure: no collective then)."""
+    loose = [p for p in {id(p): p for p in params}.values() if is_partitioned(p)]
+    for p in loose:
+        unpartition(p, getattr(p, _BUILT_ON, None))
+    try:
+        result = call()
+    except BaseException:
+        partition(loose, Init._dtype, src=None)
+        raise
+    partition(loose, Init._dtype)
+    return result

@@ -40,7 +40,7 @@ from engine.precision import Precision
 from engine.zero import fragments, owners, shard_reduce, shard_step
 from engine.zero.base import StepOutcome
 from engine.zero.bucket_pool import BucketPool
-from engine.zero.flat import bucket_sizes
+from engine.zero.flat import bucket_sizes, holdings
 from engine.zero.flat.bucket import REDUCTION_MOVES, Bucket, Reduction
 from engine.zero.flat.unused import UnusedCheck
 from engine.zero.flat_groups import FlatGroup, arrival_order, bind_optimizer_to_shards, build_flat_groups
@@ -402,39 +402,15 @@ class FlatStage:
 
     # ------------------------------------------------------------------------------ reports
     def resident_states(self) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        kind = OffloadStateTypeEnum
-        return {
-            kind.lp_params: [g.flat for g in self.groups],
-            kind.hp_params: [g.master for g in self.groups],
-            kind.lp_grads: [*self._gradient_buffers(), *(g.shard_grad for g in self.groups)],
-            kind.optim_states: [
-                v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)
-            ],
-        }
+        return holdings.resident_states(self.groups, self.optimizer, self._gradient_buffers())
 
     def release_scratch(self) -> None:
         if not self.pool.in_use:
             self.pool.clear()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held on this rank per model-state category; views count once, with their storage."""
-        seen: set[int] = set()
-
-        def nbytes(tensors: list[torch.Tensor]) -> int:
-            fresh = {
-                s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors) if s.data_ptr() not in seen
-            }
-            seen.update(fresh)
-            return sum(fresh.values())
-
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        state = [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.dim()]
         return {
-            "params": nbytes([g.flat for g in self.groups]),
-            "master": nbytes([g.master for g in self.groups]),
-            "gradients": nbytes(self._gradient_buffers() + [g.shard_grad for g in self.groups]),
-            "optimizer_state": nbytes(state),
+            **holdings.held_bytes(self.resident_states()),
             "buckets": self.pool.allocated_bytes,
             **({"nvme": self.offload.disk_bytes()} if self.offload is not None else {}),
         }

@@ -67,6 +67,7 @@ class ParameterOffload:
     def __init__(self, stage: Stage3) -> None:
         self._stage = stage
         self.param_coordinator = TraceCoordinator(stage)
+        give_deepspeed_attributes(stage.module)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -74,19 +75,19 @@ class ParameterOffload:
 
     @property
     def forward_hooks(self) -> list[RemovableHandle]:
-        return self._stage.forward_handles
+        return self._stage.hooks.forward
 
     @forward_hooks.setter
     def forward_hooks(self, handles: list[RemovableHandle]) -> None:
-        self._stage.forward_handles = list(handles)
+        self._stage.hooks.forward = list(handles)
 
     @property
     def backward_hooks(self) -> list[RemovableHandle]:
-        return self._stage.grad_handles
+        return self._stage.hooks.grads
 
     @backward_hooks.setter
     def backward_hooks(self, handles: list[RemovableHandle]) -> None:
-        self._stage.grad_handles = list(handles)
+        self._stage.hooks.grads = list(handles)
 
     def _register_deepspeed_module(self, module: torch.nn.Module) -> None:
         """Put the stage's hooks back on the model (those still registered are replaced, never doubled)."""
@@ -95,4 +96,4 @@ class ParameterOffload:
                 "parameter_offload._register_deepspeed_module: only the engine's own model can be registered "
                 f"(got a {type(module).__name__}, the engine trains a {type(self._stage.module).__name__})"
             )
-        self._stage.register_hooks()
+        self._stage.hooks.register()

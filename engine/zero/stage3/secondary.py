@@ -25,6 +25,15 @@ from engine.comm import ProcessGroup
 from engine.comm.collectives import Handle
 
 
+def secondary_shards(size: int, members: list[int]) -> SecondaryShards | None:
+    """hpZ's secondary shards over groups of `size` (zero_hpz_partition_size, checked by the config) consecutive
+    ranks of the ZeRO group (`members`), or None when size is 1."""
+    if size <= 1:
+        return None
+    group, local = make_groups(size, members)
+    return SecondaryShards(group, size, local)
+
+
 def make_groups(size: int, members: list[int]) -> tuple[ProcessGroup, int]:
     """(this rank's group, its position in it): `members` (the ZeRO group's ranks, in order) cut into groups of
     `size` consecutive ranks, every group made on every rank (torch's rule)."""

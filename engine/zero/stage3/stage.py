@@ -22,7 +22,6 @@ import dataclasses
 from functools import partial
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from engine import comm
 from engine.config.errors import ConfigError
@@ -41,13 +40,14 @@ from engine.zero.norm_scope import NormScope, counted_rows, counted_runs
 from engine.zero.offload_states import OffloadStateTypeEnum
 from engine.zero.records import ShardRecord, layout_pieces
 from engine.zero.shard_step import step_on_gradients
-from engine.zero.stage3 import memory_efficient_linear
+from engine.zero.stage3 import holdings, memory_efficient_linear
 from engine.zero.stage3.gather import UnitGathers
 from engine.zero.stage3.grads import MAX_REDUCES_IN_FLIGHT, UnitGradients
+from engine.zero.stage3.hooks import StageHooks
 from engine.zero.stage3.memory import build_memory
-from engine.zero.stage3.parameter_offload import ParameterOffload, give_deepspeed_attributes
+from engine.zero.stage3.parameter_offload import ParameterOffload
 from engine.zero.stage3.prefetch import PrefetchPlan
-from engine.zero.stage3.secondary import SecondaryShards, make_groups
+from engine.zero.stage3.secondary import secondary_shards
 from engine.zero.stage3.units import TrainableGroup, Unit, UnitState, build_units
 from engine.zero.tp_state import whole_state_dict
 
@@ -126,14 +126,9 @@ class Stage3:
             counted_pieces=self._counted_pieces,
         )
         self._gathers = self._build_gathers(zero.offload_param.buffer_count, zero.zero_hpz_partition_size)
-        self.forward_handles: list[RemovableHandle] = []
-        """The model's forward hooks that gather and release the units."""
-        self.grad_handles: list[RemovableHandle] = []
-        """The parameters' hooks that reduce each gradient as it is accumulated."""
-        self.register_hooks()
-        give_deepspeed_attributes(module)
-        self.parameter_offload = ParameterOffload(self)
-        """What TRL's generation calls to suspend the hooks (DeepSpeed's optimizer.parameter_offload)."""
+        self.hooks = StageHooks(module, self.units, self._gathers, self._grads.on_grad)
+        self.hooks.register()
+        self.parameter_offload = ParameterOffload(self)  # DeepSpeed's optimizer.parameter_offload (TRL's generation)
         self._linear_installed = zero.memory_efficient_linear
         if self._linear_installed:
             memory_efficient_linear.install()
@@ -165,14 +160,6 @@ class Stage3:
             t.shard_grad = grad
         return swap_dir
 
-    def _secondary_shards(self, size: int) -> SecondaryShards | None:
-        """hpZ's secondary shards over groups of `size` (zero_hpz_partition_size, checked by the config)
-        consecutive ranks of the ZeRO group, or None."""
-        if size <= 1:
-            return None
-        group, local = make_groups(size, list(self.parallel.dp_ranks))
-        return SecondaryShards(group, size, local)
-
     def _build_gathers(self, read_ahead_units: int, hpz_size: int) -> UnitGathers:
         """The units' gathers; with the masters on NVMe, each gather reads its unit's from the swap files,
         `read_ahead_units` (offload_param.buffer_count, >= 0 by the schema) units ahead."""
@@ -184,7 +171,7 @@ class Stage3:
             self._where_in_training,
             grads_sent=self._grads.sent,
             group=self._group,
-            secondary=self._secondary_shards(hpz_size),
+            secondary=secondary_shards(hpz_size, list(self.parallel.dp_ranks)),
         )
         if self.offload is not None and self.offload.settings.params:  # masters on NVMe: each gather reads its unit's
             gathers.read_stored = self.offload.start_read_master
@@ -242,18 +229,6 @@ class Stage3:
         )
 
     # ----------------------------------------------------------------------------- building
-    def register_hooks(self) -> None:
-        """Register the forward and gradient hooks, removing those registered before. A client may remove
-        them itself and ask for them back (TRL around generation: engine/zero/stage3/parameter_offload.py)."""
-        self.remove_hooks()
-        self.forward_handles = self._register_forward_hooks(self.module)
-        self.grad_handles = [
-            p.register_post_accumulate_grad_hook(self._grads.on_grad)
-            for unit in self.units
-            for g in unit.trainable
-            for p in g.params
-        ]
-
     @property
     def prefetch_plan(self) -> PrefetchPlan:
         return self._plan
@@ -261,28 +236,6 @@ class Stage3:
     def drop_prefetched(self) -> None:
         """Wait for and drop gathers started ahead that nobody used."""
         self._gathers.drop_prefetched()
-
-    def remove_hooks(self) -> None:
-        for handle in (*self.forward_handles, *self.grad_handles):
-            handle.remove()  # removing a handle twice does nothing
-        self.forward_handles, self.grad_handles = [], []
-
-    def _register_forward_hooks(self, module: torch.nn.Module) -> list[RemovableHandle]:
-        gathers = self._gathers
-        root = next((u for u in self.units if not u.modules), None)
-        handles = [module.register_forward_pre_hook(lambda _m, _i: gathers.start_micro_step())]
-        if root is not None:
-            handles.append(module.register_forward_pre_hook(lambda _m, _i, root=root: gathers.gather(root)))
-            handles.append(module.register_forward_hook(lambda _m, _i, _o, root=root: gathers.after_root_forward(root)))
-        for unit in self.units:
-            for member in unit.modules:
-                handles.append(member.register_forward_pre_hook(lambda _m, _i, unit=unit: gathers.gather(unit)))
-                handles.append(
-                    member.register_forward_hook(
-                        lambda m, _i, out, unit=unit: gathers.after_forward(unit, out, last=m is unit.modules[-1])
-                    )
-                )
-        return handles
 
     def _where_in_training(self) -> str:
         return f"optimizer step {self.steps + 1}, backward {self.backwards + 1}"
@@ -355,18 +308,7 @@ class Stage3:
         self._grads.zero_grad()
 
     def resident_states(self) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
-        groups = [g for u in self.units for g in u.groups]
-        trainable = [g for u in self.units for g in u.trainable]
-        opt_state = self.optimizer.state if self.optimizer is not None else {}
-        kind = OffloadStateTypeEnum
-        return {
-            kind.lp_params: [g.shard for g in groups if g.shard is not None],
-            kind.hp_params: [g.master for g in trainable],
-            kind.lp_grads: [g.shard_grad for g in trainable],
-            kind.optim_states: [
-                v for g in trainable for v in opt_state.get(g.master, {}).values() if torch.is_tensor(v)
-            ],
-        }
+        return holdings.resident_states(self.units, self.optimizer)
 
     def release_scratch(self) -> None:
         self._memory.release_scratch()
@@ -379,24 +321,9 @@ class Stage3:
             self._gathers.release(unit)
 
     def memory_report(self) -> dict[str, int]:
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
-        groups = [g for u in self.units for g in u.groups]
-        trainable = [g for u in self.units for g in u.trainable]
-        opt_state = self.optimizer.state if self.optimizer is not None else {}
         grads_on_disk = self.offload is not None and self.offload.settings.grads  # counted in "nvme"
-        state = sum(
-            nbytes(v)
-            for g in trainable
-            for v in opt_state.get(g.master, {}).values()
-            if torch.is_tensor(v) and v.dim() > 0
-        )
         return {
-            "params": sum(nbytes(g.shard) for g in groups),
-            "master": sum(nbytes(g.master) for g in trainable if g.shard is None),
-            "gradients": 0 if grads_on_disk else sum(nbytes(g.shard_grad) for g in trainable),
-            "optimizer_state": state,
+            **holdings.held_bytes(self.units, self.optimizer, grads_on_disk),
             **self._memory.report(),
             "gathered": self._gathers.gathered_bytes,
             **({"secondary": self._gathers.secondary.peak_nbytes} if self._gathers.secondary is not None else {}),
@@ -486,7 +413,7 @@ class Stage3:
         self._gathers.drop_prefetched()
         self._plan.forget()
         self.zero_grad()
-        self.remove_hooks()
+        self.hooks.remove()
         if self._linear_installed:
             memory_efficient_linear.uninstall()
             self._linear_installed = False
