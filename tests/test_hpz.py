@@ -92,11 +92,13 @@ def _train(hpz: int, checkpointed: bool, folder: str | None = None, load: bool =
     return {"losses": losses, "norms": norms, "params": params, "bytes": stats, "memory": report}
 
 
+def _hpz_and_plain(checkpointed: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _train(2, checkpointed), _train(1, checkpointed)
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_hpz_equals_plain_stage3_bitwise_and_keeps_the_backward_gathers_in_the_group(checkpointed: bool) -> None:
-    plain = run_distributed(_train, WORLD, args=(1, checkpointed))
-    hpz = run_distributed(_train, WORLD, args=(2, checkpointed))
-    for rank, (got, want) in enumerate(zip(hpz, plain)):
+    for rank, (got, want) in enumerate(run_distributed(_hpz_and_plain, WORLD, args=(checkpointed,))):
         where = f"rank {rank}, activation checkpointing {checkpointed}"
         assert got["losses"] == want["losses"] and got["norms"] == want["norms"], where
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"])), where
@@ -112,11 +114,13 @@ def test_hpz_equals_plain_stage3_bitwise_and_keeps_the_backward_gathers_in_the_g
         assert got["memory"]["secondary"] > 0 and "secondary" not in want["memory"], where
 
 
+def _save_then_load_both_ways(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    _train(2, False, folder)
+    return _train(1, False, folder, True), _train(2, False, folder, True)
+
+
 def test_a_checkpoint_taken_with_hpz_loads_into_plain_stage3(tmp_path: Path) -> None:
-    run_distributed(_train, WORLD, args=(2, False, str(tmp_path)))
-    resumed = run_distributed(_train, WORLD, args=(1, False, str(tmp_path), True))
-    again = run_distributed(_train, WORLD, args=(2, False, str(tmp_path), True))
-    for got, want in zip(resumed, again):
+    for got, want in run_distributed(_save_then_load_both_ways, WORLD, args=(str(tmp_path),)):
         assert got["losses"] == want["losses"]
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"]))
 

@@ -72,11 +72,13 @@ def _train(stage: int, folder: str | None) -> dict[str, Any]:
     return {"losses": losses, "params": params, **found}
 
 
+def _with_and_without(stage: int, folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _train(stage, folder), _train(stage, None)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_nvme_round_trip_is_bitwise_and_frees_the_memory(stage: int, tmp_path: Path) -> None:
-    plain = run_distributed(_train, 2, args=(stage, None))
-    moved = run_distributed(_train, 2, args=(stage, str(tmp_path)))
-    for rank, (got, want) in enumerate(zip(moved, plain)):
+    for rank, (got, want) in enumerate(run_distributed(_with_and_without, 2, args=(stage, str(tmp_path)))):
         where = f"stage {stage} rank {rank}"
         assert got["losses"] == want["losses"], where
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"])), where

@@ -84,8 +84,12 @@ def _train(generation: str) -> dict[str, Any]:
     return {"losses": losses, "generated": generated, "gathers": gathers, **state}
 
 
+def _three_ways() -> list[dict[str, Any]]:
+    return [_train(generation) for generation in ("none", "trl_gather", "per_layer")]
+
+
 def test_trl_generation_gather_at_stage3_gathers_once_and_training_is_unchanged() -> None:
-    plain, trl_gather, per_layer = (run_distributed(_train, 2, args=(g,)) for g in ("none", "trl_gather", "per_layer"))
+    plain, trl_gather, per_layer = zip(*run_distributed(_three_ways, 2))
     for rank in range(2):
         where = f"rank {rank}"
         assert trl_gather[rank]["losses"] == plain[rank]["losses"], where  # bitwise: generation changed nothing

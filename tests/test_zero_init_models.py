@@ -75,12 +75,16 @@ def _unwritten(stage: int, fix: bool) -> str:
     return "initialized"
 
 
+def _unwritten_then_written(stage: int) -> tuple[str, str]:
+    return _unwritten(stage, False), _unwritten(stage, True)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_parameter_nothing_wrote_is_refused_by_name(stage: int) -> None:
-    for message in run_distributed(_unwritten, 2, args=(stage, False)):
+    for message, fixed in run_distributed(_unwritten_then_written, 2, args=(stage,)):
         assert message.startswith("engine.zero.Init: 1 parameter(s) hold values nothing wrote: 'raw'."), message
         assert "engine.zero.GatheredParameters(param, modifier_rank=0)" in message
-    assert run_distributed(_unwritten, 2, args=(stage, True)) == ["initialized", "initialized"]
+        assert fixed == "initialized"
 
 
 # ---------------------------------------------------------------- MoE at stage 3, ranks routing differently
@@ -138,13 +142,16 @@ def _moe_losses(name: str, stage: int, under_init: bool) -> dict[str, Any]:
     return {"losses": losses, "routed": routed}
 
 
+def _moe_both(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _moe_losses(name, 3, True), _moe_losses(name, 0, False)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_moe_built_under_init_trains_at_stage3_as_without_it_at_stage0(name: str) -> None:
     """The engine gathers whole units, so ranks that route their tokens to different experts never wait on each
     other's gathers (DeepSpeed hangs here without set_z3_leaf_modules). Built under Init and trained at stage 3,
     equal to the model built plainly at stage 0; fp32, the ranks' gradients averaged in another order: 1e-5."""
-    init3 = run_distributed(_moe_losses, 2, args=(name, 3, True))
-    plain0 = run_distributed(_moe_losses, 2, args=(name, 0, False))
+    init3, plain0 = zip(*run_distributed(_moe_both, 2, args=(name,)))
     assert init3[0]["routed"] != init3[1]["routed"]  # the ranks used different experts
     assert any(len(layer) < 8 for step in init3[0]["routed"] for layer in step)  # and some expert none at all
     for rank, (got, want) in enumerate(zip(init3, plain0)):

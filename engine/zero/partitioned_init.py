@@ -228,15 +228,17 @@ class Init:
 
     # Process-wide patch state: one patch however deeply Init contexts nest.
     _depth: ClassVar[int] = 0
-    _saved_inits: ClassVar[dict[type[torch.nn.Module], Callable[..., None]]] = {}
+    _saved: ClassVar[dict[tuple[type[torch.nn.Module], str], tuple[Callable[..., Any], Callable[..., Any]]]] = {}
+    """(class, "__init__" or "_initialize_weights") -> (its own function, Init's wrapper). A class whose
+    function was replaced after Init wrapped it (transformers' use_experts_implementation decorates MixtralExperts
+    right after the class is made, inside Init when its module is first imported there) keeps the replacement
+    at exit: the wrapper, still in its chain, does nothing outside Init."""
     _saved_apply: ClassVar[_Apply | None] = None
     _saved_init_subclass: ClassVar[classmethod[Any, ..., None] | None] = None
     """Module's own `__init_subclass__` (its __dict__ entry), None when it inherits object's."""
     _wrapped_constructors: ClassVar[bool] = False
     _saved_empty: ClassVar[Callable[..., torch.Tensor] | None] = None
     """torch.empty as it was when the outermost Init opened (see engine/zero/unwritten.py)."""
-    _saved_initializers: ClassVar[dict[type[torch.nn.Module], Callable[..., Any]]] = {}
-    """transformers' `_initialize_weights` of each class that defines it (see _wrap_initializer)."""
     _building: ClassVar[set[int]] = set()
     """ids of modules whose outermost __init__ is running."""
     _dtype: ClassVar[torch.dtype | None] = None
@@ -345,12 +347,10 @@ class Init:
 
     @classmethod
     def _unpatch(cls) -> None:
-        for sub, init in cls._saved_inits.items():
-            sub.__init__ = init  # type: ignore[method-assign]  # See [Note: patching Module]
-        cls._saved_inits.clear()
-        for sub, initializer in cls._saved_initializers.items():
-            setattr(sub, _INITIALIZER, initializer)
-        cls._saved_initializers.clear()
+        for (sub, name), (original, wrapper) in cls._saved.items():
+            if sub.__dict__.get(name) is wrapper:
+                setattr(sub, name, original)
+        cls._saved.clear()
         if cls._saved_empty is not None:  # before the dtype wrappers below put the original back
             torch.empty = cls._saved_empty
             cls._saved_empty = None
@@ -370,12 +370,13 @@ class Init:
     @classmethod
     def _wrap_init(cls, sub: type[torch.nn.Module]) -> None:
         original = sub.__dict__.get("__init__")
-        if original is None or sub in cls._saved_inits:
+        if original is None or (sub, "__init__") in cls._saved:
             return
-        cls._saved_inits[sub] = original
 
         @functools.wraps(original)
         def init(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            if not cls._depth:  # Init closed; a later decorator kept this wrapper in its chain
+                return original(self, *args, **kwargs)
             outermost = id(self) not in cls._building
             if outermost:
                 cls._building.add(id(self))
@@ -387,6 +388,7 @@ class Init:
             if outermost:
                 partition(_own_params(self), cls._dtype)
 
+        cls._saved[(sub, "__init__")] = (original, init)
         sub.__init__ = init  # type: ignore[method-assign]  # See [Note: patching Module]
 
     @classmethod
@@ -400,17 +402,17 @@ class Init:
         A module transformers already initialised (`_is_hf_initialized`) is skipped by the call itself, so
         nothing is gathered for it."""
         original = sub.__dict__.get(_INITIALIZER)
-        if original is None or sub in cls._saved_initializers or not callable(original):
+        if original is None or (sub, _INITIALIZER) in cls._saved or not callable(original):
             return
-        cls._saved_initializers[sub] = original
 
         @functools.wraps(original)
         def initialize(self: torch.nn.Module, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if getattr(module, "_is_hf_initialized", False):
+            if not cls._depth or getattr(module, "_is_hf_initialized", False):
                 return original(self, module, *args, **kwargs)
             params = [p for m in (module, *module.children()) for p in _own_params(m)]
             return _whole_while(params, lambda: original(self, module, *args, **kwargs))
 
+        cls._saved[(sub, _INITIALIZER)] = (original, initialize)
         setattr(sub, _INITIALIZER, initialize)
 
     @staticmethod
