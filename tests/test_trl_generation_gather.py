@@ -79,6 +79,7 @@ def _train(generation: str) -> dict[str, Any]:
     state = {
         "hooks": (len(offload.forward_hooks), len(offload.backward_hooks)),
         "trace_invalid": offload.param_coordinator.is_invalid_trace(),
+        "one_coordinator": offload.get_param_coordinator(training=True) is offload.param_coordinator,
     }
     eng.destroy()
     return {"losses": losses, "generated": generated, "gathers": gathers, **state}
@@ -102,3 +103,4 @@ def test_trl_generation_gather_at_stage3_gathers_once_and_training_is_unchanged(
         assert trl_gather[rank]["hooks"][0] > 0 and trl_gather[rank]["hooks"][1] > 0, where
         # add_hooks invalidated the recorded order of unit uses (nothing trained since); training records one
         assert trl_gather[rank]["trace_invalid"] and not plain[rank]["trace_invalid"], where
+        assert plain[rank]["one_coordinator"], where  # get_param_coordinator(training=True), as LoRA code calls it

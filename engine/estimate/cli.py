@@ -46,15 +46,24 @@ def format_table(estimates: MemoryEstimate | Iterable[MemoryEstimate]) -> str:
         f"({costs.gradients} B; default the parameter dtype, as in DeepSpeed), master {master}, "
         f"optimizer {costs.optimizer} ({costs.optimizer_state} B/element)"
     )
-    disk = any(e.disk for e in rows)
+    disk, hpz = any(e.disk for e in rows), any(e.secondary for e in rows)
     lines = [
         header,
         "",
-        "| stage | params | gradients | master | optimizer | total (RAM) |" + (" NVMe |" if disk else "") + " P | S |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if disk else "") + " ---: | ---: |",
+        "| stage | params | gradients | master | optimizer |"
+        + (" hpZ secondary |" if hpz else "")
+        + " total (RAM) |"
+        + (" NVMe |" if disk else "")
+        + " P | S |",
+        "| --- | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if hpz else "")
+        + " ---: |"
+        + (" ---: |" if disk else "")
+        + " ---: | ---: |",
     ]
     for e in rows:
-        cells = [format_bytes(c) for c in (e.params, e.gradients, e.master, e.optimizer_state, e.total)]
+        parts = (e.params, e.gradients, e.master, e.optimizer_state, *((e.secondary,) if hpz else ()), e.total)
+        cells = [format_bytes(c) for c in parts]
         if disk:
             cells.append(format_bytes(e.disk))
         label = f"{e.stage} ({STAGE_NAMES[e.stage]})"
@@ -136,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
         help="optimizer whose state is counted (default adam)",
     )
     parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="one stage only (default: all four)")
+    parser.add_argument(
+        "--hpz",
+        type=_positive_int,
+        default=1,
+        help="zero_optimization.zero_hpz_partition_size: stage 3 adds the secondary shards (default 1: off)",
+    )
     for what in ("optimizer", "param"):
         parser.add_argument(
             f"--offload-{what}",
@@ -161,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "stage",
                 "offload_optimizer",
                 "offload_param",
+                "hpz",
             )
             if getattr(args, dest) != parser.get_default(dest)
         ]
@@ -180,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizer=args.optimizer,
         offload_optimizer=args.offload_optimizer,
         offload_param=args.offload_param,
+        hpz_partition_size=args.hpz,
     )
     print(format_table(result))
     return 0

@@ -154,10 +154,14 @@ class MemoryEstimate:
     disk: int = 0
     """Bytes in NVMe swap files (ZeRO-Infinity, `on_nvme`): model states moved out of memory, so not
     in the four fields above nor in `total`."""
+    secondary: int = 0
+    """Stage 3 with hpZ (zero_hpz_partition_size k): the secondary shards at their peak, b P / k (each
+    trainable unit's 1/k in the parameter dtype, held from its training forward to its backward; at the end
+    of the forward all of them). Counted in `total`: memory the rank holds while it trains."""
 
     @property
     def total(self) -> int:
-        return self.params + self.gradients + self.master + self.optimizer_state
+        return self.params + self.gradients + self.master + self.optimizer_state + self.secondary
 
     @property
     def dtype(self) -> str:
@@ -255,6 +259,7 @@ def estimate_memory(
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     offload_optimizer: str = "none",
     offload_param: str = "none",
+    hpz_partition_size: int = 1,
 ) -> list[MemoryEstimate]: ...
 
 
@@ -269,6 +274,7 @@ def estimate_memory(
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     offload_optimizer: str = "none",
     offload_param: str = "none",
+    hpz_partition_size: int = 1,
 ) -> MemoryEstimate: ...
 
 
@@ -282,6 +288,7 @@ def estimate_memory(
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     offload_optimizer: str = "none",
     offload_param: str = "none",
+    hpz_partition_size: int = 1,
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Per-rank model-state bytes at `stage` (0-3), or a list for stages 0..3 when `stage` is None.
 
@@ -291,8 +298,10 @@ def estimate_memory(
     only matters for a module (bucket padding). See the module docstring for the formulas.
     `offload_optimizer` / `offload_param` ("none", "cpu", "nvme"): DeepSpeed's offload devices; "nvme"
     moves what the engine keeps in swap files to `disk` (see `on_nvme`); "cpu" changes nothing on a
-    CPU machine (the states are in host memory either way).
+    CPU machine (the states are in host memory either way). `hpz_partition_size` k > 1 adds hpZ's secondary
+    shards at stage 3 (`MemoryEstimate.secondary`).
     """
+    _check_int(hpz_partition_size, "hpz_partition_size", "zero_hpz_partition_size, 1 for off")
     for name, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if device not in ("none", "cpu", "nvme"):
             raise ValueError(f'{name}={device!r} is not an offload device; use "none", "cpu" or "nvme"')
@@ -309,6 +318,8 @@ def estimate_memory(
         estimate = estimate_from_costs(
             costs, s, world_size=world_size, numel=numel, padded_numel=padded, shard_numel=shard
         )
+        if s == 3 and hpz_partition_size > 1:
+            estimate = replace(estimate, secondary=costs.params * padded // hpz_partition_size)
         estimates.append(on_nvme(estimate, offload_optimizer == "nvme", offload_param == "nvme"))
     return estimates[0] if stage is not None else estimates
 

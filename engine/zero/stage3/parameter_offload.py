@@ -73,6 +73,12 @@ class ParameterOffload:
     def module(self) -> torch.nn.Module:
         return self._stage.module
 
+    def get_param_coordinator(self, training: bool = True) -> TraceCoordinator:
+        """DeepSpeed keeps one coordinator for training and one for evaluation; here one order of unit uses is
+        recorded by training micro-steps (evaluation follows none): the same object either way."""
+        del training
+        return self.param_coordinator
+
     @property
     def forward_hooks(self) -> list[RemovableHandle]:
         return self._stage.hooks.forward
