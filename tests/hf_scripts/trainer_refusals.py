@@ -1,10 +1,12 @@
-"""Trainer options the engine refuses, tried in turn in one process (one start-up for all of them): for each
+"""Trainer uses the engine refuses, tried in turn in one process (one start-up for all of them): for each
 case a tiny GPT-2 and a fresh `Trainer(args=TrainingArguments(deepspeed=CONFIG, **OPTIONS))`, then
-`trainer.train()`. What each raised, as `TypeName: message`, goes to --out (rank 0).
+`trainer.train()` (after `trainer.evaluate()` with "evaluate_first": transformers 5.24 trains at stage 3 with
+the evaluation-only engine its own train() just destroyed). What each raised, as `TypeName: message`, goes
+to --out (rank 0).
 
     zrun --nproc_per_node 2 tests/hf_scripts/trainer_refusals.py CASES.json --out refused.json
 
-CASES.json: {"name": {"deepspeed": "ds.json", "options": {"torch_compile": true}}, ...}
+CASES.json: {"name": {"deepspeed": "ds.json", "options": {"torch_compile": true}, "evaluate_first": false}, ...}
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def attempt(out: Path, deepspeed: str, options: dict[str, Any]) -> str | None:
+def attempt(out: Path, deepspeed: str, options: dict[str, Any], evaluate_first: bool) -> dict[str, Any]:
+    """What `trainer.train()` raised (None: nothing), and whether `trainer.evaluate()` ran first."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -42,11 +45,16 @@ def attempt(out: Path, deepspeed: str, options: dict[str, Any]) -> str | None:
         **options,
     )
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    trainer = Trainer(model=model, args=args, train_dataset=Windows(), eval_dataset=Windows())
+    evaluated = False
+    if evaluate_first:
+        trainer.evaluate()
+        evaluated = True
     try:
-        Trainer(model=model, args=args, train_dataset=Windows()).train()
+        trainer.train()
     except Exception as e:  # what the user sees: the exception's type and message
-        return f"{type(e).__name__}: {e}"
-    return None
+        return {"evaluated": evaluated, "raised": f"{type(e).__name__}: {e}"}
+    return {"evaluated": evaluated, "raised": None}
 
 
 def main() -> None:
@@ -55,7 +63,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     a = parser.parse_args()
     cases = json.loads(a.cases.read_text())
-    raised = {name: attempt(a.out.parent / name, c["deepspeed"], c.get("options", {})) for name, c in cases.items()}
+    raised = {
+        name: attempt(a.out.parent / name, c["deepspeed"], c.get("options", {}), c.get("evaluate_first", False))
+        for name, c in cases.items()
+    }
     if int(os.environ.get("RANK", "0")) == 0:
         a.out.write_text(json.dumps(raised))
 
