@@ -45,9 +45,13 @@ class Launch:
         self.stderr = done.stderr
 
 
-def launch(env: dict[str, str], model: Path, out: Path, trainers: str, config: Path | None = None) -> Launch:
+def launch(
+    env: dict[str, str], model: Path, out: Path, trainers: str, config: Path | None = None, save_model: bool = False
+) -> Launch:
     out.mkdir(parents=True, exist_ok=True)
     args = ["--model", str(model), "--out", str(out), "--trainers", trainers]
+    if save_model:  # rank 0 writes the model first (every later launch loads it)
+        args += ["--save_init", str(model)]
     if config is not None:
         args += ["--deepspeed", str(config)]
     done = run_script(SCRIPT, args, WORLD, env, out)
@@ -60,16 +64,15 @@ def env(deepspeed_compat: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def model(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama and its tokenizer every run loads (save_pretrained)."""
-    folder = tmp_path_factory.mktemp("trl_model") / "tiny-llama"
-    run_script(SCRIPT, ["--save_init", str(folder)], 1, env, folder.parent)
-    return folder
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny Llama and its tokenizer every run loads are saved (save_pretrained), by the plain launch."""
+    return tmp_path_factory.mktemp("trl_model") / "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def plain(env: dict[str, str], model: Path, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return launch(env, model, tmp_path_factory.mktemp("trl_plain"), TRAINERS)
+    """Plain DDP; its first rank writes the model first (one launch fewer)."""
+    return launch(env, model, tmp_path_factory.mktemp("trl_plain"), TRAINERS, save_model=True)
 
 
 def zero_launch(stage: int, env: dict[str, str], model: Path, tmp: Path) -> Launch:
@@ -81,7 +84,8 @@ def zero_launch(stage: int, env: dict[str, str], model: Path, tmp: Path) -> Laun
 
 
 @pytest.fixture(scope="module")
-def stage3(env: dict[str, str], model: Path, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+def stage3(env: dict[str, str], model: Path, plain: Launch, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    del plain  # it writes the model this launch loads
     return zero_launch(3, env, model, tmp_path_factory.mktemp("trl_zero3"))
 
 

@@ -2,8 +2,8 @@
 config file given as `SFTConfig(deepspeed=...)` (DPOConfig, GRPOConfig), the model named by its folder (TRL
 loads it, and DPO its reference model from the same folder: under ZeRO-3 both through deepspeed.zero.Init),
 the engine found through the `deepspeed` distribution built from compat/deepspeed. Without --deepspeed the
-same trainers run as plain DDP. Run by tests/test_trl.py under zrun at 2 ranks; `--save_init DIR` (one
-process) writes the tiny model and tokenizer every run starts from.
+same trainers run as plain DDP. Run by tests/test_trl.py under zrun at 2 ranks; `--save_init DIR` writes the
+tiny model and tokenizer every run starts from (alone, or first in a launch that then trains from it).
 
     zrun --nproc_per_node 2 tests/trl_scripts/trl_train.py --model DIR --out OUT --deepspeed ds.json \
         --trainers sft,dpo,grpo,rloo,online_dpo,grpo_nogather
@@ -249,9 +249,16 @@ def main() -> None:
         help="of sft, dpo, dpo_precompute, grpo, rloo, online_dpo, and grpo_nogather (ds3_gather_for_generation off)",
     )
     a = parser.parse_args()
-    if a.save_init is not None:
+    if a.save_init is not None and a.model is None:  # only write the model (one process)
         save_init(a.save_init)
         return
+    if a.save_init is not None:  # the launch's first rank writes the model every trainer then loads
+        from accelerate import PartialState
+
+        state = PartialState(cpu=True)  # gloo over the launch's ranks, as TrainingArguments(use_cpu=True) makes it
+        if state.is_main_process:
+            save_init(a.save_init)
+        state.wait_for_everyone()
     record_lm_head_gathers()
     report: dict[str, Any] = {}
     for name in a.trainers.split(","):
