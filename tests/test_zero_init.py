@@ -172,7 +172,7 @@ def test_init_peak_memory_while_building_a_400mb_model_on_4_ranks_stays_near_a_q
     assert whole > 0.9 * MODEL_BYTES, whole
     # ... and under Init each of 4 ranks holds its quarter plus the layers in flight: measured
     # 0.335-0.54 of the model (0.25 + a layer or two + gloo's scratch buffers + allocator noise, the
-    # high end during a full, loaded test run); up to 1.06 without the malloc_trim in engine/zero/partitioned_init.py.
+    # high end during a full, loaded test run); up to 1.06 without the malloc_trim after each module is partitioned (engine/ops/heap.py).
     for rank, peak in enumerate(run_distributed(_peak_while_building, 4, args=(True,), timeout=300)):
         assert peak < 0.6 * MODEL_BYTES, (rank, peak, peak / MODEL_BYTES)
 

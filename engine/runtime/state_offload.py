@@ -24,7 +24,6 @@ yet: it has not run on a GPU here.
 
 from __future__ import annotations
 
-import ctypes
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from engine.monitor.log import get_logger
 from engine.offload import AioConfig, SwapDir
 from engine.offload.swap_file import SwapFile
 from engine.ops.aio import AioContext
+from engine.ops.heap import return_freed_memory
 from engine.unsupported import UnsupportedFeatureError
 from engine.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum, offload_device, state_kinds
 
@@ -101,13 +101,6 @@ def _nvme_path(config: EngineConfig, given: str | None) -> str:
         "offload_states(device='nvme'): no folder for the swap files: set zero_optimization.offload_optimizer."
         "nvme_path (or offload_param.nvme_path) in the config, or call offload_states(..., nvme_path='/path')"
     )
-
-
-def _return_freed_memory() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # glibc keeps freed pages of the heap resident without it
-    except (OSError, AttributeError):
-        pass
 
 
 class StateOffloadMixin:
@@ -191,7 +184,7 @@ class StateOffloadMixin:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         for m in done.moved:
             m.storage.resize_(0)
-        _return_freed_memory()
+        return_freed_memory()
         logger.info(
             "offload_states: %.1f MiB of %s written to %s and freed",
             done.nbytes / 2**20,

@@ -36,7 +36,6 @@ looked up when the outermost Init opens, so a caller that replaces that module a
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -48,6 +47,7 @@ from engine import comm
 from engine.accelerator import get_accelerator  # also DeepSpeed's partition_parameters.get_accelerator (transformers)
 from engine.config import run_checks, zero_stage
 from engine.monitor.log import get_logger
+from engine.ops.heap import return_freed_memory
 from engine.zero.init_constructors import (  # noqa: F401 - DeepSpeed's partition_parameters has these (transformers)
     _CONSTRUCTORS,
     _orig_torch_arange,
@@ -138,29 +138,7 @@ def partition(params: Iterable[torch.Tensor], dtype: torch.dtype | None = None, 
         setattr(p, _SHARD, shard)
         p.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
     del flat, mine
-    _return_freed_memory()
-
-
-def _return_freed_memory() -> None:
-    """Give the pages of the whole values just freed back to the OS.
-
-    glibc raises its mmap threshold after the first large free, so later layers' whole values come
-    from the heap, interleaved with the small shards that stay: without a trim the freed holes stay
-    resident and a rank's peak while building measured up to the whole model (0.33-1.1x on 4 ranks
-    for a 400 MB model) instead of its quarter.
-    """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc; other allocators return memory by themselves
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
+    return_freed_memory()  # the whole values' pages (engine/ops/heap.py says why)
 
 
 def _collective_device() -> torch.device | None:
