@@ -99,3 +99,38 @@ def reference_train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+TINY_DECODER: dict[str, int] = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+"""The shape of the transformers decoders the tests build from a config: 2 layers, 4 query heads over 2
+key/value heads (grouped-query attention, split over 2 sequence-parallel ranks)."""
+
+
+def tiny_hf_config(kind: str = "llama", experts: int = 4, top_k: int = 2, **overrides: Any) -> Any:
+    """A transformers config of TINY_DECODER's shape: "llama", "mixtral" or "qwen2_moe" (`experts`, each token
+    routed to `top_k`), with `overrides` (attn_implementation, pad_token_id, ...) on top."""
+    import transformers
+
+    shape = {**TINY_DECODER, **overrides}
+    if kind == "llama":
+        return transformers.LlamaConfig(**shape)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**shape, num_local_experts=experts, num_experts_per_tok=top_k)
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **shape,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            decoder_sparse_step=1,
+        )
+    raise ValueError(f"tiny_hf_config: unknown kind {kind!r}")

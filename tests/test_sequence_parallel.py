@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_distributed
+from models import tiny_hf_config
 
 import engine
 from engine.parallel import sequence_groups
@@ -28,20 +29,10 @@ EPS = 1e-4
 
 
 def make_model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_hf_config(attn_implementation="sdpa"))
 
 
 def batch(index: int, length: int = LENGTH) -> dict[str, torch.Tensor]:
@@ -450,21 +441,12 @@ def test_a_checkpoint_taken_at_sp2_loads_without_sequence_parallelism(tmp_path: 
 def _mqa_logits() -> dict[str, float]:
     """One key/value head (MQA) over 2 ranks: each rank gets a copy of it; the forward equals the unsplit one.
     With disable_in_eval, an evaluation of the whole sequence afterwards uses the module's own grouping."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from engine.sequence.hf_attention import UlyssesSPAttentionHF
 
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        attn_implementation="sdpa",
-    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(tiny_hf_config(num_key_value_heads=1, attn_implementation="sdpa"))
     whole = batch(3)
     with torch.no_grad():
         want = model(input_ids=whole["input_ids"], position_ids=whole["position_ids"]).logits

@@ -17,27 +17,17 @@ from typing import Any
 
 import torch
 from distributed import run_distributed
+from models import tiny_hf_config
 
 import engine
 from engine import comm
 
 
 def _model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_hf_config(pad_token_id=0, eos_token_id=1))
 
 
 def _generate(eng: Any, prompt: torch.Tensor) -> torch.Tensor:

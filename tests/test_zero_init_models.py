@@ -20,6 +20,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from hf_clients import ROOT, client_env, run_script
+from models import tiny_hf_config
 
 import engine
 
@@ -88,33 +89,9 @@ def test_a_parameter_nothing_wrote_is_refused_by_name(stage: int) -> None:
 
 
 # ---------------------------------------------------------------- MoE at stage 3, ranks routing differently
-def _moe_config(name: str) -> Any:
-    """8 experts, each token to 1: on a rank's 16 tokens some experts get none, and which differs by rank."""
-    import transformers
-
-    small = {
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-    }
-    if name == "mixtral":
-        return transformers.MixtralConfig(**small, num_local_experts=8, num_experts_per_tok=1)
-    return transformers.Qwen2MoeConfig(
-        **small,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        num_experts=8,
-        num_experts_per_tok=1,
-        decoder_sparse_step=1,
-    )
-
-
 def _moe_losses(name: str, stage: int, under_init: bool) -> dict[str, Any]:
-    """3 steps; each rank its own tokens. The losses, and the experts each layer routed this rank's tokens to."""
+    """3 steps; each rank its own tokens. The losses, and the experts each layer routed this rank's tokens to.
+    8 experts, each token to 1: on a rank's 16 tokens some experts get none, and which differs by rank."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -125,9 +102,9 @@ def _moe_losses(name: str, stage: int, under_init: bool) -> dict[str, Any]:
     }
     if under_init:
         with engine.zero.Init(config_dict_or_path=config):
-            model = AutoModelForCausalLM.from_config(_moe_config(name))
+            model = AutoModelForCausalLM.from_config(tiny_hf_config(name, experts=8, top_k=1))
     else:
-        model = AutoModelForCausalLM.from_config(_moe_config(name))
+        model = AutoModelForCausalLM.from_config(tiny_hf_config(name, experts=8, top_k=1))
     eng, *_ = engine.initialize(model=model, config=config)
     rank = torch.distributed.get_rank()
     losses, routed = [], []

@@ -15,32 +15,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared model shapes
+from models import TINY_DECODER, tiny_hf_config
+
 MICRO, LENGTH, SAMPLES, STEPS, LR = 2, 16, 16, 4, 1e-3
 EPS = 1e-4  # Adam's eps: large enough that last-bit differences in tiny gradients stay last-bit (see the test)
-VOCAB = 96
+VOCAB = TINY_DECODER["vocab_size"]
 
 
 def model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-    )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_hf_config(attn_implementation="sdpa", pad_token_id=0))
 
 
 class Samples(torch.utils.data.Dataset):

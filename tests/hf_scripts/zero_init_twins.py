@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +20,15 @@ import torch
 
 import engine
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared model shapes
+from models import tiny_hf_config
+
 STAGE3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
-SMALL = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 MODELS = ("llama", "mixtral", "qwen2_moe", "raw")
 
 
 def config(name: str) -> Any:
-    import transformers
-
-    if name == "llama":
-        return transformers.LlamaConfig(**SMALL)
-    if name == "mixtral":
-        return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
-    if name == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(
-            **SMALL,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-        )
-    return raw_model_class().config_class(hidden_size=4)
+    return raw_model_class().config_class(hidden_size=4) if name == "raw" else tiny_hf_config(name)
 
 
 def raw_model_class() -> Any:
