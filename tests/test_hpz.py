@@ -79,7 +79,7 @@ def _train(hpz: int, checkpointed: bool, folder: str | None = None, load: bool =
         eng.backward(loss)
         eng.step()
         losses.append(float(loss))
-        if eng.is_gradient_accumulation_boundary() or micro % 2 == 1:
+        if micro % 2 == 1:  # the step of each window of 2 micro-steps ran
             norms.append(eng.get_global_grad_norm())
     stats = {k: v - before.get(k, 0) for k, v in engine.comm.comm_stats()["bytes_sent"].items()}
     stats = {k: v for k, v in stats.items() if v}

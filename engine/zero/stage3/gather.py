@@ -182,7 +182,7 @@ class UnitGathers:
             self._unstart(unit)
             raise
         works = []
-        if self.secondary is not None and self.secondary.has(list(unit.groups)):  # a backward's gather (hpZ)
+        if self.secondary is not None and self.secondary.has(unit.groups):  # a backward's gather (hpZ)
             self._in_flight[unit.index] = [self.secondary.gather(g, _full(g), unit.index) for g in unit.groups]
             return
         for g, (values, _) in reads:
@@ -235,7 +235,7 @@ class UnitGathers:
             return
         if self.secondary is not None and unit.trainable:
             if in_backward():  # its backward gathered it: the secondary shard is spent
-                self.secondary.drop(list(unit.groups))
+                self.secondary.drop(unit.groups)
             elif torch.is_grad_enabled():  # a training forward: its backward will gather it from the group
                 for g in unit.groups:
                     self.secondary.keep(g, _full(g))

@@ -18,6 +18,8 @@ and every one left is dropped after each backward and each step (a forward whose
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine import comm
@@ -66,7 +68,7 @@ class SecondaryShards:
         self.nbytes += part.numel() * part.element_size()
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
 
-    def has(self, keys: list[object]) -> bool:
+    def has(self, keys: Sequence[object]) -> bool:
         return bool(keys) and all(id(k) in self._held for k in keys)
 
     def gather(self, key: object, full: torch.Tensor, unit: int) -> Handle:
@@ -77,7 +79,7 @@ class SecondaryShards:
         assert work is not None  # async_op=True always returns a handle
         return work
 
-    def drop(self, keys: list[object]) -> None:
+    def drop(self, keys: Sequence[object]) -> None:
         for k in keys:
             part = self._held.pop(id(k), None)
             if part is not None:

@@ -356,7 +356,7 @@ class Stage3:
         """After a user modified the gathered unit on rank `src` (a data-parallel position): everyone
         takes src's values and writes its own slice back into the shard and the fp32 master."""
         if self._gathers.secondary is not None:  # kept from before the change: stale
-            self._gathers.secondary.drop(list(unit.groups))
+            self._gathers.secondary.drop(unit.groups)
         for g in unit.groups:
             assert g.full is not None, "scatter_from needs the unit gathered"
             comm.broadcast(g.full, src=self.parallel.dp_src(src), group=self._group)
