@@ -92,8 +92,8 @@ class ZeroOptimizer(torch.optim.Optimizer, DeepSpeedOptimizer):
     def parameter_offload(self) -> Any:
         """DeepSpeed's stage-3 optimizer keeps its module hooks here; TRL's generation removes and re-adds
         them through it (engine/zero/stage3/parameter_offload.py). At stages 0-2 absent, as on DeepSpeed's
-        stage 1-2 optimizers."""
-        offload = getattr(self._owner()._require_alive(), "parameter_offload", None)
+        stage 1-2 optimizers. Its hook handles read no training state: it answers while states are offloaded."""
+        offload = getattr(self._owner()._live_stage(), "parameter_offload", None)
         if offload is None:
             raise AttributeError("parameter_offload")
         return offload
