@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from engine.comm import torch_nn_gloo
 from engine.comm.lifecycle import get_rank, get_world_size
 from engine.comm.state import STATE
 from engine.comm.transport import GroupTransport
@@ -27,6 +28,7 @@ def new_group(ranks: Sequence[int] | None = None, name: str = "group") -> Proces
     under "<name>.<op>". Every rank of the world must make every group, in the same order (torch's
     rule), also the groups it is not in; it gets back a group it cannot use then."""
     members = sorted(range(get_world_size()) if ranks is None else ranks)
+    torch_nn_gloo.install()  # client code hands these groups to torch.distributed.nn (torch_nn_gloo.py says why)
     group = dist.new_group(ranks=members)
     STATE.subgroups[group] = Subgroup(name, GroupTransport(members))
     return group
@@ -37,6 +39,7 @@ def adopt_group(group: ProcessGroup, name: str) -> None:
     so collectives on it work on every implementation and comm_stats() counts its traffic under
     "<name>.<op>". A group made by new_group keeps its name."""
     if group not in STATE.subgroups:
+        torch_nn_gloo.install()
         STATE.subgroups[group] = Subgroup(name, GroupTransport(list(dist.get_process_group_ranks(group))))
 
 

@@ -37,17 +37,35 @@ def model() -> Any:
 
 
 class Samples(torch.utils.data.Dataset):
-    """Token sequences whose first quarter is a prompt without loss (labels -100), with position_ids."""
+    """Token sequences whose first quarter is a prompt without loss (labels -100), with position_ids;
+    `order` lists which sample each index gives (all of them in turn by default)."""
+
+    def __init__(self, order: list[int] | None = None) -> None:
+        self.order = list(range(SAMPLES)) if order is None else order
 
     def __len__(self) -> int:
         return SAMPLES
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(100 + i)
+        g = torch.Generator().manual_seed(100 + self.order[i])
         ids = torch.randint(1, VOCAB, (LENGTH,), generator=g)
         labels = ids.clone()
         labels[: LENGTH // 4] = -100
         return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(LENGTH)}
+
+
+def sequence_data_order(world: int, sp: int, micro: int) -> list[int]:
+    """The samples in the order sp x (world // sp) ranks train them, sampled in sequence, for a reference
+    of one process at micro x (world // sp): each rank's loader takes every world-th micro-batch, and a
+    sequence-parallel group trains its ranks' micro-batches one after another (one per step), so step
+    2k + t of round k holds micro-batch t of every group. Its batches of micro x dp samples are the steps'."""
+    order = []
+    for start in range(0, SAMPLES, world * micro):
+        for t in range(sp):
+            for group in range(world // sp):
+                batch = start // micro + group * sp + t
+                order += range(batch * micro, batch * micro + micro)
+    return order
 
 
 def parallelism(sp: int) -> dict[str, Any]:
@@ -62,7 +80,7 @@ def parallelism(sp: int) -> dict[str, Any]:
     return {"parallelism_config": config}
 
 
-def training_args(cls: Any, out: Path, deepspeed: str | None, sp: int, micro: int) -> Any:
+def training_args(cls: Any, out: Path, deepspeed: str | None, sp: int, micro: int, **extra: Any) -> Any:
     return cls(
         output_dir=str(out),
         per_device_train_batch_size=micro,
@@ -80,14 +98,19 @@ def training_args(cls: Any, out: Path, deepspeed: str | None, sp: int, micro: in
         seed=7,
         deepspeed=deepspeed,
         **parallelism(sp),
+        **extra,
     )
+
+
+def sampling(a: argparse.Namespace) -> dict[str, str]:
+    return {"train_sampling_strategy": "sequential"} if a.sequential else {}
 
 
 def run_trainer(a: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import Trainer, TrainingArguments
 
-    args = training_args(TrainingArguments, a.out.parent / "trainer", a.deepspeed, a.sp, a.micro)
-    trainer = Trainer(model=model(), args=args, train_dataset=Samples())
+    args = training_args(TrainingArguments, a.out.parent / "trainer", a.deepspeed, a.sp, a.micro, **sampling(a))
+    trainer = Trainer(model=model(), args=args, train_dataset=Samples(a.order))
     trainer.train()
     return trainer.state.log_history
 
@@ -102,9 +125,12 @@ def run_sft(a: argparse.Namespace) -> list[dict[str, Any]]:
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>")), pad_token="<pad>"
     )
-    rows = [Samples()[i] for i in range(SAMPLES)]  # pre-tokenised: TRL trains on input_ids as they are
+    rows = [Samples(a.order)[i] for i in range(SAMPLES)]  # pre-tokenised: TRL trains on input_ids as they are
     data = Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in rows])
-    cfg = training_args(SFTConfig, a.out.parent / "sft", a.deepspeed, a.sp, a.micro)
+    # SFTConfig defaults to bf16=True (autocast, and bf16 "auto" in the DeepSpeed config): these runs are
+    # fp32, as the Trainer's, so that the comparison measures sequence parallelism and not bf16's rounding
+    # of two different shapes.
+    cfg = training_args(SFTConfig, a.out.parent / "sft", a.deepspeed, a.sp, a.micro, bf16=False, **sampling(a))
     cfg.max_length = LENGTH
     trainer = SFTTrainer(model=model(), args=cfg, train_dataset=data, processing_class=tok)
     trainer.train()
@@ -123,7 +149,7 @@ def run_accelerate(a: argparse.Namespace) -> list[dict[str, Any]]:
     accelerator = Accelerator(deepspeed_plugin=plugin, **parallelism(a.sp))
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
-    loader = torch.utils.data.DataLoader(Samples(), batch_size=a.micro)
+    loader = torch.utils.data.DataLoader(Samples(a.order), batch_size=a.micro)
     net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
     history = []
     for step, batch in enumerate(loader):
@@ -141,7 +167,10 @@ def run_accelerate(a: argparse.Namespace) -> list[dict[str, Any]]:
         norm = accelerator.clip_grad_norm_(net.parameters(), 1.0) if plugin is None else net.get_global_grad_norm()
         optimizer.step()
         optimizer.zero_grad()
-        history.append({"loss": float(loss), "grad_norm": float(norm)})
+        # The step's loss as the Trainer logs it: the mean over the ranks (a sequence-parallel group's ranks
+        # hold the same loss, so this is the mean over the data-parallel replicas).
+        mean = accelerator.reduce(loss.detach(), reduction="mean")
+        history.append({"loss": float(mean), "grad_norm": float(norm)})
         if step + 1 == STEPS:
             break
     return history
@@ -157,11 +186,20 @@ def main() -> None:
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=MICRO)
     parser.add_argument("--deepspeed", default=None)
+    parser.add_argument("--sequential", action="store_true", help="the Trainers sample in order, not shuffled")
+    parser.add_argument(
+        "--order-of",
+        default=None,
+        metavar="WORLD,SP,MICRO",
+        help="train the samples in the order WORLD ranks at SP and MICRO do (sequence_data_order), in sequence",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--init_gloo", action="store_true", help="deepspeed.init_distributed('gloo') first (real DeepSpeed on CPU)"
     )
     a = parser.parse_args()
+    a.order = sequence_data_order(*map(int, a.order_of.split(","))) if a.order_of else None
+    a.sequential = a.sequential or a.order is not None
     if a.init_gloo:
         import deepspeed
 
