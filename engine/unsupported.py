@@ -1,5 +1,5 @@
 """DeepSpeed entry points for features this engine does not implement, so a client that reaches for
-one (Hugging Face Trainer/Accelerate with a TP size above 1, or torch_compile)
+one (Hugging Face Trainer/Accelerate with a TP size above 1)
 stops at once with an error naming the setting that asked for it and what to do instead, never an
 AttributeError or ImportError from inside a `deepspeed` alias package.
 
@@ -28,13 +28,4 @@ def tp_model_init(model: Any = None, tp_size: int = 1, dtype: Any = None, config
         "untested with this engine); remove tensor_parallel from the DeepSpeed config (or set autotp_size to 1; for "
         "HF TrainingArguments, drop tp_size) and train data-parallel with ZeRO stage 3, or call "
         "engine.initialize(...) with tensor_parallel.autotp_size in your own training loop"
-    )
-
-
-def refuse_compile(backend: Any = None, compile_kwargs: Any = None, **_: Any) -> NoReturn:
-    """`DeepSpeedEngine.compile`: compiling through the engine is not implemented."""
-    raise UnsupportedFeatureError(
-        f"engine.compile(backend={backend!r}) (torch_compile through DeepSpeed) is not implemented by this "
-        "engine; train without it: TrainingArguments(torch_compile=False), or Accelerate's dynamo_backend "
-        "'no' (unset ACCELERATE_DYNAMO_BACKEND)"
     )

@@ -1,7 +1,7 @@
 """The `deepspeed` compatibility distribution (compat/deepspeed) and what the engine gives it: the
 installed distribution is what transformers and Accelerate look for, every alias is the engine's own
 object, DeepSpeed's optimizer classes compute what their names say, and what the engine does not
-implement (torch_compile, tensor and sequence parallelism, NVMe offload) stops a Trainer run at
+implement (tensor parallelism and NVMe offload through the Trainer) stops a Trainer run at
 initialize with an error naming the setting, never an AttributeError from inside the package."""
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ def refused(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> di
     nvme["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp)}
     (tmp / "nvme.json").write_text(json.dumps(nvme))
     cases = {
-        "torch_compile": {"deepspeed": str(write_config(tmp / "ds2.json", 2)), "options": {"torch_compile": True}},
         "tensor_parallel": {"deepspeed": str(write_config(tmp / "tp.json", 2, tensor_parallel={"autotp_size": 2}))},
         "nvme": {"deepspeed": str(tmp / "nvme.json")},
         "evaluate_then_train": {"deepspeed": str(ROOT / "configs" / "hf" / "zero3.json"), "evaluate_first": True},
@@ -106,14 +105,6 @@ def refused(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> di
     results = json.loads(report.read_text())
     assert results["evaluate_then_train"]["evaluated"]  # evaluate() went through; train() is what stopped
     return {name: r["raised"] for name, r in results.items()}
-
-
-def test_trainer_torch_compile_is_refused_naming_the_fix(refused: dict[str, str | None]) -> None:
-    error = refused["torch_compile"]
-    assert error and error.startswith(
-        "UnsupportedFeatureError: engine.compile(backend='inductor') (torch_compile through DeepSpeed)"
-    ), error
-    assert "TrainingArguments(torch_compile=False)" in error
 
 
 def test_trainer_tensor_parallel_is_refused_naming_the_key(refused: dict[str, str | None]) -> None:

@@ -158,6 +158,12 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None, *(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs))
 
 
+# Both forms are opaque to torch.compile: inside a compiled model the graph breaks at the call and the
+# checkpoint runs as written here, its function eagerly, in the forward and in the recompute alike (a
+# forward traced by the compiler saves other tensors than the eager recompute would: the counts below
+# would disagree, and the model-parallel RNG replay would not reach the compiled kernels). torch's own
+# torch.utils.checkpoint, which Hugging Face models use, is compiled with the model (docs/compile.md).
+@torch.compiler.disable
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """DeepSpeed's deepspeed.checkpointing.checkpoint (reentrant): `function(*args, **kwargs)`, its
     activations recomputed in the backward instead of kept."""
@@ -220,6 +226,7 @@ class _Frame:
         self.recomputed = saved
 
 
+@torch.compiler.disable
 def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """DeepSpeed's deepspeed.checkpointing.non_reentrant_checkpoint (torch's use_reentrant=False form)."""
     function, args = _with_kwargs(function, args, kwargs)

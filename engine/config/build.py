@@ -50,6 +50,7 @@ FIELD_OF_KEY: dict[str, str] = {
     "seed": "seed",
     "collectives": "collectives",
     "aio": "aio",
+    "compile": "compile",
     "tensor_parallel": "tensor_parallel",
     "sequence_parallel_size": "sequence_parallel_size",
     "activation_checkpointing": "activation_checkpointing",

@@ -195,6 +195,28 @@ READ_ENTRIES: tuple[Entry, ...] = (
         "engine shards the model in place",
     ),
     Entry(
+        "compile.enabled",
+        S.IMPLEMENTED,
+        PRESENT,
+        "true: engine.initialize compiles the model in place with torch.compile (engine.compile() with "
+        "compile.backend and compile.kwargs); at stage 3 the graph breaks at each gather unit (docs/compile.md)",
+    ),
+    Entry("compile.disable", S.IMPLEMENTED, PRESENT, "axolotl's spelling: false is compile.enabled true"),
+    Entry(
+        "compile.backend",
+        S.IMPLEMENTED,
+        PRESENT,
+        "torch.compile's backend for engine.compile() called without one (default inductor): a registered name or "
+        "the dotted path of a callable",
+    ),
+    Entry(
+        "compile.kwargs",
+        S.IMPLEMENTED,
+        PRESENT,
+        "torch.compile's other arguments (mode, fullgraph, dynamic, options) for engine.compile() called without "
+        "compile_kwargs",
+    ),
+    Entry(
         "seed",
         S.IMPLEMENTED,
         PRESENT,

@@ -406,11 +406,34 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         "set it to false",
     ),
     Entry(
+        "compile.deepcompile",
+        S.REFUSED,
+        TRUE,
+        "DeepCompile (DeepSpeed's compiler passes that schedule ZeRO's gathers and reductions inside the graph) is "
+        "not implemented; engine.compile() compiles the model between the engine's hooks instead",
+        "remove compile.deepcompile (or set it to false) and compile with engine.compile(), the Trainer's "
+        'torch_compile=True, or "compile": {"enabled": true}',
+    ),
+    Entry(
+        "compile",
+        S.REFUSED,
+        When(
+            "enabled true with disable true",
+            lambda v: isinstance(v, dict) and v.get("enabled") is True and v.get("disable") is True,
+        ),
+        "compile.enabled and compile.disable say opposite things",
+        "keep one of them: enabled true (or disable false) compiles at initialize",
+    ),
+    Entry(
         "compile",
         S.WARNED,
-        NON_EMPTY,
-        "DeepCompile options are not read; use torch.compile on the model",
-        "remove it",
+        When(
+            "a DeepCompile option",
+            lambda v: isinstance(v, dict) and bool(set(v) - {"enabled", "disable", "backend", "kwargs", "deepcompile"}),
+        ),
+        "DeepCompile's options (free_activation, offload_activation, offload_opt_states, double_buffer, passes, ...) "
+        "act only with deepcompile, which is not implemented",
+        "remove them",
     ),
     Entry("graph_harvesting", S.WARNED, TRUE, "CUDA-graph harvesting is not implemented", "set it to false"),
     Entry("disable_allgather", S.WARNED, TRUE, "legacy option with no effect", "remove it"),

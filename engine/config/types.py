@@ -221,6 +221,23 @@ class TensorParallelConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    """The `compile` section as DeepSpeed 0.14 read it (engine/runtime/compile.py): torch.compile's backend
+    and arguments for engine.compile(), and whether initialize compiles."""
+
+    enabled: bool = False
+    """True: engine.initialize compiles the model (engine.compile() with the two keys below)."""
+    disable: bool = True
+    """axolotl's spelling of the same switch: false compiles at initialize."""
+    backend: str = "inductor"
+    kwargs: Mapping[str, Any] = field(default_factory=_frozen_mapping)
+
+    @property
+    def at_initialize(self) -> bool:
+        return self.enabled or not self.disable
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole validated config with batch sizes resolved against the data-parallel world size."""
 
@@ -275,6 +292,7 @@ class EngineConfig:
     """Ranks that split each sample's tokens (DeepSpeed-Ulysses; engine/parallel/sequence_groups.py): the
     config's key, or the groups UlyssesSPAttentionHF.register_with_transformers (or mpu=) made. Batch sizes
     count world_size = ranks // sequence_parallel_size replicas; ZeRO partitions over every rank."""
+    compile: CompileConfig = field(default_factory=CompileConfig)
     aio: Mapping[str, Any] = field(default_factory=_frozen_mapping)
     """DeepSpeed's `aio` section as written: the NVMe swap files' I/O settings (engine/ops/aio.py's
     AioConfig.from_section reads it)."""

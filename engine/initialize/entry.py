@@ -253,5 +253,11 @@ def initialize(
         owns_process_group=owns_group,
         parallel=parallel,
     )
+    if cfg.compile.at_initialize:  # the config's compile section (engine/runtime/compile.py)
+        try:
+            engine.compile()
+        except BaseException:
+            engine.destroy()  # the module given back whole, the process group released
+            raise
     # DeepSpeed returns its ZeRO optimizer, not the torch one it was given (engine/runtime/zero_optimizer.py).
     return engine, engine.optimizer, loader, scheduler

@@ -77,6 +77,10 @@ class _Region(torch.autograd.Function):
         return ctx.backward(grad, ctx.group), None, None, None
 
 
+# Opaque to torch.compile: in a compiled model the graph breaks at each region boundary and its collective
+# runs through engine.comm as written (traced, Dynamo would guard on comm's counters and recompile at every
+# call); the matrix products between the boundaries are compiled (docs/compile.md).
+@torch.compiler.disable
 def _apply(forward: Boundary, backward: Boundary, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     resolved = resolve_group(group)
     if resolved is None or comm.group_size(resolved) == 1:

@@ -5,7 +5,8 @@ backward and to take the optimizer step. It owns the LR schedule and the accumul
 (engine/runtime/window.py: the state, the counters), and hands each step's facts to its reporter
 (engine/monitor/reporter.py). Its save and load methods (checkpoints, the 16-bit model, the consolidated
 state dict) are SavingMixin's, in engine/runtime/saving.py; DeepSpeed's accessors are AccessorsMixin's;
-offload_states / reload_states / empty_partition_cache are StateOffloadMixin's (engine/runtime/state_offload.py).
+offload_states / reload_states / empty_partition_cache are StateOffloadMixin's (engine/runtime/state_offload.py);
+compile / is_compiled are CompileMixin's (engine/runtime/compile.py).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from engine.precision import NonFiniteGradientError, Precision
 from engine.profiling.step_profile import StepProfile
 from engine.runtime.accessors import AccessorsMixin
 from engine.runtime.auto_cast import to_half
+from engine.runtime.compile import CompileMixin
 from engine.runtime.saving import SavingMixin
 from engine.runtime.state_offload import OffloadedStates, StateOffloadMixin, StatesOffloadedError
 from engine.runtime.window import TrainingWindow, WindowState
 from engine.runtime.zero_optimizer import ZeroOptimizer
-from engine.unsupported import refuse_compile
 from engine.zero.base import ZeroStage
 from engine.zero.released import full_numel
 
@@ -77,7 +78,7 @@ class DestroyedEngineError(RuntimeError):
         )
 
 
-class Engine(AccessorsMixin, SavingMixin, StateOffloadMixin, torch.nn.Module):
+class Engine(AccessorsMixin, SavingMixin, StateOffloadMixin, CompileMixin, torch.nn.Module):
     """Wraps a module for data-parallel training; DeepSpeedEngine's user-facing surface. A
     torch.nn.Module as DeepSpeedEngine is (Lightning Fabric finds the engine by scanning
     `module.modules()`; user code checks isinstance(model, nn.Module)), with the model registered as
@@ -155,11 +156,6 @@ class Engine(AccessorsMixin, SavingMixin, StateOffloadMixin, torch.nn.Module):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(module, name)
 
-    def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
-        """DeepSpeedEngine.compile (Accelerate calls it for torch_compile): refused by name, never the
-        wrapped module's nn.Module.compile reached through the fall-through."""
-        refuse_compile(backend, compile_kwargs, **kwargs)
-
     # ---------------------------------------------------------------------------- training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_alive()
@@ -206,7 +202,8 @@ class Engine(AccessorsMixin, SavingMixin, StateOffloadMixin, torch.nn.Module):
             self._profile.before_backward()
         stage.prepare_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._window.unsynced)
         try:
-            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+            with self._backward_compiled():
+                self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
         except RuntimeError as err:
             if "backward through the graph a second time" in str(err):  # a new tensor computed from a spent one
                 raise RuntimeError(_SPENT_GRAPH) from err

@@ -47,6 +47,7 @@ class _SeqAllToAll(torch.autograd.Function):
         return _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
 
 
+@torch.compiler.disable  # a graph break in a compiled model, as the tensor-parallel boundaries (mappings.py)
 def seq_all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup) -> torch.Tensor:
     """`x` split along `gather_dim` over `group` -> split along `scatter_dim` (see the module docstring)."""
     out: torch.Tensor = _SeqAllToAll.apply(x, scatter_dim, gather_dim, group)

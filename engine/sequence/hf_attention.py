@@ -113,7 +113,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         # evaluation without sequence parallelism (disable_in_eval) must see the module's own.
         groups = getattr(module, "num_key_value_groups", None)
         if groups is not None:
-            module.num_key_value_groups = q.shape[1] // k.shape[1]  # type: ignore[assignment]
+            module.num_key_value_groups = q.shape[1] // k.shape[1]
         try:
             context, weights = self.attn(module, q, k, v, mask, *args, **kwargs)
         finally:

@@ -6,7 +6,7 @@ to --out (rank 0).
 
     zrun --nproc_per_node 2 tests/hf_scripts/trainer_refusals.py CASES.json --out refused.json
 
-CASES.json: {"name": {"deepspeed": "ds.json", "options": {"torch_compile": true}, "evaluate_first": false}, ...}
+CASES.json: {"name": {"deepspeed": "ds.json", "options": {"tp_size": 2}, "evaluate_first": false}, ...}
 """
 
 from __future__ import annotations

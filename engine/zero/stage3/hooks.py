@@ -7,6 +7,7 @@ generation and asks for them back (engine/zero/stage3/parameter_offload.py), des
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -48,16 +49,29 @@ class StageHooks:
     def _forward_hooks(self) -> list[RemovableHandle]:
         gathers, module = self._gathers, self._module
         root = next((u for u in self._units if not u.modules), None)
-        handles = [module.register_forward_pre_hook(lambda _m, _i: gathers.start_micro_step())]
+        handles = [module.register_forward_pre_hook(_eager(lambda _m, _i: gathers.start_micro_step()))]
         if root is not None:
-            handles.append(module.register_forward_pre_hook(lambda _m, _i, root=root: gathers.gather(root)))
-            handles.append(module.register_forward_hook(lambda _m, _i, _o, root=root: gathers.after_root_forward(root)))
+            handles.append(module.register_forward_pre_hook(_eager(lambda _m, _i, root=root: gathers.gather(root))))
+            handles.append(
+                module.register_forward_hook(_eager(lambda _m, _i, _o, root=root: gathers.after_root_forward(root)))
+            )
         for unit in self._units:
             for member in unit.modules:
-                handles.append(member.register_forward_pre_hook(lambda _m, _i, unit=unit: gathers.gather(unit)))
+                handles.append(member.register_forward_pre_hook(_eager(lambda _m, _i, unit=unit: gathers.gather(unit))))
                 handles.append(
                     member.register_forward_hook(
-                        lambda m, _i, out, unit=unit: gathers.after_forward(unit, out, last=m is unit.modules[-1])
+                        _eager(
+                            lambda m, _i, out, unit=unit: gathers.after_forward(unit, out, last=m is unit.modules[-1])
+                        )
                     )
                 )
         return handles
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A forward hook torch.compile calls without tracing it: the gathers and releases run as the engine
+    wrote them (collectives, the memory they free), and a compiled model's graph breaks at each member
+    (before its pre-hook, after its hook): what is compiled is each member's forward between them
+    (docs/compile.md). Traced instead, Dynamo would guard on the engine's counters and recompile at
+    every gather."""
+    return torch.compiler.disable(hook, recursive=True)

@@ -66,6 +66,10 @@ class _LinearSavingWeight(torch.autograd.Function):
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # Inside a compiled region torch's linear is traced as it is: the lookup below would break the graph at
+    # every linear, and the compiled backward saves what its partitioner chooses (docs/compile.md).
+    if torch.compiler.is_compiling():
+        return _original_linear(input, weight, bias)
     if torch.is_grad_enabled() and owners.unit_of(weight) is not None:
         return _LinearSavingWeight.apply(input, weight, bias)
     return _original_linear(input, weight, bias)
