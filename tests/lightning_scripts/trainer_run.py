@@ -17,7 +17,9 @@ AdamW with a per-step warmup schedule from `configure_optimizers`, 2 epochs of 4
   and saves again; rank 0 converts that checkpoint with convert_zero_checkpoint_to_fp32_state_dict
   (final.pt) and loads it with load_from_checkpoint. A callback reads Lightning's DeepSpeedSummary
   (the stage-3 model summary) at fit start on every rank;
-- `bf16_stage1..3`: precision="bf16-mixed" at each stage.
+- `bf16_stage1..3`: precision="bf16-mixed" at each stage;
+- `compiled_stage1`, `compiled_stage3`: the network compiled in place in configure_model (`net.compile()`,
+  inductor) at stages 1 and 3.
 Rank 0 writes report.json: every run's per-rank losses, the summary, the converted file's keys.
 """
 
@@ -56,12 +58,17 @@ class Regressor(pl.LightningModule):
         self.net: nn.Module | None = None
         self.proj: nn.Module | None = None
         self.losses: list[float] = []
+        self.compile_net = False
 
     def configure_model(self) -> None:
         if self.net is not None:
             return
         torch.manual_seed(SEED)
         self.net = nn.Sequential(nn.Linear(DIM_IN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, DIM_OUT))
+        if self.compile_net:
+            # Lightning's Trainer refuses a torch.compile'd LightningModule under DeepSpeedStrategy (its own
+            # check, as for DeepSpeed): its users compile the network inside, in place (same parameter names).
+            self.net.compile()
         self.proj = nn.Linear(DIM_OUT, DIM_OUT)
         self.proj.requires_grad_(False)
 
@@ -120,6 +127,7 @@ def fit(
     accumulate: int = 1,
     ckpt_path: str | None = None,
     callbacks: list[pl.Callback] | None = None,
+    compiled: bool = False,
 ) -> tuple[pl.Trainer, Regressor]:
     """Clipping only without accumulation: with accumulate_grad_batches=k Lightning divides the loss by k
     and DeepSpeed's backward divides it again (real DeepSpeed too), so the norm the engine clips is
@@ -138,6 +146,7 @@ def fit(
         enable_progress_bar=False,
         callbacks=callbacks,
     )
+    model.compile_net = compiled
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
     return trainer, model
 
@@ -203,6 +212,12 @@ def main(out: Path) -> None:
 
     for stage in (1, 2, 3):
         losses[f"bf16_stage{stage}"] = per_rank(fit(deepspeed(stage), precision="bf16-mixed")[1].losses)
+
+    report["net_compiled"] = {}
+    for stage in (1, 3):
+        _, model = fit(deepspeed(stage), compiled=True)
+        losses[f"compiled_stage{stage}"] = per_rank(model.losses)
+        report["net_compiled"][stage] = getattr(model.net, "_compiled_call_impl", None) is not None
 
     if dist.get_rank() == 0:
         (out / "report.json").write_text(json.dumps(report, indent=1))
