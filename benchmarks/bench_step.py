@@ -42,6 +42,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+import step_compile
 from gpt import GPT, GPTConfig
 from gpt_workload import MICRO, MODELS
 from gpt_workload import batches as make_batches
@@ -71,6 +72,8 @@ class Result:
     comm_note: str = ""
     detail: str = ""  # DeepSpeed: the optimizer wrapper and the optimizer inside it
     error: str = ""
+    compiled: bool = False  # --compile: the model compiled with torch.compile (inductor)
+    first_step: float = 0.0  # seconds of the first (untimed) step: with torch.compile, mostly the compile
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -101,7 +104,9 @@ def _time_steps(
     batches: list,
     warmup: int,
     on_timed_start: Callable[[], None] | None = None,
+    res: Result | None = None,
 ) -> list[float]:
+    """The timed steps' seconds (after `warmup` untimed ones); the first step's go to res.first_step."""
     times = []
     for i, (x, y) in enumerate(batches):
         if i == warmup and on_timed_start is not None:
@@ -109,6 +114,8 @@ def _time_steps(
         comm.barrier()  # every variant's step starts together on all ranks
         t0 = time.perf_counter()
         step(x, y)
+        if i == 0 and res is not None:
+            res.first_step = time.perf_counter() - t0
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
@@ -196,6 +203,8 @@ def run_engine(
     if reuse is not None:
         conf["zero_optimization"]["stage3_max_reuse_distance"] = reuse
     eng, _, _, _ = engine.initialize(model=model, config=conf)
+    if res.compiled:
+        eng.compile(backend="inductor")
     try:
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -203,7 +212,7 @@ def run_engine(
             eng.step()
 
         before: dict[str, int] = {}
-        res.times = _time_steps(step, batches, warmup, lambda: before.update(_comm_snapshot()))
+        res.times = _time_steps(step, batches, warmup, lambda: before.update(_comm_snapshot()), res)
         after = _comm_snapshot()
         steps = max(len(res.times), 1)
         res.comm_per_step = {
@@ -228,13 +237,15 @@ def run_deepspeed(
     eng, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
     inner = getattr(opt, "optimizer", opt)
     res.detail = type(opt).__name__ + (f"({type(inner).__module__}.{type(inner).__name__})" if inner is not opt else "")
+    if res.compiled:
+        eng.compile(backend="inductor")
     try:
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             eng.backward(eng(x, y))
             eng.step()
 
-        res.times = _time_steps(step, batches, warmup)
+        res.times = _time_steps(step, batches, warmup, res=res)
         res.comm_note = "not counted"
     finally:
         eng.destroy()
@@ -266,6 +277,8 @@ def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
         else MixedPrecisionPolicy()
     )
     for block in model.blocks:
+        if res.compiled:  # FSDP2's recipe (torchtitan's): each block compiled, then sharded
+            block.compile(backend="inductor")
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     params = list(model.parameters())
@@ -281,7 +294,7 @@ def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
             grad_bytes[0] = sum(nbytes(p.grad) for p in params if p.grad is not None)
         opt.zero_grad()
 
-    res.times = _time_steps(step, batches, warmup)
+    res.times = _time_steps(step, batches, warmup, res=res)
     # The local shards (fp32; in bf16 also the master: the bf16 copies exist only while gathered, as
     # FSDP2's all-gather output) and the optimizer state on them; FSDP2's communication buffers are
     # transient and not measured (buckets n/a).
@@ -647,6 +660,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="collective timeout (s): a hang becomes an error")
     parser.add_argument("--fail-fast", action="store_true", help="re-raise a variant's exception instead of going on")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="eager against torch.compile (inductor): the engine's stages 0-3, FSDP2 and DeepSpeed's stages, each "
+        "both ways (benchmarks/step_compile.py); writes step_compile_<model>.md",
+    )
+    parser.add_argument(
         "--variants",
         default="",
         help="comma-separated filters: run only the variants whose name has, for every word of "
@@ -707,6 +726,12 @@ def main() -> None:
                         ),
                     )
                 )
+    if args.compile:
+        from torch._inductor import config as inductor_config
+
+        # Every system's first step pays its whole compile: no graph or kernel from an earlier variant (or run).
+        inductor_config.force_disable_caches = True
+        plan = _compile_plan(args, cfg, batches, has_ds)
     filters = [f.lower().split() for f in args.variants.split(",") if f.strip()]
     if filters:
 
@@ -722,9 +747,79 @@ def main() -> None:
         _run_variant(res, lambda: fn(res), args.fail_fast, can_reset_hwm)  # noqa: B023 - called right away
         results.append(res)
     if comm.get_rank() == 0:
-        _write_results(args, cfg, results, notes)
+        if args.compile:
+            _write_compile_results(args, cfg, results, notes)
+        else:
+            _write_results(args, cfg, results, notes)
     comm.barrier()
     comm.destroy_process_group()
+
+
+def _compile_plan(
+    args: argparse.Namespace, cfg: GPTConfig, batches: list, has_ds: bool
+) -> list[tuple[Result, Callable[[Result], None]]]:
+    """--compile: each system eager and compiled, side by side; bf16 only where the CPU computes it natively."""
+    precisions = ("fp32", "bf16") if step_compile.cpu_has_bf16() else ("fp32",)
+    plan: list[tuple[Result, Callable[[Result], None]]] = []
+    two_blocks = 2 * _block_numel(cfg)
+    for prec in precisions:
+        for compiled in (False, True):
+            tail = f"{prec} compiled" if compiled else prec
+            for stage in (0, 1, 2, 3):
+                prefetch, reuse = (two_blocks, 0) if stage == 3 else (None, None)
+                plan.append(
+                    (
+                        Result(f"engine stage {stage} {tail}", prec, "engine", compiled=compiled),
+                        lambda r, s=stage, pf=prefetch, ru=reuse: run_engine(
+                            r, cfg, batches, args.warmup, s, args.bucket, pf, ru
+                        ),
+                    )
+                )
+            plan.append(
+                (
+                    Result(f"PyTorch FSDP2 {tail}", prec, "fsdp", compiled=compiled),
+                    lambda r: run_fsdp(r, cfg, batches, args.warmup),
+                )
+            )
+            if has_ds:
+                for stage in (0, 1, 2, 3):
+                    plan.append(
+                        (
+                            Result(f"DeepSpeed stage {stage} {tail}", prec, "deepspeed", compiled=compiled),
+                            lambda r, s=stage: run_deepspeed(
+                                r, cfg, batches, args.warmup, s, args.bucket, PREFETCH if s == 3 else None
+                            ),
+                        )
+                    )
+    return plan
+
+
+def _write_compile_results(args: argparse.Namespace, cfg: GPTConfig, results: list[Result], notes: list[str]) -> None:
+    out_dir = os.path.join(ROOT, "benchmarks", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    header = [
+        (
+            f"# Eager and compiled step (torch.compile, inductor), model {args.model} ({n_params / 1e6:.1f}M params), "
+            f"{comm.get_world_size()} ranks, {torch.get_num_threads()} thread(s) per rank, gloo, CPU"
+        ),
+        "",
+        (
+            f"Generated by `zrun --nproc_per_node {comm.get_world_size()} benchmarks/bench_step.py --model "
+            f"{args.model} --compile --steps {args.steps} --warmup {args.warmup}`. Every variant trains the same GPT "
+            "on the same batches (AdamW, clipping 1.0), one after another in the same processes. Engine stage 3 "
+            "re-gathers each block for its backward with two blocks of prefetch (as the step table's stage 3 row); "
+            f"DeepSpeed's stage 3 uses its defaults (prefetch {PREFETCH:.0e} elements). DeepSpeed "
+            f"{args.ds_version or 'not run'}."
+        ),
+        *[f"- {n}" for n in notes],
+    ]
+    failed = [f"- {r.name}: {r.error}" for r in results if r.error]
+    if failed:
+        header += ["", "Failed variants:", "", *failed]
+    step_compile.write(
+        args, results, header, machine_facts(str(ROOT), args.load_before, comm.get_world_size()), out_dir
+    )
 
 
 def _gather(value: Any) -> list[Any]:
