@@ -25,6 +25,7 @@ this package (`pip install -e .`), with DS_ACCELERATOR=cpu (set here when unset)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -32,7 +33,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,7 @@ LR = 1e-4
 CLIP = 1.0
 MIB = 2**20
 PREFETCH = 50_000_000  # stage3_prefetch_bucket_size (elements) of the stage 3 rows with prefetch: the default
+Step = Callable[[torch.Tensor, torch.Tensor], None]
 OP_ABBREV = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag", "broadcast": "bc"}
 
 
@@ -186,18 +188,19 @@ def _engine_config(stage: int, precision: str, bucket: int, prefetch: int | None
     return conf
 
 
-def run_engine(
+@contextlib.contextmanager
+def engine_session(
     res: Result,
     cfg: GPTConfig,
-    batches: list,
-    warmup: int,
     stage: int,
     bucket: int,
     prefetch: int | None = None,
     reuse: int | None = None,
-) -> None:
-    """reuse: stage 3's stage3_max_reuse_distance (0: every block gathered again for its backward, as
-    FSDP2's reshard_after_forward; None: the default 1e9, each unit gathered once per step here)."""
+) -> Iterator[Step]:
+    """The engine built (compiled with res.compiled), its step yielded, its memory report read and the
+    engine destroyed after. reuse: stage 3's stage3_max_reuse_distance (0: every block gathered again for
+    its backward, as FSDP2's reshard_after_forward; None: the default 1e9, each unit gathered once per
+    step here)."""
     model = _model(cfg)
     conf = _engine_config(stage, res.precision, bucket, prefetch)
     if reuse is not None:
@@ -211,6 +214,23 @@ def run_engine(
             eng.backward(eng(x, y))
             eng.step()
 
+        yield step
+        res.memory = [dict(eng.memory_report())]
+    finally:
+        eng.destroy()
+
+
+def run_engine(
+    res: Result,
+    cfg: GPTConfig,
+    batches: list,
+    warmup: int,
+    stage: int,
+    bucket: int,
+    prefetch: int | None = None,
+    reuse: int | None = None,
+) -> None:
+    with engine_session(res, cfg, stage, bucket, prefetch, reuse) as step:
         before: dict[str, int] = {}
         res.times = _time_steps(step, batches, warmup, lambda: before.update(_comm_snapshot()), res)
         after = _comm_snapshot()
@@ -218,14 +238,12 @@ def run_engine(
         res.comm_per_step = {
             op: (after[op] - before.get(op, 0)) / steps for op in after if after[op] != before.get(op, 0)
         }
-        res.memory = [dict(eng.memory_report())]
-    finally:
-        eng.destroy()
 
 
-def run_deepspeed(
-    res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int, prefetch: int | None = None
-) -> None:
+@contextlib.contextmanager
+def deepspeed_session(
+    res: Result, cfg: GPTConfig, stage: int, bucket: int, prefetch: int | None = None
+) -> Iterator[Step]:
     import deepspeed
 
     # The engine's config as it is (AdamW lr 1e-4, clipping 1.0, the same zero_optimization knobs, bf16);
@@ -245,13 +263,21 @@ def run_deepspeed(
             eng.backward(eng(x, y))
             eng.step()
 
-        res.times = _time_steps(step, batches, warmup, res=res)
+        yield step
         res.comm_note = "not counted"
     finally:
         eng.destroy()
 
 
-def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
+def run_deepspeed(
+    res: Result, cfg: GPTConfig, batches: list, warmup: int, stage: int, bucket: int, prefetch: int | None = None
+) -> None:
+    with deepspeed_session(res, cfg, stage, bucket, prefetch) as step:
+        res.times = _time_steps(step, batches, warmup, res=res)
+
+
+@contextlib.contextmanager
+def fsdp_session(res: Result, cfg: GPTConfig, batches: list) -> Iterator[Step]:
     """PyTorch FSDP2: fully_shard on each block, then on the root (which keeps the embeddings, the final
     norm and the head, as the engine's root unit), on a 1-D CPU mesh over the default (gloo) group.
     fp32: no mixed precision. bf16: the fp32 model with MixedPrecisionPolicy(param_dtype=bf16,
@@ -294,7 +320,7 @@ def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
             grad_bytes[0] = sum(nbytes(p.grad) for p in params if p.grad is not None)
         opt.zero_grad()
 
-    res.times = _time_steps(step, batches, warmup, res=res)
+    yield step
     # The local shards (fp32; in bf16 also the master: the bf16 copies exist only while gathered, as
     # FSDP2's all-gather output) and the optimizer state on them; FSDP2's communication buffers are
     # transient and not measured (buckets n/a).
@@ -305,6 +331,39 @@ def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
         {"params": sum(nbytes(p) for p in params), "master": 0, "gradients": grad_bytes[0], "optimizer_state": state}
     ]
     res.comm_note = "not counted"
+
+
+def run_fsdp(res: Result, cfg: GPTConfig, batches: list, warmup: int) -> None:
+    with fsdp_session(res, cfg, batches) as step:
+        res.times = _time_steps(step, batches, warmup, res=res)
+
+
+def run_pair(
+    eager: Result,
+    compiled: Result,
+    session: Callable[[Result], contextlib.AbstractContextManager[Step]],
+    batches: list,
+    warmup: int,
+) -> None:
+    """--compile: the eager and the compiled variant alive together, their steps interleaved (which goes
+    first alternates), so that both meet the machine in the same state: on a shared VM the speed drifts
+    by tens of percent over minutes, which separate runs would put into the ratio."""
+    try:
+        with session(eager) as eager_step, session(compiled) as compiled_step:
+            for i, (x, y) in enumerate(batches):
+                order = [(eager, eager_step), (compiled, compiled_step)]
+                for res, step in order if i % 2 == 0 else order[::-1]:
+                    comm.barrier()
+                    t0 = time.perf_counter()
+                    step(x, y)
+                    took = time.perf_counter() - t0
+                    if i == 0:
+                        res.first_step = took
+                    if i >= warmup:
+                        res.times.append(took)
+    except Exception as exc:
+        compiled.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -758,39 +817,37 @@ def main() -> None:
 def _compile_plan(
     args: argparse.Namespace, cfg: GPTConfig, batches: list, has_ds: bool
 ) -> list[tuple[Result, Callable[[Result], None]]]:
-    """--compile: each system eager and compiled, side by side; bf16 only where the CPU computes it natively."""
+    """--compile: each system eager and compiled, as interleaved pairs (run_pair); bf16 only where the CPU
+    computes it natively. The compiled Result of a pair is filled by its eager one's run."""
     precisions = ("fp32", "bf16") if step_compile.cpu_has_bf16() else ("fp32",)
-    plan: list[tuple[Result, Callable[[Result], None]]] = []
     two_blocks = 2 * _block_numel(cfg)
-    for prec in precisions:
-        for compiled in (False, True):
-            tail = f"{prec} compiled" if compiled else prec
-            for stage in (0, 1, 2, 3):
-                prefetch, reuse = (two_blocks, 0) if stage == 3 else (None, None)
-                plan.append(
-                    (
-                        Result(f"engine stage {stage} {tail}", prec, "engine", compiled=compiled),
-                        lambda r, s=stage, pf=prefetch, ru=reuse: run_engine(
-                            r, cfg, batches, args.warmup, s, args.bucket, pf, ru
-                        ),
-                    )
-                )
-            plan.append(
+    sessions: list[tuple[str, str, Callable[[Result], Any]]] = []
+    for stage in (0, 1, 2, 3):
+        prefetch, reuse = (two_blocks, 0) if stage == 3 else (None, None)
+        sessions.append(
+            (
+                f"engine stage {stage}",
+                "engine",
+                lambda r, s=stage, pf=prefetch, ru=reuse: engine_session(r, cfg, s, args.bucket, pf, ru),
+            )
+        )
+    sessions.append(("PyTorch FSDP2", "fsdp", lambda r: fsdp_session(r, cfg, batches)))
+    if has_ds:
+        for stage in (0, 1, 2, 3):
+            sessions.append(
                 (
-                    Result(f"PyTorch FSDP2 {tail}", prec, "fsdp", compiled=compiled),
-                    lambda r: run_fsdp(r, cfg, batches, args.warmup),
+                    f"DeepSpeed stage {stage}",
+                    "deepspeed",
+                    lambda r, s=stage: deepspeed_session(r, cfg, s, args.bucket, PREFETCH if s == 3 else None),
                 )
             )
-            if has_ds:
-                for stage in (0, 1, 2, 3):
-                    plan.append(
-                        (
-                            Result(f"DeepSpeed stage {stage} {tail}", prec, "deepspeed", compiled=compiled),
-                            lambda r, s=stage: run_deepspeed(
-                                r, cfg, batches, args.warmup, s, args.bucket, PREFETCH if s == 3 else None
-                            ),
-                        )
-                    )
+    plan: list[tuple[Result, Callable[[Result], None]]] = []
+    for prec in precisions:
+        for name, kind, session in sessions:
+            eager = Result(f"{name} {prec}", prec, kind)
+            compiled = Result(f"{name} {prec} compiled", prec, kind, compiled=True)
+            plan.append((eager, lambda r, c=compiled, ss=session: run_pair(r, c, ss, batches, args.warmup)))
+            plan.append((compiled, lambda r: None))
     return plan
 
 

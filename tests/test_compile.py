@@ -301,3 +301,22 @@ def test_checkpoints_of_a_compiled_engine_load_into_an_eager_one_and_back(tmp_pa
         _step(again, 20)
     finally:
         again.destroy()
+
+
+def test_compiled_autograd_trains_as_eager() -> None:
+    """compile(compiled_autograd_enabled=True): the backward is compiled too (Dynamo traces the autograd graph,
+    stage 3's gather-before-backward and gradient hooks included), one process, against the same steps eager."""
+    losses = {}
+    for mode in ("eager", "compiled_autograd"):
+        eng = _engine(3)
+        if mode != "eager":
+            eng.compile(backend="aot_eager", compiled_autograd_enabled=True)
+        try:
+            losses[mode] = [_step(eng, seed) for seed in range(2 * GAS)]
+            state = eng.consolidated_state_dict()
+        finally:
+            eng.destroy()
+        losses[mode + "_state"] = state
+    torch.testing.assert_close(losses["compiled_autograd"], losses["eager"], rtol=1e-5, atol=0)
+    for key, value in losses["eager_state"].items():
+        assert float((losses["compiled_autograd_state"][key] - value).norm() / value.norm()) <= 1e-5, key
