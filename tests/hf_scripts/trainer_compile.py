@@ -2,7 +2,10 @@
 on (Accelerate then calls `engine.compile(backend="inductor")`), beside the same run eager, for each
 config in turn in one process: a tiny Llama from its config, 4 steps, fp32.
 
-    zrun --nproc_per_node 2 tests/hf_scripts/trainer_compile.py ds0.json ds3.json [--regional ds3.json] --out r.json
+    zrun --nproc_per_node 2 tests/hf_scripts/trainer_compile.py ds0.json ds3.json:aot_eager [--regional ds3.json] --out r.json
+
+A config may name the torch.compile backend after a colon (TrainingArguments.torch_compile_backend; default
+inductor, the Trainer's).
 
 Rank 0 writes, per config and per mode ("eager", "compiled", and "regional" for --regional's config): the losses and gradient norms of every step,
 whether the engine was compiled, the graphs Dynamo compiled in the run by the end of its first step and by
@@ -42,7 +45,7 @@ def graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def train(out: Path, deepspeed: str, mode: str) -> dict[str, Any]:
+def train(out: Path, deepspeed: str, mode: str, backend: str) -> dict[str, Any]:
     """mode: "eager", "compiled" (engine.compile), or "regional" (Accelerate's regional compilation: each
     decoder layer's compile(), turned on as its users do, by ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION)."""
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -71,6 +74,7 @@ def train(out: Path, deepspeed: str, mode: str) -> dict[str, Any]:
         seed=7,
         deepspeed=deepspeed,
         torch_compile=mode != "eager",
+        torch_compile_backend=backend if mode != "eager" else None,
     )
     os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true" if mode == "regional" else "false"
     trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=[AfterFirstStep()])
@@ -99,9 +103,10 @@ def main() -> None:
     report: dict[str, dict[str, Any]] = {}
     runs = [(config, mode) for config in a.configs for mode in ("eager", "compiled")]
     runs += [(a.regional, "regional")] if a.regional else []
-    for config, mode in runs:
+    for spec, mode in runs:
+        config, _, backend = spec.partition(":")
         name = Path(config).stem
-        report.setdefault(name, {})[mode] = train(a.out.parent / f"{name}-{mode}", config, mode)
+        report.setdefault(name, {})[mode] = train(a.out.parent / f"{name}-{mode}", config, mode, backend or "inductor")
     if int(os.environ.get("RANK", "0")) == 0:
         a.out.write_text(json.dumps(report))
 
