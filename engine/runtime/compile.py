@@ -144,7 +144,8 @@ class CompileMixin:
             )
         self.module.compile(backend=resolved, **kwargs)
         self._compiled = {"backend": resolved, "kwargs": kwargs, "compiled_autograd": bool(compiled_autograd_enabled)}
-        logger.info("compiled the model with torch.compile(backend=%r, %s)", resolved, kwargs)
+        arguments = ", ".join(f"{k}={v!r}" for k, v in {"backend": resolved, **kwargs}.items())
+        logger.info("the model will be compiled at its first forward: torch.compile(%s)", arguments)
 
     @contextlib.contextmanager
     def _backward_compiled(self) -> Iterator[None]:
