@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,6 +105,9 @@ class CompileMixin:
     _window: TrainingWindow
     _compiled: dict[str, Any] | None = None
     """What compile() was given (backend, kwargs, compiled_autograd), or None: not compiled."""
+    _autograd_compiler: Callable[..., Any] | None = None
+    """compiled_autograd_enabled: the compiler every backward's autograd graph goes to, made once (one
+    compiler across backwards: compiled autograd's cache of graphs lives with it)."""
 
     def _live_stage(self) -> ZeroStage:
         raise NotImplementedError  # the Engine's: raises DestroyedEngineError after destroy()
@@ -144,17 +147,15 @@ class CompileMixin:
             )
         self.module.compile(backend=resolved, **kwargs)
         self._compiled = {"backend": resolved, "kwargs": kwargs, "compiled_autograd": bool(compiled_autograd_enabled)}
+        if compiled_autograd_enabled:
+            self._autograd_compiler = torch.compile(backend=resolved, **kwargs)
         arguments = ", ".join(f"{k}={v!r}" for k, v in {"backend": resolved, **kwargs}.items())
         logger.info("the model will be compiled at its first forward: torch.compile(%s)", arguments)
 
-    @contextlib.contextmanager
-    def _backward_compiled(self) -> Iterator[None]:
+    def _backward_compiled(self) -> contextlib.AbstractContextManager[Any]:
         """Around engine.backward's autograd call: compiled autograd, when compile() asked for it."""
-        if self._compiled is None or not self._compiled["compiled_autograd"]:
-            yield
-            return
+        if self._autograd_compiler is None:
+            return contextlib.nullcontext()
         from torch._dynamo import compiled_autograd
 
-        compiler = torch.compile(backend=self._compiled["backend"], **self._compiled["kwargs"])
-        with compiled_autograd._enable(compiler):
-            yield
+        return compiled_autograd._enable(self._autograd_compiler)
