@@ -4,6 +4,7 @@ values of the same keys beside them (engine/config/support.py says what each sta
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.config.support_entry import (
@@ -19,6 +20,10 @@ from engine.config.support_entry import (
     one_of,
 )
 from engine.config.support_entry import Status as S
+from engine.config.types import CompileConfig
+
+_COMPILE_KEYS_READ = frozenset(f.name for f in dataclasses.fields(CompileConfig))
+"""The compile section's keys read into CompileConfig; the others are DeepCompile's."""
 
 _NO_WRITER = "no writer for it in this engine yet; training is unaffected, the metrics are just not written there"
 
@@ -429,7 +434,7 @@ REFUSED_ENTRIES: tuple[Entry, ...] = (
         S.WARNED,
         When(
             "a DeepCompile option",
-            lambda v: isinstance(v, dict) and bool(set(v) - {"enabled", "disable", "backend", "kwargs", "deepcompile"}),
+            lambda v: isinstance(v, dict) and bool(set(v) - _COMPILE_KEYS_READ - {"deepcompile"}),
         ),
         "DeepCompile's options (free_activation, offload_activation, offload_opt_states, double_buffer, passes, ...) "
         "act only with deepcompile, which is not implemented",
