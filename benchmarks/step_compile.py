@@ -77,7 +77,7 @@ def table(results: list[Any]) -> tuple[list[str], list[str]]:
                 )
                 for peer in (f"DeepSpeed stage {stage} {prec} compiled", f"PyTorch FSDP2 {prec} compiled"):
                     other = _find(results, peer)
-                    if other is None or stage is None:
+                    if other is None:
                         continue
                     if peer.startswith("PyTorch") and stage != 3:
                         continue  # FSDP2 shards like stage 3: that is its peer
@@ -132,7 +132,6 @@ def _plot(args: Any, results: list[Any], out_dir: str) -> None:
         names = sorted(
             {r.name.removesuffix(" compiled").removesuffix(f" {prec}") for r in results if r.precision == prec}
         )
-        names = [n.replace(f" {prec}", "") for n in names]
         ordered = [n for n in names if n.startswith("engine")] + [n for n in names if not n.startswith("engine")]
         eager, compiled = [], []
         for n in ordered:

@@ -48,6 +48,18 @@ def plain(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict
     return run(env, tmp_path_factory.mktemp("plain"), 1, "--client", "accelerate,trainer,sft")
 
 
+def accelerate_config(path: Path, stage: int) -> Path:
+    """A config with values (no "auto": an Accelerate loop of one's own fills none)."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
 def assert_equal_runs(got: dict, want: dict) -> None:
     assert len(got["losses"]) == len(want["losses"]) == 4
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=0)
@@ -68,17 +80,7 @@ def test_trainer_with_sp2_equals_plain_trainer(env: dict[str, str], plain: dict,
 def test_accelerate_loop_with_sp2_equals_plain_loop(env: dict[str, str], plain: dict, tmp_path: Path) -> None:
     """Accelerator(parallelism_config=...) in a loop of one's own, at ZeRO-3: prepare registers the attention,
     builds the engine with the groups and cuts the loader; the loss is engine.sequence.sequence_parallel_loss."""
-    config = tmp_path / "ds.json"
-    config.write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": 2,
-                "gradient_accumulation_steps": 1,
-                "gradient_clipping": 1.0,
-                "zero_optimization": {"stage": 3},
-            }
-        )
-    )
+    config = accelerate_config(tmp_path / "ds.json", 3)
     got = run(env, tmp_path, 2, "--client", "accelerate", "--sp", "2", "--deepspeed", str(config))
     assert_equal_runs(got["accelerate"], plain["accelerate"])
 
@@ -101,16 +103,6 @@ def test_trainer_and_trl_at_sp2_dp2_equal_plain(env: dict[str, str], plain_of_4_
 
 
 def test_accelerate_loop_at_sp2_dp2_equals_plain(env: dict[str, str], plain_of_4_ranks: dict, tmp_path: Path) -> None:
-    config = tmp_path / "ds.json"
-    config.write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": 2,
-                "gradient_accumulation_steps": 1,
-                "gradient_clipping": 1.0,
-                "zero_optimization": {"stage": 2},
-            }
-        )
-    )
+    config = accelerate_config(tmp_path / "ds.json", 2)
     got = run(env, tmp_path, 4, "--client", "accelerate", "--sp", "2", "--sequential", "--deepspeed", str(config))
     assert_equal_runs(got["accelerate"], plain_of_4_ranks["accelerate"])
