@@ -7,7 +7,9 @@ trains plainly: the reference.
     zrun --nproc_per_node 2 tests/hf_scripts/ulysses_clients.py --client trainer --sp 2 --deepspeed ds.json --out r.json
 
 Rank 0 writes each client's losses and gradient norms of every step to --out. Several clients in one
-process (`--client accelerate,trainer,sft`) train in turn, the reference runs sharing one start-up.
+process (`--client accelerate,trainer,sft`) train in turn, sharing one start-up (a launch costs each rank
+seconds of imports). `--runs JSON` lists runs of their own instead, each a client and the options it
+changes (`[{"name": "trainer3", "client": "trainer", "deepspeed": "ds3.json"}, ...]`), reported by name.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def sampling(a: argparse.Namespace) -> dict[str, str]:
 def run_trainer(a: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import Trainer, TrainingArguments
 
-    args = training_args(TrainingArguments, a.out.parent / "trainer", a.deepspeed, a.sp, a.micro, **sampling(a))
+    args = training_args(TrainingArguments, a.out.parent / a.name, a.deepspeed, a.sp, a.micro, **sampling(a))
     trainer = Trainer(model=model(), args=args, train_dataset=Samples(a.order))
     trainer.train()
     return trainer.state.log_history
@@ -130,7 +132,7 @@ def run_sft(a: argparse.Namespace) -> list[dict[str, Any]]:
     # SFTConfig defaults to bf16=True (autocast, and bf16 "auto" in the DeepSpeed config): these runs are
     # fp32, as the Trainer's, so that the comparison measures sequence parallelism and not bf16's rounding
     # of two different shapes.
-    cfg = training_args(SFTConfig, a.out.parent / "sft", a.deepspeed, a.sp, a.micro, bf16=False, **sampling(a))
+    cfg = training_args(SFTConfig, a.out.parent / a.name, a.deepspeed, a.sp, a.micro, bf16=False, **sampling(a))
     cfg.max_length = LENGTH
     trainer = SFTTrainer(model=model(), args=cfg, train_dataset=data, processing_class=tok)
     trainer.train()
@@ -180,8 +182,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--client",
-        required=True,
-        help="trainer, sft or accelerate; several, comma-separated, run in turn (the references)",
+        default=None,
+        help="trainer, sft or accelerate; several, comma-separated, run in turn",
     )
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=MICRO)
@@ -197,20 +199,30 @@ def main() -> None:
     parser.add_argument(
         "--init_gloo", action="store_true", help="deepspeed.init_distributed('gloo') first (real DeepSpeed on CPU)"
     )
+    parser.add_argument("--runs", default=None, help="a JSON list of runs: name, client, and the options changed")
     a = parser.parse_args()
-    a.order = sequence_data_order(*map(int, a.order_of.split(","))) if a.order_of else None
-    a.sequential = a.sequential or a.order is not None
     if a.init_gloo:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    clients = {"trainer": run_trainer, "sft": run_sft, "accelerate": run_accelerate}
+    if a.runs is None and a.client is None:
+        parser.error("give --client or --runs")
+    runs = json.loads(a.runs) if a.runs else [{"name": c, "client": c} for c in a.client.split(",")]
     report = {}
-    for client in a.client.split(","):
-        steps = [h for h in clients[client](a) if "loss" in h]
-        report[client] = {"losses": [h["loss"] for h in steps], "norms": [h["grad_norm"] for h in steps]}
+    for run in runs:
+        options = argparse.Namespace(**{**vars(a), **{k.replace("-", "_"): v for k, v in run.items()}})
+        report[run["name"]] = train(options)
     if int(os.environ.get("RANK", "0")) == 0:
         a.out.write_text(json.dumps(report))
+
+
+def train(a: argparse.Namespace) -> dict[str, list[float]]:
+    """One run: its client's losses and gradient norms of every step."""
+    a.order = sequence_data_order(*map(int, a.order_of.split(","))) if a.order_of else None
+    a.sequential = a.sequential or a.order is not None
+    clients = {"trainer": run_trainer, "sft": run_sft, "accelerate": run_accelerate}
+    steps = [h for h in clients[a.client](a) if "loss" in h]
+    return {"losses": [h["loss"] for h in steps], "norms": [h["grad_norm"] for h in steps]}
 
 
 if __name__ == "__main__":
