@@ -3,12 +3,12 @@ and 3, driven as TRL's users drive DeepSpeed: tests/trl_scripts/trl_train.py wit
 and accelerate, the engine found through the `deepspeed` distribution built from compat/deepspeed, 2 ranks
 under zrun over gloo.
 
-One launch per configuration runs every trainer in turn (SFT, DPO with a reference model and with
-precompute_ref_log_probs, GRPO, RLOO and online DPO with TRL's defaults: at stage 3 ds3_gather_for_generation
-gathers every parameter for the whole generation and removes and re-adds the engine's stage-3 hooks through
-optimizer.parameter_offload; and at stage 3 GRPO with it off): plain
-DDP (no DeepSpeed), stage 2 and stage 3, from one tiny Llama (tied embeddings, a character tokenizer, both
-built in code and saved first; TRL loads the model by its folder, at stage 3 under zero.Init). Same global
+Two launches run every trainer in turn (SFT, DPO with a reference model and with precompute_ref_log_probs,
+GRPO, RLOO and online DPO with TRL's defaults: at stage 3 ds3_gather_for_generation gathers every parameter
+for the whole generation and removes and re-adds the engine's stage-3 hooks through
+optimizer.parameter_offload; and at stage 3 GRPO with it off): plain DDP (no DeepSpeed) in one, stage 2 then
+stage 3 in the other (a launch costs each rank seconds of imports), from one tiny Llama (tied embeddings, a
+character tokenizer, both built in code and saved first; TRL loads the model by its folder, at stage 3 under zero.Init). Same global
 batch (4 per rank), same seed, fp32: the ranks' gradients are averaged in another order than DDP's, so the
 losses agree to fp32 rounding (measured: SFT bit-equal, DPO within 6e-7); 1e-5 is the bound.
 
@@ -38,7 +38,7 @@ each with the key under which it logs the mean reward of its completions."""
 
 
 class Launch:
-    """One configuration's run: rank 0's report and the launch's stderr (the engine's warnings)."""
+    """One configuration's run: rank 0's report and its launch's stderr (the engine's warnings)."""
 
     def __init__(self, report: dict[str, Any], done: subprocess.CompletedProcess[str]) -> None:
         self.report = report
@@ -46,16 +46,18 @@ class Launch:
 
 
 def launch(
-    env: dict[str, str], model: Path, out: Path, trainers: str, config: Path | None = None, save_model: bool = False
-) -> Launch:
+    env: dict[str, str], model: Path, out: Path, runs: list[tuple[Path | None, str]], save_model: bool = False
+) -> list[Launch]:
+    """One launch training each (config, trainers) of `runs` in turn (no config: plain DDP); a Launch each."""
     out.mkdir(parents=True, exist_ok=True)
-    args = ["--model", str(model), "--out", str(out), "--trainers", trainers]
+    args = ["--model", str(model), "--out", str(out)]
     if save_model:  # rank 0 writes the model first (every later launch loads it)
         args += ["--save_init", str(model)]
-    if config is not None:
-        args += ["--deepspeed", str(config)]
-    done = run_script(SCRIPT, args, WORLD, env, out)
-    return Launch(json.loads((out / "report.json").read_text()), done)
+    for config, trainers in runs:
+        args += ["--trainers", trainers] + (["--deepspeed", str(config)] if config is not None else [])
+    done = run_script(SCRIPT, args, WORLD, env, out, timeout=480)
+    folders = [out] if len(runs) == 1 else [out / config.stem for config, _ in runs if config is not None]
+    return [Launch(json.loads((folder / "report.json").read_text()), done) for folder in folders]
 
 
 @pytest.fixture(scope="module")
@@ -72,21 +74,28 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def plain(env: dict[str, str], model: Path, tmp_path_factory: pytest.TempPathFactory) -> Launch:
     """Plain DDP; its first rank writes the model first (one launch fewer)."""
-    return launch(env, model, tmp_path_factory.mktemp("trl_plain"), TRAINERS, save_model=True)
-
-
-def zero_launch(stage: int, env: dict[str, str], model: Path, tmp: Path) -> Launch:
-    """HF-style config ("auto" everywhere, Trainer's own AdamW and schedule). At stage 3, also GRPO with
-    ds3_gather_for_generation=False (each layer gathered as generation runs)."""
-    config = write_config(tmp / "ds.json", stage)
-    trainers = TRAINERS + (",grpo_nogather" if stage == 3 else "")
-    return launch(env, model, tmp / "out", trainers, config)
+    return launch(env, model, tmp_path_factory.mktemp("trl_plain"), [(None, TRAINERS)], save_model=True)[0]
 
 
 @pytest.fixture(scope="module")
-def stage3(env: dict[str, str], model: Path, plain: Launch, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    del plain  # it writes the model this launch loads
-    return zero_launch(3, env, model, tmp_path_factory.mktemp("trl_zero3"))
+def zero(
+    env: dict[str, str], model: Path, plain: Launch, tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, Launch]:
+    """Stage 2, then stage 3, in one launch (after the plain one, which writes the model it loads). HF-style
+    configs ("auto" everywhere, Trainer's own AdamW and schedule). At stage 3, also GRPO with
+    ds3_gather_for_generation=False (each layer gathered as generation runs)."""
+    del plain
+    tmp = tmp_path_factory.mktemp("trl_zero")
+    runs = [
+        (write_config(tmp / "zero2.json", 2), TRAINERS),
+        (write_config(tmp / "zero3.json", 3), TRAINERS + ",grpo_nogather"),
+    ]
+    return dict(zip((2, 3), launch(env, model, tmp / "out", runs), strict=True))
+
+
+@pytest.fixture(scope="module")
+def stage3(zero: dict[int, Launch]) -> Launch:
+    return zero[3]
 
 
 def losses(run: dict[str, Any], key: str = "loss") -> list[float]:
@@ -134,11 +143,9 @@ def check_stage(run: Launch, plain: Launch, stage: int) -> None:
         assert (set(statuses) <= {"AVAILABLE", "NOT_AVAILABLE"} and statuses) if stage == 3 else not statuses
 
 
-def test_sft_dpo_grpo_at_zero_stage_2_equal_plain_ddp(
-    env: dict[str, str], model: Path, plain: Launch, tmp_path: Path
-) -> None:
+def test_sft_dpo_grpo_at_zero_stage_2_equal_plain_ddp(plain: Launch, zero: dict[int, Launch]) -> None:
     assert plain.report["sft"]["model"]["class"] == "DistributedDataParallel"  # really 2 ranks, not 2 copies
-    check_stage(zero_launch(2, env, model, tmp_path), plain, 2)
+    check_stage(zero[2], plain, 2)
 
 
 def test_sft_dpo_grpo_at_zero_stage_3_equal_plain_ddp(plain: Launch, stage3: Launch) -> None:

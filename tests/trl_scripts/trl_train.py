@@ -8,7 +8,10 @@ tiny model and tokenizer every run starts from (alone, or first in a launch that
     zrun --nproc_per_node 2 tests/trl_scripts/trl_train.py --model DIR --out OUT --deepspeed ds.json \
         --trainers sft,dpo,grpo,rloo,online_dpo,grpo_nogather
 
-Rank 0 writes OUT/report.json: for each trainer its log history, how its model and reference model were
+`--deepspeed` and `--trainers` may be given several times, paired in order: each config trains its trainers
+in turn in the same launch (a launch costs each rank seconds of imports), into OUT/<the config file's stem>.
+
+Rank 0 writes OUT/report.json (OUT/<stem>/report.json for each of several configs): for each trainer its log history, how its model and reference model were
 wrapped (engine class, ZeRO stage, elements held on rank 0) and the ds_status values TRL read. GRPO, RLOO
 and online DPO generate with TRL's defaults (ds3_gather_for_generation=True); grpo_nogather without it.
 """
@@ -242,11 +245,12 @@ def main() -> None:
     parser.add_argument("--save_init", type=Path)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--deepspeed", help="a DeepSpeed config file (absent: plain DDP)")
+    parser.add_argument("--deepspeed", action="append", help="a DeepSpeed config file (absent: plain DDP)")
     parser.add_argument(
         "--trainers",
-        default="sft,dpo",
-        help="of sft, dpo, dpo_precompute, grpo, rloo, online_dpo, and grpo_nogather (ds3_gather_for_generation off)",
+        action="append",
+        help="of sft, dpo, dpo_precompute, grpo, rloo, online_dpo, and grpo_nogather (ds3_gather_for_generation off);"
+        " sft,dpo if absent",
     )
     a = parser.parse_args()
     if a.save_init is not None and a.model is None:  # only write the model (one process)
@@ -260,21 +264,32 @@ def main() -> None:
             save_init(a.save_init)
         state.wait_for_everyone()
     record_lm_head_gathers()
+    configs, trainers = a.deepspeed or [None], a.trainers or ["sft,dpo"]
+    if len(configs) != len(trainers):
+        parser.error(f"--deepspeed given {len(configs)} times and --trainers {len(trainers)}: they go in pairs")
+    for config, names in zip(configs, trainers, strict=True):
+        out = a.out if len(configs) == 1 else a.out / Path(config).stem
+        report = train(str(a.model), out, config, names.split(","))
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.json").write_text(json.dumps(report, default=repr))
+
+
+def train(model: str, out: Path, deepspeed: str | None, names: list[str]) -> dict[str, Any]:
+    """Each named trainer in turn with one config; what each did, by name."""
     report: dict[str, Any] = {}
-    for name in a.trainers.split(","):
+    for name in names:
         if name in ("grpo", "rloo", "online_dpo", "grpo_nogather"):
             kind, gather = name.removesuffix("_nogather"), not name.endswith("_nogather")
-            report[name] = run_online(kind, str(a.model), a.out / name, a.deepspeed, gather)
+            report[name] = run_online(kind, model, out / name, deepspeed, gather)
             continue
         LM_HEAD_STATUSES.clear()
         if name == "dpo_precompute":
-            report[name] = run_dpo(str(a.model), a.out / name, a.deepspeed, precompute=True)
+            report[name] = run_dpo(model, out / name, deepspeed, precompute=True)
             continue
         run = {"sft": run_sft, "dpo": run_dpo}[name]
-        report[name] = run(str(a.model), a.out / name, a.deepspeed)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return
-    (a.out / "report.json").write_text(json.dumps(report, default=repr))
+        report[name] = run(model, out / name, deepspeed)
+    return report
 
 
 if __name__ == "__main__":
