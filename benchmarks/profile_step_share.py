@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples")]
 import torch
 from gpt import GPT
+from torch.profiler import ProfilerActivity, profile
 from gpt_workload import MODELS, batches
 
 import engine
@@ -32,8 +33,6 @@ data = batches(cfg, 6)
 for x, y in data[:3]:
     eng.backward(eng(x, y))
     eng.step()
-from torch.profiler import ProfilerActivity, profile
-
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     for x, y in data[3:]:
         eng.backward(eng(x, y))

@@ -247,7 +247,8 @@ def test_compile_section_compiles_at_initialize_and_a_second_call_does_nothing()
     try:
         assert not eng.is_compiled  # the section gives compile()'s defaults; compiling is asked for
         eng.compile()
-        assert eng._compiled == {"backend": "aot_eager", "kwargs": {"dynamic": False}, "compiled_autograd": False}
+        assert eng._compiled == {"backend": "aot_eager", "kwargs": {"dynamic": False}}
+        assert eng._autograd_compiler is None  # compiled_autograd_enabled: False, the section's default
     finally:
         eng.destroy()
 

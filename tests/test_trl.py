@@ -56,7 +56,7 @@ def launch(
     for config, trainers in runs:
         args += ["--trainers", trainers] + (["--deepspeed", str(config)] if config is not None else [])
     done = run_script(SCRIPT, args, WORLD, env, out, timeout=480)
-    folders = [out] if len(runs) == 1 else [out / config.stem for config, _ in runs if config is not None]
+    folders = [out] if len(runs) == 1 else [out / Path(str(config)).stem for config, _ in runs]
     return [Launch(json.loads((folder / "report.json").read_text()), done) for folder in folders]
 
 

@@ -104,7 +104,7 @@ class CompileMixin:
     engine_config: EngineConfig
     _window: TrainingWindow
     _compiled: dict[str, Any] | None = None
-    """What compile() was given (backend, kwargs, compiled_autograd), or None: not compiled."""
+    """What compile() was given (backend, kwargs), or None: not compiled."""
     _autograd_compiler: Callable[..., Any] | None = None
     """compiled_autograd_enabled: the compiler every backward's autograd graph goes to, made once (one
     compiler across backwards: compiled autograd's cache of graphs lives with it)."""
@@ -146,7 +146,7 @@ class CompileMixin:
                 'engine.initialize(), or set "compile": {"enabled": true} in the config'
             )
         self.module.compile(backend=resolved, **kwargs)
-        self._compiled = {"backend": resolved, "kwargs": kwargs, "compiled_autograd": bool(compiled_autograd_enabled)}
+        self._compiled = {"backend": resolved, "kwargs": kwargs}
         if compiled_autograd_enabled:
             self._autograd_compiler = torch.compile(backend=resolved, **kwargs)
         arguments = ", ".join(f"{k}={v!r}" for k, v in {"backend": resolved, **kwargs}.items())

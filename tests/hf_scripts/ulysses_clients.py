@@ -210,7 +210,7 @@ def main() -> None:
     runs = json.loads(a.runs) if a.runs else [{"name": c, "client": c} for c in a.client.split(",")]
     report = {}
     for run in runs:
-        options = argparse.Namespace(**{**vars(a), **{k.replace("-", "_"): v for k, v in run.items()}})
+        options = argparse.Namespace(**{**vars(a), **run})
         report[run["name"]] = train(options)
     if int(os.environ.get("RANK", "0")) == 0:
         a.out.write_text(json.dumps(report))
